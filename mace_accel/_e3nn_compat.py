@@ -1,0 +1,40 @@
+"""The one place that makes e3nn 0.4.4 importable under torch >= 2.6.
+
+e3nn 0.4.4 reads its Wigner constants at import with a bare ``torch.load``; torch >= 2.6 defaults
+to ``weights_only=True`` and rejects the ``slice`` objects in that file. Importing mace first
+works around it (mace sets an environment variable), but we must not depend on import order, so
+every module of ours that needs e3nn gets it through :func:`o3`, which allow-lists ``slice`` for
+the weights-only unpickler (a type with no code path, safe to allow) right before the first import.
+Nothing happens at import time of this module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+_READY = False
+
+
+def _allow_e3nn_constants() -> None:
+    global _READY
+    if _READY:
+        return
+    import torch
+
+    add_safe_globals = getattr(torch.serialization, "add_safe_globals", None)
+    if add_safe_globals is not None:  # torch >= 2.4; older torch has no weights-only default
+        add_safe_globals([slice])
+    _READY = True
+
+
+def o3() -> ModuleType:
+    """Return ``e3nn.o3``, importing it safely on any supported torch version."""
+    _allow_e3nn_constants()
+    return importlib.import_module("e3nn.o3")
+
+
+def import_mace() -> ModuleType:
+    """Import ``mace`` (which imports e3nn) after making e3nn's constants loadable."""
+    _allow_e3nn_constants()
+    return importlib.import_module("mace")

@@ -1,0 +1,89 @@
+"""The graph of one convolution call: edge_index plus the orderings the kernels walk.
+
+The deterministic kernels avoid float atomics by giving each output row to one thread block:
+the forward walks the edges of each *receiver* (CSR over receivers), the backward the edges of
+each *sender*. Both orderings come from a stable sort, built once per ``edge_index`` tensor and
+shared by all interaction layers of a model call (MACE passes the same tensor to each layer).
+All of it stays on the device and is asynchronous, so it works under CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Optional, Tuple
+
+import torch
+
+from .errors import InputError
+
+
+@dataclasses.dataclass
+class ConvGraph:
+    """Edges of one convolution.
+
+    Attributes:
+        sender, receiver: ``[E]`` int64 node indices (MACE's ``edge_index[0]``, ``edge_index[1]``).
+        n_nodes: number of nodes (rows of node_feats and of the output).
+    """
+
+    sender: torch.Tensor
+    receiver: torch.Tensor
+    n_nodes: int
+    _csr: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def n_edges(self) -> int:
+        return int(self.sender.shape[0])
+
+    def csr(self, by: str, index_dtype: torch.dtype = torch.int32) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(row_ptr [n_nodes+1], perm [E])`` grouping edges by ``"receiver"`` or ``"sender"``.
+
+        ``perm[row_ptr[n]:row_ptr[n+1]]`` are the edges of node ``n`` in their original order.
+        """
+        key = (by, index_dtype)
+        if key not in self._csr:
+            idx = self.receiver if by == "receiver" else self.sender
+            perm = torch.sort(idx, stable=True).indices
+            counts = torch.zeros(self.n_nodes + 1, dtype=torch.int64, device=idx.device)
+            counts.index_add_(0, idx + 1, torch.ones_like(idx))
+            row_ptr = torch.cumsum(counts, 0)
+            self._csr[key] = (row_ptr.to(index_dtype), perm.to(index_dtype))
+        return self._csr[key]
+
+
+_LAST: Optional[Tuple[weakref.ref, int, int, ConvGraph]] = None
+
+
+def graph_from_edge_index(edge_index: torch.Tensor, n_nodes: int,
+                          check_ranges: bool = False) -> ConvGraph:
+    """Build (or reuse) the :class:`ConvGraph` of ``edge_index [2, E]``.
+
+    The last graph is reused while the same, unmodified ``edge_index`` tensor comes back with the
+    same node count, which is the case for every layer of one model call.
+
+    Args:
+        check_ranges: verify every index is in ``[0, n_nodes)`` (synchronises with the device).
+
+    Raises:
+        InputError: wrong shape or dtype, or (with ``check_ranges``) an index out of range.
+    """
+    global _LAST
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise InputError(f"edge_index must have shape [2, n_edges], got {tuple(edge_index.shape)}")
+    if edge_index.dtype not in (torch.int32, torch.int64):
+        raise InputError(f"edge_index must be int32 or int64, got {edge_index.dtype}")
+    if _LAST is not None:
+        ref, version, nodes, graph = _LAST
+        if ref() is edge_index and version == edge_index._version and nodes == n_nodes:
+            return graph
+    if check_ranges and edge_index.numel() > 0:
+        lo, hi = int(edge_index.min()), int(edge_index.max())
+        if lo < 0 or hi >= n_nodes:
+            raise InputError(
+                f"edge_index holds node indices in [{lo}, {hi}] but there are only {n_nodes} nodes"
+            )
+    ei = edge_index.to(torch.int64)
+    graph = ConvGraph(sender=ei[0].contiguous(), receiver=ei[1].contiguous(), n_nodes=int(n_nodes))
+    _LAST = (weakref.ref(edge_index), edge_index._version, int(n_nodes), graph)
+    return graph

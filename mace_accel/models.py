@@ -1,0 +1,116 @@
+"""MACE models with random weights: the foundation-model architectures, and small test models.
+
+Weights are random (seeded), architectures are those of the released models, so speed and
+kernel coverage match the real thing without downloading anything. Models are built in torch's
+current default dtype and then cast, so the global default dtype is never changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+
+# 89 elements of MACE-MP-0 (H..Pu without the noble-gas gaps of MPtrj's table are all included)
+MP_ELEMENTS = tuple(list(range(1, 84)) + list(range(89, 95)))
+OFF_ELEMENTS = (1, 6, 7, 8, 9, 15, 16, 17, 35, 53)
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """Hyper-parameters of one MACE architecture (what ``mace_run_train`` would be given)."""
+
+    hidden_irreps: str
+    r_max: float
+    elements: Sequence[int]
+    max_ell: int = 3
+    correlation: int = 3
+    num_interactions: int = 2
+    num_bessel: int = 10
+    num_polynomial_cutoff: int = 5
+    radial_mlp: Sequence[int] = (64, 64, 64)
+    mlp_irreps: str = "16x0e"
+    interaction: str = "RealAgnosticResidualInteractionBlock"
+    interaction_first: str = "RealAgnosticResidualInteractionBlock"
+    avg_num_neighbors: float = 60.0
+    heads: Sequence[str] = ("Default",)
+
+
+ARCHITECTURES = {
+    "mp-small": Architecture("128x0e", 6.0, MP_ELEMENTS),
+    "mp-medium": Architecture("128x0e+128x1o", 6.0, MP_ELEMENTS),
+    "mp-large": Architecture("128x0e+128x1o+128x2e", 6.0, MP_ELEMENTS),
+    "off-small": Architecture("96x0e", 5.0, OFF_ELEMENTS, avg_num_neighbors=25.0,
+                              interaction_first="RealAgnosticInteractionBlock"),
+    "off-medium": Architecture("128x0e+128x1o", 5.0, OFF_ELEMENTS, avg_num_neighbors=25.0,
+                               interaction_first="RealAgnosticInteractionBlock"),
+    "off-large": Architecture("192x0e+192x1o+192x2e", 5.0, OFF_ELEMENTS, avg_num_neighbors=25.0,
+                              interaction_first="RealAgnosticInteractionBlock"),
+}
+
+
+def build_model(arch: Architecture, dtype: torch.dtype = torch.float64, seed: int = 0,
+                device: str | torch.device = "cpu", scale_shift: bool = True) -> torch.nn.Module:
+    """A ``ScaleShiftMACE`` (or plain ``MACE``) of ``arch`` with random weights.
+
+    Random weights are scaled up from MACE's near-identity initialisation so every path
+    (including the radial MLP and the higher-L channels) carries signal in tests.
+    """
+    from ._e3nn_compat import import_mace, o3
+
+    import_mace()
+    from mace import modules
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    n_el = len(arch.elements)
+    kwargs = dict(
+        r_max=float(arch.r_max), num_bessel=arch.num_bessel,
+        num_polynomial_cutoff=arch.num_polynomial_cutoff, max_ell=arch.max_ell,
+        interaction_cls=modules.interaction_classes[arch.interaction],
+        interaction_cls_first=modules.interaction_classes[arch.interaction_first],
+        num_interactions=arch.num_interactions, num_elements=n_el,
+        hidden_irreps=o3().Irreps(arch.hidden_irreps), MLP_irreps=o3().Irreps(arch.mlp_irreps),
+        atomic_energies=rng.normal(-2.0, 0.5, size=(len(arch.heads), n_el)) if len(arch.heads) > 1
+        else rng.normal(-2.0, 0.5, size=n_el),
+        avg_num_neighbors=arch.avg_num_neighbors, atomic_numbers=list(arch.elements),
+        correlation=arch.correlation, gate=torch.nn.functional.silu,
+        radial_MLP=list(arch.radial_mlp), heads=list(arch.heads),
+    )
+    if scale_shift:
+        model = modules.ScaleShiftMACE(atomic_inter_scale=1.0, atomic_inter_shift=0.0, **kwargs)
+    else:
+        model = modules.MACE(**kwargs)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def build_architecture(name: str, dtype: torch.dtype = torch.float64, seed: int = 0,
+                       device: str | torch.device = "cpu") -> torch.nn.Module:
+    """One of :data:`ARCHITECTURES` (``mp-small|medium|large``, ``off-small|medium|large``)."""
+    if name not in ARCHITECTURES:
+        raise ConfigError(f"unknown architecture {name!r}; choose one of {sorted(ARCHITECTURES)}")
+    return build_model(ARCHITECTURES[name], dtype=dtype, seed=seed, device=device)
+
+
+def default_model_path() -> Path:
+    """Path of the small model bundled with the package (see scripts/train_default_model.py)."""
+    return Path(__file__).resolve().parent / "data" / "cu_ni_emt.model"
+
+
+def small_test_model(interaction: str, hidden_irreps: str = "8x0e+8x1o",
+                     heads: Sequence[str] = ("Default",), dtype: torch.dtype = torch.float64,
+                     elements: Sequence[int] = (1, 6, 8, 29), max_ell: int = 2,
+                     correlation: int = 2, seed: int = 0,
+                     interaction_first: Optional[str] = None) -> torch.nn.Module:
+    """A tiny model of one interaction-block class, for CPU tests."""
+    arch = Architecture(hidden_irreps=hidden_irreps, r_max=4.0, elements=tuple(elements),
+                        max_ell=max_ell, correlation=correlation, num_bessel=4,
+                        radial_mlp=(16, 16), mlp_irreps="4x0e", interaction=interaction,
+                        interaction_first=interaction_first or interaction,
+                        avg_num_neighbors=8.0, heads=tuple(heads))
+    return build_model(arch, dtype=dtype, seed=seed)
