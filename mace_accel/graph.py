@@ -36,6 +36,13 @@ class ConvGraph:
     def n_edges(self) -> int:
         return int(self.sender.shape[0])
 
+    def index32(self, which: str) -> torch.Tensor:
+        """``sender`` or ``receiver`` as int32 (what the kernels index with), cached."""
+        key = ("index32", which)
+        if key not in self._csr:
+            self._csr[key] = getattr(self, which).to(torch.int32)
+        return self._csr[key]
+
     def csr(self, by: str, index_dtype: torch.dtype = torch.int32) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(row_ptr [n_nodes+1], perm [E])`` grouping edges by ``"receiver"`` or ``"sender"``.
 

@@ -1,0 +1,184 @@
+"""``mace-accel bench``: the side-by-side benchmark of e3nn, cuEquivariance, OpenEquivariance
+and mace-accel on the same batches, in one process.
+
+The main CLI registers it with :func:`add_bench_parser`; ``python -m mace_accel.bench`` runs
+:func:`main`. Both end in :func:`run_from_args`, which returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from ..errors import MaceAccelError
+from .backends import BACKENDS, resolve_model_source
+from .runner import DTYPES, BenchConfig, run_bench
+from .systems import SYSTEM_KINDS
+
+DESCRIPTION = """\
+Time energy + forces of MACE models with each backend side by side on the same batch (CUDA
+events, warm-up, median of many calls), check each backend's forces against e3nn, and write
+bench.json, bench_table.txt and bench_times.png under --out. Backends that are not installed,
+unavailable, failed or out of memory are reported as such, never dropped."""
+
+EXAMPLES = """\
+examples:
+  mace-accel bench --models mp-medium,mp-large --dtypes float32,float64
+  mace-accel bench --models my.model --sizes 512,4096 --backends e3nn,mace-accel --profile
+  mace-accel bench --models mp-medium --max-size --backends cueq,mace-accel
+  mace-accel bench --models off-medium --md --md-sizes 1000
+  mace-accel bench --device cpu --allow-reference --models mp-small --sizes 32 --repeats 3"""
+
+
+def _csv(item: Callable[[str], object], what: str) -> Callable[[str], List]:
+    def parse(text: str) -> List:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{what}: give a comma-separated list")
+        try:
+            return [item(t) for t in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: could not read {text!r}") from None
+    return parse
+
+
+def _choices(allowed: Sequence[str], what: str) -> Callable[[str], List[str]]:
+    def parse(text: str) -> List[str]:
+        items = _csv(str, what)(text)
+        bad = [i for i in items if i not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"{what}: unknown {', '.join(bad)}; choose from {','.join(allowed)}")
+        return items
+    return parse
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``bench`` (shared by the subcommand and ``python -m``)."""
+    what = parser.add_argument_group("what to run")
+    what.add_argument("--models", type=_csv(str, "--models"), default=["mp-medium"],
+                      help="comma-separated architectures (mp-small, mp-medium, mp-large, "
+                           "off-small, off-medium, off-large: random weights) or model files "
+                           "(default: mp-medium)")
+    what.add_argument("--dtypes", type=_choices(tuple(DTYPES), "--dtypes"),
+                      default=["float32", "float64"], help="default: float32,float64")
+    what.add_argument("--sizes", type=_csv(int, "--sizes"), default=[256, 2048, 6912],
+                      help="atom counts; fcc systems round to 4n^3 (default: 256,2048,6912)")
+    what.add_argument("--backends", type=_choices(BACKENDS, "--backends"),
+                      default=list(BACKENDS), help=f"default: {','.join(BACKENDS)}")
+    what.add_argument("--system", choices=SYSTEM_KINDS, default="auto",
+                      help="fcc Cu/Ni supercell, molecular H/C/N/O box, or auto by the "
+                           "model's elements (default: auto)")
+    what.add_argument("--stress", action="store_true", help="also compute the stress")
+    what.add_argument("--device", default=None,
+                      help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    what.add_argument("--allow-reference", action="store_true",
+                      help="where mace-accel's CUDA backend cannot run, time its plain-torch "
+                           "reference backend as 'mace-accel(reference)' instead of reporting "
+                           "it unavailable")
+    what.add_argument("--seed", type=int, default=0, help="structure seed (default: 0)")
+    how = parser.add_argument_group("timing")
+    how.add_argument("--warmup", type=int, default=5, help="untimed calls (default: 5)")
+    how.add_argument("--repeats", type=int, default=20, help="timed calls (default: 20)")
+    how.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                     help="stop starting new measurements after this long; the rest are "
+                          "recorded as skipped (default: none)")
+    more = parser.add_argument_group("extra modes")
+    more.add_argument("--profile", action="store_true",
+                      help="also break one call of each case into radial MLP, conv TP, "
+                           "linears, symmetric contraction, other (torch.profiler)")
+    more.add_argument("--max-size", action="store_true",
+                      help="find the largest fcc/molecular system that fits in GPU memory per "
+                           "model/dtype/backend (bisection over supercell size n)")
+    more.add_argument("--max-size-cells", type=int, default=48, metavar="N",
+                      help="upper bound of the search: n cells per side, 4n^3 atoms "
+                           "(default: 48)")
+    more.add_argument("--max-size-time-limit", type=float, default=120.0, metavar="SECONDS",
+                      help="time limit of each search (default: 120)")
+    more.add_argument("--md", action="store_true",
+                      help="also measure MD throughput with the ASE calculators")
+    more.add_argument("--md-sizes", type=_csv(int, "--md-sizes"), default=[256],
+                      help="atom counts for --md (default: 256)")
+    more.add_argument("--md-steps", type=int, default=20, help="timed MD steps (default: 20)")
+    more.add_argument("--md-warmup", type=int, default=5, help="untimed MD steps (default: 5)")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"),
+                        help="output folder (default: ./bench_out)")
+    parser.add_argument("--summarize", type=Path, default=None, metavar="JSON",
+                        help="print the tables of an earlier run's bench.json and exit")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """Validate the parsed options (raises :class:`~mace_accel.errors.ConfigError` with the fix)."""
+    return BenchConfig(
+        models=args.models, dtypes=args.dtypes, sizes=args.sizes, backends=args.backends,
+        device=args.device or _default_device(), warmup=args.warmup, repeats=args.repeats,
+        compute_stress=args.stress, allow_reference=args.allow_reference, system=args.system,
+        seed=args.seed, time_limit_s=args.time_limit, max_size=args.max_size,
+        max_size_cells=args.max_size_cells, max_size_time_limit_s=args.max_size_time_limit,
+        md=args.md, md_sizes=args.md_sizes, md_steps=args.md_steps, md_warmup=args.md_warmup,
+        profile=args.profile)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the benchmark; 0 on success, 1 if a backend failed, 2 for invalid options."""
+    from .report import (JSON_NAME, environment, load_json, render_summary, write_json,
+                         write_outputs)
+
+    if args.summarize is not None:
+        try:
+            print(render_summary(load_json(args.summarize)))
+        except MaceAccelError as exc:
+            print(f"mace-accel bench: error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    try:
+        config = config_from_args(args)
+        sources = [resolve_model_source(spec) for spec in config.models]
+    except MaceAccelError as exc:
+        print(f"mace-accel bench: error: {exc}", file=sys.stderr)
+        return 2
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    if torch.device(config.device).type == "cpu":
+        print("note: timing on the CPU with time.perf_counter (no CUDA device); mace-accel's "
+              "CUDA backend is reported unavailable"
+              + ("" if config.allow_reference else " (--allow-reference times its reference "
+                                                   "backend instead)"))
+    result = run_bench(config, sources, log=lambda line: print(line, flush=True),
+                       on_update=lambda r: write_json(r, out / JSON_NAME),
+                       environment=environment(config.device))
+    for message in write_outputs(result, out):
+        print(message)
+    print()
+    print(render_summary(result))
+    failed = [r for r in list(result.records) + list(result.md)
+              if r.status.startswith("failed")]
+    return 1 if failed else 0
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``bench`` on the main CLI's subparsers; sets ``func=run_from_args``."""
+    parser = subparsers.add_parser(
+        "bench", help="side-by-side benchmark of e3nn, cueq, oeq and mace-accel",
+        description=DESCRIPTION, epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=run_from_args)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m mace_accel.bench [options]``."""
+    parser = argparse.ArgumentParser(prog="python -m mace_accel.bench", description=DESCRIPTION,
+                                     epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))

@@ -1,0 +1,99 @@
+"""The largest system that fits in device memory: growth then bisection over supercell size n.
+
+The search is independent of models: it calls ``try_size(n)``, which raises an out-of-memory
+error (see :func:`mace_accel.bench.timing.is_out_of_memory`) when size ``n`` does not fit. Any
+other exception is a real failure and propagates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, List, Optional
+
+from .timing import Deadline, is_out_of_memory
+
+CONVERGED = "converged"
+UPPER_BOUND = "upper bound reached"
+TIME_LIMIT = "time limit"
+NOTHING_FITS = "smallest size does not fit"
+
+
+@dataclasses.dataclass
+class Trial:
+    """One attempted size: ``n``, whether it fitted, and what ``try_size`` returned."""
+
+    n: int
+    fits: bool
+    info: Any = None
+
+
+@dataclasses.dataclass
+class MaxSizeResult:
+    """Outcome of :func:`find_max_size`.
+
+    Attributes:
+        largest_fit: the largest n that ran (None if even ``start`` did not fit).
+        smallest_oom: the smallest n seen to run out of memory (None if none did).
+        stop_reason: ``converged`` (they differ by one), ``upper bound reached``,
+            ``time limit`` (``largest_fit`` is then a lower bound) or
+            ``smallest size does not fit``.
+        trials: every attempt, in order.
+    """
+
+    largest_fit: Optional[int]
+    smallest_oom: Optional[int]
+    stop_reason: str
+    trials: List[Trial]
+
+
+def find_max_size(try_size: Callable[[int], Any], start: int, upper: int,
+                  deadline: Optional[Deadline] = None) -> MaxSizeResult:
+    """Largest ``n`` in ``[start, upper]`` for which ``try_size(n)`` does not run out of memory.
+
+    Doubles ``n`` from ``start`` until a size fails or ``upper`` is reached, then bisects
+    between the last size that fitted and the first that did not. Assumes that fitting is
+    monotone in ``n``. Checks ``deadline`` before every attempt.
+    """
+    if not 1 <= start <= upper:
+        raise ValueError(f"need 1 <= start <= upper, got start={start}, upper={upper}")
+    trials: List[Trial] = []
+    fit: Optional[int] = None
+    oom: Optional[int] = None
+
+    def attempt(n: int) -> Optional[bool]:
+        if deadline is not None and deadline.expired():
+            return None
+        try:
+            info = try_size(n)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            trials.append(Trial(n, False, str(exc).splitlines()[0] if str(exc) else "OOM"))
+            return False
+        trials.append(Trial(n, True, info))
+        return True
+
+    n = start
+    while True:  # growth phase
+        ok = attempt(n)
+        if ok is None:
+            return MaxSizeResult(fit, oom, TIME_LIMIT, trials)
+        if not ok:
+            oom = n
+            break
+        fit = n
+        if n == upper:
+            return MaxSizeResult(fit, oom, UPPER_BOUND, trials)
+        n = min(2 * n, upper)
+    if fit is None:
+        return MaxSizeResult(None, oom, NOTHING_FITS, trials)
+    while oom - fit > 1:  # bisection phase
+        mid = (fit + oom) // 2
+        ok = attempt(mid)
+        if ok is None:
+            return MaxSizeResult(fit, oom, TIME_LIMIT, trials)
+        if ok:
+            fit = mid
+        else:
+            oom = mid
+    return MaxSizeResult(fit, oom, CONVERGED, trials)

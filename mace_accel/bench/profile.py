@@ -1,0 +1,256 @@
+"""Where one energy+forces call spends its time: radial MLP, conv TP, linears, symmetric
+contraction, other; plus the host-side neighbour list and batch building.
+
+Forward hooks open a ``torch.profiler.record_function`` range around each hooked submodule
+(``conv_tp_weights`` → radial MLP, ``conv_tp`` → conv TP, ``linear``/``linear_up``/``skip_tp``
+→ linears, ``products`` → symmetric contraction). The forces' backward pass is attributed
+through autograd's sequence numbers: a backward node belongs to the part whose range held the
+forward op that created it. On CUDA the table sums the kernels' self device time; on the CPU,
+self CPU time. Whatever is not attributed (embeddings, spherical harmonics, readouts' sums,
+scatter of energies, unlinked kernels, Python overhead on the CPU) is "other".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..batch import ModelInfo
+from .timing import synchronize
+
+HOOKED = {
+    "conv_tp_weights": "radial MLP",
+    "conv_tp": "conv TP",
+    "linear": "linears",
+    "linear_up": "linears",
+    "skip_tp": "linears",
+    "products": "symmetric contraction",
+}
+PARTS = ("radial MLP", "conv TP", "linears", "symmetric contraction")
+OTHER = "other"
+_PART_RANGE = "mace_accel.bench.part::"
+_CALL_RANGE = "mace_accel.bench.call"
+_BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
+
+
+@dataclasses.dataclass
+class PartTime:
+    """Time and kernel (CUDA) or leaf-op (CPU) count of one part of the call."""
+
+    part: str
+    time_ms: float
+    count: int
+
+
+@dataclasses.dataclass
+class ProfileResult:
+    """One profiled call.
+
+    Attributes:
+        clock: ``"self CUDA time"`` or ``"self CPU time"``.
+        count_label: ``"kernels"`` (CUDA) or ``"ops"`` (CPU leaf aten ops).
+        parts: the four parts and ``other``, in table order.
+        total_ms: all attributed plus unattributed time of the call.
+        total_count: all kernels (CUDA) or leaf ops (CPU) of the call.
+        host: ``{"neighbour_list_ms", "batch_build_ms"}`` (batch building excludes the
+            neighbour list), when measured.
+    """
+
+    clock: str
+    count_label: str
+    parts: List[PartTime]
+    total_ms: float
+    total_count: int
+    host: Dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"clock": self.clock, "count_label": self.count_label,
+                "parts": {p.part: {"time_ms": p.time_ms, "count": p.count} for p in self.parts},
+                "total_ms": self.total_ms, "total_count": self.total_count, "host": self.host}
+
+
+def hooked_modules(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, str]]:
+    """``(path, module, part)`` of every submodule to bracket, outermost only.
+
+    Items of a ModuleList take the list's name (``products.0`` is a ``products`` module). A
+    module inside an already hooked one (the ``linear`` inside ``products.0``, or the e3nn TP
+    kept inside a fused ``conv_tp``) belongs to its ancestor's part.
+    """
+    found: List[Tuple[str, torch.nn.Module, str]] = []
+    for path, module in model.named_modules():
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            continue  # containers have no forward; their items carry the hooks
+        # an item of a ModuleList (products.0) takes the list's name
+        names = [n for n in path.split(".") if not n.isdigit()]
+        part = HOOKED.get(names[-1]) if names else None
+        if part is None or any(path.startswith(p + ".") for p, _, _ in found):
+            continue
+        found.append((path, module, part))
+    return found
+
+
+@contextlib.contextmanager
+def part_ranges(model: torch.nn.Module) -> Iterator[int]:
+    """Bracket each hooked submodule's forward in a named profiler range; yields the count."""
+    open_ranges: List[torch.profiler.record_function] = []
+    handles = []
+
+    def opener(part: str):
+        def pre_hook(module, args):
+            rf = torch.profiler.record_function(_PART_RANGE + part)
+            rf.__enter__()
+            open_ranges.append(rf)
+        return pre_hook
+
+    def closer(module, args, output):
+        open_ranges.pop().__exit__(None, None, None)
+
+    modules = hooked_modules(model)
+    try:
+        for _, module, part in modules:
+            handles.append(module.register_forward_pre_hook(opener(part)))
+            handles.append(module.register_forward_hook(closer))
+        yield len(modules)
+    finally:
+        for handle in handles:
+            handle.remove()
+        while open_ranges:  # a forward that raised leaves its range open
+            open_ranges.pop().__exit__(None, None, None)
+
+
+def _own_part(evt) -> Optional[str]:
+    return evt.name[len(_PART_RANGE):] if evt.name.startswith(_PART_RANGE) else None
+
+
+def _forward_part(evt) -> Optional[str]:
+    while evt is not None:
+        part = _own_part(evt)
+        if part is not None:
+            return part
+        evt = evt.cpu_parent
+    return None
+
+
+def _backward_node(evt):
+    while evt is not None:
+        if evt.name.startswith(_BACKWARD_PREFIX):
+            return evt
+        evt = evt.cpu_parent
+    return None
+
+
+def attribute(events, on_cuda: bool) -> Tuple[List[PartTime], float, int]:
+    """Split the profiler's events of one call into parts.
+
+    Args:
+        events: ``profiler.events()`` of a run holding exactly one model call.
+        on_cuda: attribute CUDA kernel time (True) or CPU time (False).
+
+    Returns:
+        (parts in table order incl. ``other``, total ms, total kernel/op count).
+    """
+    from torch.autograd import DeviceType
+
+    cpu = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+    fwd_of: Dict[Tuple[int, int], str] = {}
+    part_of: Dict[int, Optional[str]] = {}
+    for evt in cpu:
+        part = _forward_part(evt)
+        part_of[id(evt)] = part
+        if part is not None and evt.sequence_nr >= 0:
+            fwd_of[(evt.sequence_nr, evt.thread)] = part
+    for evt in cpu:
+        if part_of[id(evt)] is None:
+            node = _backward_node(evt)
+            if node is not None:
+                part_of[id(evt)] = fwd_of.get((node.sequence_nr, node.fwd_thread))
+
+    time_us = {p: 0.0 for p in PARTS}
+    count = {p: 0 for p in PARTS}
+    for evt in cpu:
+        part = part_of[id(evt)]
+        if on_cuda:
+            t, n = sum(k.duration for k in evt.kernels), len(evt.kernels)
+        else:
+            t = evt.self_cpu_time_total
+            n = int(evt.name.startswith("aten::") and not any(
+                c.name.startswith("aten::") for c in evt.cpu_children))
+        if part is not None:
+            time_us[part] += t
+            count[part] += n
+    if on_cuda:
+        device = [e for e in events if e.device_type != DeviceType.CPU]
+        total_us = float(sum(e.time_range.elapsed_us() for e in device))
+        total_n = len(device)
+    else:
+        calls = [e for e in cpu if e.name == _CALL_RANGE]
+        total_us = float(sum(e.cpu_time_total for e in calls))
+        total_n = sum(int(e.name.startswith("aten::") and not any(
+            c.name.startswith("aten::") for c in e.cpu_children)) for e in cpu)
+    parts = [PartTime(p, time_us[p] / 1e3, count[p]) for p in PARTS]
+    parts.append(PartTime(OTHER, max(total_us - sum(time_us.values()), 0.0) / 1e3,
+                          max(total_n - sum(count.values()), 0)))
+    return parts, total_us / 1e3, total_n
+
+
+def profile_call(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
+                 device: torch.device | str, compute_stress: bool = False) -> ProfileResult:
+    """Profile one ``model(batch, training=False, compute_force=True)`` call (run it warm)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    on_cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with part_ranges(model):
+        synchronize(device)
+        with profile(activities=activities) as prof:
+            with record_function(_CALL_RANGE):
+                model(dict(batch), training=False, compute_force=True,
+                      compute_stress=compute_stress)
+            synchronize(device)
+    parts, total_ms, total_n = attribute(prof.events(), on_cuda)
+    return ProfileResult("self CUDA time" if on_cuda else "self CPU time",
+                         "kernels" if on_cuda else "ops", parts, total_ms, total_n)
+
+
+def time_host_graph(atoms, info: ModelInfo, dtype: torch.dtype,
+                    device: torch.device | str) -> Dict[str, float]:
+    """Host time of the neighbour list, and of the rest of batch building (to ``device``).
+
+    Returns:
+        ``{"neighbour_list_ms": ..., "batch_build_ms": ...}``; the second excludes the first.
+    """
+    from mace.data.neighborhood import get_neighborhood
+
+    from .systems import make_batch, BenchSystem
+
+    t0 = time.perf_counter()
+    get_neighborhood(np.asarray(atoms.positions, dtype=np.float64), cutoff=info.r_max,
+                     pbc=tuple(bool(p) for p in atoms.pbc), cell=np.array(atoms.cell))
+    neighbour_ms = (time.perf_counter() - t0) * 1e3
+    system = BenchSystem(atoms, "given", None, {}, "")
+    t0 = time.perf_counter()
+    make_batch(system, info, dtype, device)
+    synchronize(device)
+    total_ms = (time.perf_counter() - t0) * 1e3
+    return {"neighbour_list_ms": neighbour_ms,
+            "batch_build_ms": max(total_ms - neighbour_ms, 0.0)}
+
+
+def render_profile(result: ProfileResult, title: str = "") -> str:
+    """Table of the parts: time, share of the call, kernel/op count; then the host times."""
+    lines = [title] if title else []
+    lines.append(f"  {'part':<22} {'ms':>10} {'%':>6} {result.count_label:>8}   ({result.clock})")
+    for p in result.parts:
+        share = 100.0 * p.time_ms / result.total_ms if result.total_ms > 0 else 0.0
+        lines.append(f"  {p.part:<22} {p.time_ms:>10.3f} {share:>6.1f} {p.count:>8d}")
+    lines.append(f"  {'total (one call)':<22} {result.total_ms:>10.3f} {100.0:>6.1f} "
+                 f"{result.total_count:>8d}")
+    if result.host:
+        lines.append(f"  host: neighbour list {result.host['neighbour_list_ms']:.2f} ms, batch "
+                     f"building excl. neighbour list {result.host['batch_build_ms']:.2f} ms")
+    return "\n".join(lines)

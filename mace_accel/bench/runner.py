@@ -1,0 +1,465 @@
+"""The benchmark loop: every (model, dtype, size, backend) side by side on the same batch.
+
+For each model and dtype the structures are built once; the e3nn model runs first and its
+energy/forces/stress at each size are the reference for every other backend's errors. One
+backend's model is resident at a time (plus the source it is derived from): it is prepared,
+timed at every size, optionally searched for its largest system, and freed before the next.
+Every outcome (not installed, unavailable, failed, out of memory, skipped at the time limit)
+becomes a record; nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from ..accelerate import evaluate
+from ..batch import ModelInfo, model_info
+from ..errors import ConfigError
+from ..tolerances import model_tolerance, rel_linf_error, rel_norm_error
+from .backends import (BACKENDS, OK, OUT_OF_MEMORY, ModelSource, PreparedBackend, expected_name,
+                       failure_status, prepare_backend)
+from .maxsize import MaxSizeResult, find_max_size
+from .systems import SYSTEM_KINDS, BenchSystem, build_system, cells_for_atoms, make_batch
+from .timing import Deadline, as_device, free_memory, time_calls, track_peak_memory
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+SKIPPED_TIME = "skipped: time limit reached"
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """What to benchmark (the CLI's options; see ``mace-accel bench --help``)."""
+
+    models: Sequence[str] = ("mp-medium",)
+    dtypes: Sequence[str] = ("float32", "float64")
+    sizes: Sequence[int] = (256, 2048, 6912)
+    backends: Sequence[str] = BACKENDS
+    device: str = "cuda"
+    warmup: int = 5
+    repeats: int = 20
+    compute_stress: bool = False
+    allow_reference: bool = False
+    system: str = "auto"
+    seed: int = 0
+    time_limit_s: Optional[float] = None
+    max_size: bool = False
+    max_size_cells: int = 48
+    max_size_time_limit_s: float = 120.0
+    md: bool = False
+    md_sizes: Sequence[int] = (256,)
+    md_steps: int = 20
+    md_warmup: int = 5
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        def listed(what: str, values: Sequence, allowed: Sequence) -> None:
+            bad = [v for v in values if v not in allowed]
+            if bad or not values:
+                raise ConfigError(f"{what}: {', '.join(map(str, bad)) or 'nothing given'} "
+                                  f"is not valid; choose from {', '.join(allowed)}")
+
+        listed("--dtypes", self.dtypes, tuple(DTYPES))
+        listed("--backends", self.backends, BACKENDS)
+        listed("--system", [self.system], SYSTEM_KINDS)
+        for what, values in (("--sizes", self.sizes), ("--md-sizes", self.md_sizes)):
+            if not values or any(int(v) < 1 for v in values):
+                raise ConfigError(f"{what} must be positive atom counts, got {list(values)}")
+        if not self.models:
+            raise ConfigError("--models: give at least one architecture name or model file")
+        for what, value, low in (("--warmup", self.warmup, 0), ("--repeats", self.repeats, 1),
+                                 ("--md-steps", self.md_steps, 1),
+                                 ("--md-warmup", self.md_warmup, 0),
+                                 ("--max-size-cells", self.max_size_cells, 1)):
+            if int(value) < low:
+                raise ConfigError(f"{what} must be >= {low}, got {value}")
+        for what, value in (("--time-limit", self.time_limit_s),
+                            ("--max-size-time-limit", self.max_size_time_limit_s)):
+            if value is not None and value <= 0:
+                raise ConfigError(f"{what} must be a positive number of seconds, got {value}")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as exc:
+            raise ConfigError(f"--device {self.device!r} is not a device ({exc}); use cpu, "
+                              "cuda or cuda:N") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu "
+                              "(timings then use time.perf_counter)")
+        if device.type == "cuda" and device.index is not None \
+                and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {self.device}: only {torch.cuda.device_count()} CUDA "
+                              "device(s) visible")
+        if self.max_size and device.type != "cuda":
+            raise ConfigError("--max-size searches for the largest system that fits in GPU "
+                              "memory; it needs --device cuda")
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v)
+                for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclasses.dataclass
+class CaseRecord:
+    """One (model, dtype, size, backend) measurement. Field meanings: :mod:`.report`."""
+
+    model: str
+    dtype: str
+    size: int
+    backend: str
+    status: str
+    atoms: Optional[int] = None
+    edges: Optional[int] = None
+    system: str = ""
+    device: str = ""
+    clock: str = ""
+    warmup: int = 0
+    repeats: int = 0
+    median_ms: Optional[float] = None
+    p10_ms: Optional[float] = None
+    p90_ms: Optional[float] = None
+    peak_mem_mb: Optional[float] = None
+    force_rel_err: Optional[float] = None
+    force_max_err: Optional[float] = None
+    energy_rel_err: Optional[float] = None
+    stress_rel_err: Optional[float] = None
+    within_tolerance: Optional[bool] = None
+    edges_per_s: Optional[float] = None
+    speedup_vs_e3nn: Optional[float] = None
+    speedup_vs_best_other: Optional[float] = None
+    best_other: Optional[str] = None
+    detail: str = ""
+    profile: Optional[dict] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+
+@dataclasses.dataclass
+class MaxSizeRecord:
+    """Largest system that fitted for one (model, dtype, backend). Fields: :mod:`.report`."""
+
+    model: str
+    dtype: str
+    backend: str
+    status: str
+    max_cells: Optional[int] = None
+    max_atoms: Optional[int] = None
+    max_edges: Optional[int] = None
+    first_oom_cells: Optional[int] = None
+    stop_reason: str = ""
+    trials: List[dict] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class BenchResult:
+    """Everything one ``mace-accel bench`` run produced."""
+
+    config: dict
+    environment: dict
+    records: List[CaseRecord] = dataclasses.field(default_factory=list)
+    max_size: List[MaxSizeRecord] = dataclasses.field(default_factory=list)
+    md: List[object] = dataclasses.field(default_factory=list)
+
+
+def compute_speedups(records: Sequence[CaseRecord]) -> None:
+    """Fill ``speedup_vs_e3nn``, ``speedup_vs_best_other`` and ``best_other`` in place.
+
+    Within each (model, dtype, size) group: vs e3nn = e3nn median / this median; vs best other =
+    the fastest successful backend other than this one and other than mace-accel's own
+    variants, over this median.
+    """
+    groups: Dict[tuple, List[CaseRecord]] = {}
+    for r in records:
+        groups.setdefault((r.model, r.dtype, r.size), []).append(r)
+    for group in groups.values():
+        timed = [r for r in group if r.ok and r.median_ms]
+        e3nn = next((r for r in timed if r.backend == "e3nn"), None)
+        for r in timed:
+            r.speedup_vs_e3nn = e3nn.median_ms / r.median_ms if e3nn else None
+            others = [o for o in timed if o is not r and not o.backend.startswith("mace-accel")]
+            best = min(others, key=lambda o: o.median_ms, default=None)
+            r.speedup_vs_best_other = best.median_ms / r.median_ms if best else None
+            r.best_other = best.backend if best else None
+
+
+@dataclasses.dataclass
+class _Case:
+    size: int
+    system: BenchSystem
+    batch: Optional[Dict[str, torch.Tensor]] = None
+    edges: Optional[int] = None
+    error: str = ""
+    reference: Optional[Dict[str, torch.Tensor]] = None
+    host: Optional[Dict[str, float]] = None
+
+
+def _cpu64(out: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", torch.float64) for k, v in out.items()}
+
+
+class BenchRunner:
+    """Runs a :class:`BenchConfig` over model sources; see :func:`run_bench`.
+
+    Args:
+        config: what to run.
+        log: where progress lines and tables go (``print``).
+        on_update: called with the result after every new record (incremental JSON).
+    """
+
+    def __init__(self, config: BenchConfig, log: Callable[[str], None] = print,
+                 on_update: Optional[Callable[[BenchResult], None]] = None,
+                 environment: Optional[dict] = None):
+        self.config = config
+        self.device = as_device(config.device)
+        self.log = log
+        self.on_update = on_update or (lambda result: None)
+        self.deadline = Deadline(config.time_limit_s)
+        self.result = BenchResult(config.to_dict(), environment or {})
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _add(self, record) -> None:
+        target = {CaseRecord: self.result.records, MaxSizeRecord: self.result.max_size}
+        target.get(type(record), self.result.md).append(record)
+        self.on_update(self.result)
+
+    def _case_record(self, label: str, dtype: str, case: _Case, backend: str,
+                     status: str, detail: str = "") -> CaseRecord:
+        return CaseRecord(model=label, dtype=dtype, size=case.size, backend=backend,
+                          status=status, atoms=case.system.n_atoms, edges=case.edges,
+                          system=case.system.description, device=self._device_text(),
+                          warmup=self.config.warmup, repeats=self.config.repeats, detail=detail)
+
+    def _device_text(self) -> str:
+        if self.device.type == "cuda":
+            return f"{self.device} ({torch.cuda.get_device_name(self.device)})"
+        return "cpu"
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self, sources: Sequence[ModelSource]) -> BenchResult:
+        for source in sources:
+            systems: Dict[int, BenchSystem] = {}
+            for dtype_name in self.config.dtypes:
+                self._run_model_dtype(source, dtype_name, systems)
+        compute_speedups(self.result.records)
+        self.on_update(self.result)
+        return self.result
+
+    def _run_model_dtype(self, source: ModelSource, dtype_name: str,
+                         systems: Dict[int, BenchSystem]) -> None:
+        cfg, dtype = self.config, DTYPES[dtype_name]
+        self.log(f"== {source.label} {dtype_name} on {self._device_text()}")
+        try:
+            model = source.load(dtype, self.device)
+            info = model_info(model)
+        except Exception as exc:
+            status = failure_status(exc)
+            self.log(f"   could not load the model: {status}")
+            for size in cfg.sizes:
+                for backend in cfg.backends:
+                    self._add(CaseRecord(source.label, dtype_name, size, backend,
+                                         f"{status} (loading the model)"))
+            return
+        cases = [self._make_case(info, size, dtype, systems) for size in cfg.sizes]
+        order = ["e3nn"] + [b for b in cfg.backends if b != "e3nn"]
+        for backend in order:
+            self._run_backend(backend, model, info, source.label, dtype_name, cases)
+        compute_speedups(self.result.records)
+        if cfg.md:
+            self._run_md(model, info, source.label, dtype_name, systems)
+        del model, cases
+        free_memory(self.device)
+
+    def _make_case(self, info: ModelInfo, size: int, dtype: torch.dtype,
+                   systems: Dict[int, BenchSystem]) -> _Case:
+        if size not in systems:
+            systems[size] = build_system(info, size, kind=self.config.system,
+                                         seed=self.config.seed)
+        case = _Case(size, systems[size])
+        try:
+            case.batch, case.edges = make_batch(case.system, info, dtype, self.device)
+        except Exception as exc:
+            case.error = failure_status(exc) + " (building the batch)"
+        return case
+
+    def _run_backend(self, backend: str, model: torch.nn.Module, info: ModelInfo, label: str,
+                     dtype_name: str, cases: List[_Case]) -> None:
+        cfg = self.config
+        timed = backend in cfg.backends
+        name = expected_name(backend, cfg.allow_reference, self.device)
+        if self.deadline.expired():
+            for case in cases if timed else []:
+                self._add(self._case_record(label, dtype_name, case, name, SKIPPED_TIME))
+            return
+        if timed:
+            prepared = prepare_backend(backend, model, self.device, cfg.allow_reference)
+        else:  # e3nn not requested: the source model still gives the reference outputs
+            prepared = PreparedBackend("e3nn", OK, model)
+        if prepared.detail:
+            self.log(f"   {prepared.name}: {prepared.detail}")
+        for case in cases:
+            if not timed:
+                self._reference_only(prepared.model, case)
+                continue
+            record = self._measure(prepared, case, label, dtype_name)
+            self.log(f"   {record.backend:<22} {case.system.n_atoms:>7} atoms: "
+                     + (f"{record.median_ms:.2f} ms" if record.ok else record.status))
+            self._add(record)
+        if timed and cfg.max_size and prepared.ok:
+            self._add(self._max_size(prepared, info, label, dtype_name))
+        if prepared.model is not model:
+            del prepared.model
+        free_memory(self.device)
+
+    def _reference_only(self, model: torch.nn.Module, case: _Case) -> None:
+        if case.batch is None:
+            return
+        try:
+            case.reference = _cpu64(evaluate(model, case.batch, self.config.compute_stress))
+        except Exception as exc:  # the others are then reported without errors
+            self.log(f"   e3nn reference at {case.system.n_atoms} atoms: {failure_status(exc)}")
+        free_memory(self.device)
+
+    def _measure(self, prepared: PreparedBackend, case: _Case, label: str,
+                 dtype_name: str) -> CaseRecord:
+        cfg = self.config
+        record = self._case_record(label, dtype_name, case, prepared.name, prepared.status,
+                                   prepared.detail)
+        if not prepared.ok:
+            return record
+        if case.batch is None:
+            record.status = case.error
+            return record
+        if self.deadline.expired():
+            record.status = SKIPPED_TIME
+            return record
+        model, batch, stress = prepared.model, case.batch, cfg.compute_stress
+        try:
+            with track_peak_memory(self.device) as memory:
+                outputs = _cpu64(evaluate(model, batch, stress))
+                timing = time_calls(
+                    lambda: model(dict(batch), training=False, compute_force=True,
+                                  compute_stress=stress),
+                    self.device, warmup=cfg.warmup, repeats=cfg.repeats)
+            if cfg.profile:
+                record.profile = self._profile(model, case)
+        except Exception as exc:
+            record.status = failure_status(exc)
+            free_memory(self.device)
+            return record
+        record.clock = timing.clock
+        record.median_ms, record.p10_ms, record.p90_ms = (timing.median_ms, timing.p10_ms,
+                                                          timing.p90_ms)
+        record.peak_mem_mb = memory.peak_mb
+        record.edges_per_s = case.edges / (timing.median_ms * 1e-3) if timing.median_ms else None
+        if prepared.name == "e3nn":
+            case.reference = outputs
+            record.detail = "; ".join(filter(None, [record.detail, "reference for the errors"]))
+        elif case.reference is not None:
+            self._fill_errors(record, outputs, case.reference, DTYPES[dtype_name])
+        else:
+            record.detail = "; ".join(filter(None, [record.detail,
+                                                    "no e3nn reference at this size"]))
+        del outputs
+        free_memory(self.device)
+        return record
+
+    @staticmethod
+    def _fill_errors(record: CaseRecord, out: Dict[str, torch.Tensor],
+                     ref: Dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        record.energy_rel_err = rel_norm_error(out["energy"], ref["energy"])
+        record.force_rel_err = rel_norm_error(out["forces"], ref["forces"])
+        record.force_max_err = rel_linf_error(out["forces"], ref["forces"])
+        if "stress" in out and "stress" in ref:
+            record.stress_rel_err = rel_norm_error(out["stress"], ref["stress"])
+        errors = [e for e in (record.energy_rel_err, record.force_rel_err,
+                              record.stress_rel_err) if e is not None]
+        record.within_tolerance = all(e <= model_tolerance(dtype) for e in errors)
+
+    def _profile(self, model: torch.nn.Module, case: _Case) -> dict:
+        from .profile import profile_call, render_profile, time_host_graph
+
+        info = model_info(model)
+        if case.host is None:
+            case.host = time_host_graph(case.system.atoms, info, info.dtype, self.device)
+        result = profile_call(model, case.batch, self.device, self.config.compute_stress)
+        result.host = dict(case.host)
+        self.log(render_profile(result, f"   profile of one call ({case.system.n_atoms} atoms, "
+                                        f"{case.edges} edges):"))
+        return result.to_dict()
+
+    def _max_size(self, prepared: PreparedBackend, info: ModelInfo, label: str,
+                  dtype_name: str) -> MaxSizeRecord:
+        cfg, dtype = self.config, DTYPES[dtype_name]
+
+        def try_size(n: int) -> dict:
+            system = build_system(info, 4 * n**3, kind=cfg.system, seed=cfg.seed)
+            batch = None
+            try:
+                with track_peak_memory(self.device) as memory:
+                    batch, edges = make_batch(system, info, dtype, self.device)
+                    evaluate(prepared.model, batch, cfg.compute_stress)
+            finally:
+                del batch
+                free_memory(self.device)
+            return {"atoms": system.n_atoms, "edges": edges, "peak_mem_mb": memory.peak_mb}
+
+        start = min(cells_for_atoms(max(cfg.sizes)), cfg.max_size_cells)
+        self.log(f"   {prepared.name}: searching the largest system (n <= {cfg.max_size_cells}, "
+                 f"{cfg.max_size_time_limit_s:.0f} s)")
+        record = MaxSizeRecord(label, dtype_name, prepared.name, OK)
+        try:
+            found: MaxSizeResult = find_max_size(try_size, start, cfg.max_size_cells,
+                                                 Deadline(cfg.max_size_time_limit_s))
+        except Exception as exc:
+            record.status = failure_status(exc)
+            return record
+        record.trials = [{"cells": t.n, "fits": t.fits,
+                          **(t.info if isinstance(t.info, dict) else {"error": t.info})}
+                         for t in found.trials]
+        record.stop_reason = found.stop_reason
+        record.first_oom_cells = found.smallest_oom
+        record.max_cells = found.largest_fit
+        best = next((t for t in record.trials if t["cells"] == found.largest_fit and t["fits"]),
+                    None)
+        if best is not None:
+            record.max_atoms, record.max_edges = best["atoms"], best["edges"]
+        else:
+            record.status = OUT_OF_MEMORY
+        self.log(f"   {prepared.name}: largest fit {record.max_atoms} atoms ({found.stop_reason})")
+        return record
+
+    def _run_md(self, model: torch.nn.Module, info: ModelInfo, label: str, dtype_name: str,
+                systems: Dict[int, BenchSystem]) -> None:
+        from .md import MDRecord, run_md
+
+        cfg = self.config
+        for size in cfg.md_sizes:
+            if size not in systems:
+                systems[size] = build_system(info, size, kind=cfg.system, seed=cfg.seed)
+            for backend in cfg.backends:
+                if self.deadline.expired():
+                    record = MDRecord(label, dtype_name,
+                                      expected_name(backend, cfg.allow_reference, self.device),
+                                      SKIPPED_TIME, systems[size].n_atoms, cfg.md_steps,
+                                      cfg.md_warmup, 1.0)
+                else:
+                    record = run_md(backend, model, systems[size].atoms, self.device, label,
+                                    steps=cfg.md_steps, warmup_steps=cfg.md_warmup,
+                                    allow_reference=cfg.allow_reference, seed=cfg.seed)
+                self.log(f"   MD {record.backend:<22} {record.atoms:>7} atoms: "
+                         + (f"{record.steps_per_s:.2f} steps/s" if record.status == OK
+                            else record.status))
+                self._add(record)
+
+
+def run_bench(config: BenchConfig, sources: Sequence[ModelSource],
+              log: Callable[[str], None] = print,
+              on_update: Optional[Callable[[BenchResult], None]] = None,
+              environment: Optional[dict] = None) -> BenchResult:
+    """Run the benchmark of ``config`` over ``sources`` and return all records."""
+    return BenchRunner(config, log, on_update, environment).run(sources)

@@ -1,0 +1,173 @@
+"""KernelPlan -> CUDA C++ source, through the jinja2 templates in ``kernels/``.
+
+All decisions are made here in Python (which products to sum, which registers to keep); the
+template only loops and prints. CG coefficients (times path weight) are printed as exact
+hexadecimal float literals, so float64 kernels use the very bits of the spec.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+from .schedule import KernelPlan, PathPlan, SegmentPlan
+
+Needs = Tuple[bool, bool, bool]
+
+
+def kernels_dir() -> Path:
+    """Folder of the CUDA templates (the ``mace_accel.kernels`` package)."""
+    from . import kernels  # type: ignore[attr-defined]
+
+    return Path(kernels.__file__).resolve().parent
+
+
+@functools.lru_cache(maxsize=1)
+def _environment():
+    import jinja2
+
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(kernels_dir())), undefined=jinja2.StrictUndefined,
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+
+
+def literal(value: float) -> str:
+    """Exact C++ literal of a float64 value (hex float), cast to the kernel's ``real``."""
+    return f"((real){float(value).hex()})"
+
+
+def _sum(products: Sequence[str]) -> str:
+    return " + ".join(products) if products else "(real)0"
+
+
+def _y_cols(seg: SegmentPlan) -> List[int]:
+    return sorted({p.y_offset + b for p in seg.paths for _, b, _, _ in p.terms})
+
+
+def _fwd_lines(seg: SegmentPlan) -> Tuple[List[str], List[str], List[str]]:
+    """Accumulator names, per-edge body and final store of one segment's forward."""
+    accs, body, store = [], [], []
+    body += [f"const real x{a} = xr[{a}];" for a in range(seg.x_dim)]
+    body += [f"const real y{c} = yr[{c}];" for c in _y_cols(seg)]
+    for j, p in enumerate(seg.paths):
+        body.append("{")
+        body.append(f"  const real wv = wr[{p.w_offset}];")
+        for k in range(p.out_dim):
+            name = f"acc{j}_{k}"
+            accs.append(name)
+            prods = [f"{literal(c)} * x{a} * y{p.y_offset + b}"
+                     for a, b, kk, c in p.terms if kk == k]
+            if prods:
+                body.append(f"  {name} += wv * ({_sum(prods)});")
+            store.append(f"orow[{p.out_offset} + u * {p.out_dim} + {k}] = {name};")
+        body.append("}")
+    return accs, body, store
+
+
+def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs) -> Dict[str, List[str]]:
+    """Registers and per-edge body of one segment's backward (``i`` = segment number)."""
+    need_x, need_y, need_w = needs
+    x = [f"xs{i}_{a}" for a in range(seg.x_dim)]
+    gx = [f"gx{i}_{a}" for a in range(seg.x_dim)]
+    cols = _y_cols(seg)
+    body = []
+    if need_x or need_y:
+        body.append("const real* wr = w + (long long)es[t] * WN + u;")
+    if need_w:
+        body.append("real* gwr = gw + (long long)es[t] * WN + u;")
+    if need_x or need_w:  # d(edge_attrs) alone needs no edge attributes
+        body.append("const real* yr = ys + t * DIM2;")
+        body += [f"const real y{c} = yr[{c}];" for c in cols]
+    for j, p in enumerate(seg.paths):
+        ks = sorted({k for _, _, k, _ in p.terms})
+        body.append("{")
+        body += [f"  const real g{k} = gr[{p.out_offset} + u * {p.out_dim} + {k}];" for k in ks]
+        if need_x or need_y:
+            body.append(f"  const real wv = wr[{p.w_offset}];")
+        if need_w:
+            prods = [f"{literal(c)} * {x[a]} * y{p.y_offset + b} * g{k}" for a, b, k, c in p.terms]
+            body.append(f"  gwr[{p.w_offset}] = {_sum(prods)};")
+        if need_x:
+            for a in range(seg.x_dim):
+                prods = [f"{literal(c)} * y{p.y_offset + b} * g{k}"
+                         for aa, b, k, c in p.terms if aa == a]
+                if prods:
+                    body.append(f"  {gx[a]} += wv * ({_sum(prods)});")
+        if need_y:
+            for col in sorted({p.y_offset + b for _, b, _, _ in p.terms}):
+                prods = [f"{literal(c)} * {x[a]} * g{k}"
+                         for a, b, k, c in p.terms if p.y_offset + b == col]
+                body.append(f"  py{col} += wv * ({_sum(prods)});")
+        body.append("}")
+    reduce_lines = []
+    need_xv = need_y or need_w  # d(node_feats) alone needs no node features
+    return {
+        "x_regs": x if need_xv else [], "gx_regs": gx if need_x else [],
+        "x_load": [f"{x[a]} = xr[{a}];" for a in range(seg.x_dim)] if need_xv else [],
+        "gy_regs": [f"py{c}" for c in cols] if need_y else [],
+        "bwd_body": body,
+        "gy_reduce": reduce_lines,
+        "gx_store": [f"gxr[{a}] = {gx[a]};" for a in range(seg.x_dim)] if need_x else [],
+        "cols": cols,
+    }
+
+
+def _gy_reduce(cols: Sequence[int], dim2: int) -> List[str]:
+    """Warp-sum the partial d(edge_attrs) and park it in shared memory (0 for unused columns)."""
+    lines = []
+    for c in range(dim2):
+        slot = f"red[(warp * TILE + t) * DIM2 + {c}]"
+        if c in cols:
+            lines.append(f"{{ const real v = warp_sum(py{c}); if (lane == 0) {slot} = v; }}")
+        else:
+            lines.append(f"if (lane == 0) {slot} = (real)0;")
+    return lines
+
+
+def forward_name(plan: KernelPlan) -> str:
+    return f"mace_conv_fwd_g{plan.group}"
+
+
+def render_forward(plan: KernelPlan) -> str:
+    """CUDA source of the forward kernel of one launch."""
+    name = forward_name(plan)
+    segments = []
+    for seg in plan.segments:
+        accs, body, store = _fwd_lines(seg)
+        segments.append(dict(warp_begin=seg.warp_begin, warp_end=seg.warp_end, mul=seg.mul,
+                             x_offset=seg.x_offset, x_dim=seg.x_dim, accumulators=accs,
+                             fwd_body=body, fwd_store=store))
+    return _environment().get_template("conv_tp.cu.j2").render(
+        kind="fwd", plan=plan, name=name, segments=segments, real=_real(plan), needs=None)
+
+
+def backward_name(plan: KernelPlan, needs: Needs) -> str:
+    return "mace_conv_bwd_g{}_x{}y{}w{}".format(plan.group, *(int(n) for n in needs))
+
+
+def render_backward(plan: KernelPlan, needs: Needs) -> str:
+    """CUDA source of the backward kernel for the gradients selected by ``needs`` (x, y, w)."""
+    segments = []
+    for i, seg in enumerate(plan.segments):
+        parts = _bwd_lines(i, seg, needs)
+        parts["gy_reduce"] = _gy_reduce(parts.pop("cols"), plan.dim_in2) if needs[1] else []
+        segments.append(dict(warp_begin=seg.warp_begin, warp_end=seg.warp_end, mul=seg.mul,
+                             x_offset=seg.x_offset, x_dim=seg.x_dim, **parts))
+    return _environment().get_template("conv_tp.cu.j2").render(
+        kind="bwd", plan=plan, name=backward_name(plan, needs), segments=segments, real=_real(plan),
+        needs=needs)
+
+
+def _real(plan: KernelPlan) -> str:
+    return "double" if plan.dtype == "float64" else "float"
+
+
+def all_backward_needs() -> List[Needs]:
+    """Every non-empty selection of gradients (x, y, w) a backward kernel can be built for."""
+    return [(bool(a), bool(b), bool(c)) for a in (0, 1) for b in (0, 1) for c in (0, 1)
+            if a or b or c]
+
+
+__all__ = ["render_forward", "render_backward", "backward_name", "forward_name", "literal", "kernels_dir",
+           "all_backward_needs", "PathPlan"]

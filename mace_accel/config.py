@@ -1,0 +1,383 @@
+"""Frozen dataclasses for YAML-driven runs, and the loader that validates them.
+
+A run file names a task and its structure; per-task options live in a section named after the
+task (keys in the spirit of janus-core and mace's own scripts)::
+
+    task: md                       # singlepoint | geomopt | md
+    struct: structures/cu32.extxyz # relative to this file
+    model: my.model                # default: the model bundled with mace-accel
+    device: cuda                   # cpu | cuda | cuda:N
+    dtype: float32                 # float32 | float64
+    backend: auto                  # auto | cuda | reference
+    md:
+      ensemble: nvt                # nve | nvt (Langevin) | npt (Melchionna)
+      steps: 1000
+      timestep: 1.0                # fs
+      temperature: 300             # K
+
+Every key is checked when the file is loaded: an unknown key is an error listing the valid keys
+of its section, a wrong type or out-of-range value is an error naming the key (``md.timestep``).
+The same checks run when the dataclasses are built in Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import typing
+from pathlib import Path
+from typing import Any, ClassVar, Dict, Literal, Mapping, Optional, Tuple
+
+from .errors import ConfigError
+
+TASKS = ("singlepoint", "geomopt", "md")
+SINGLEPOINT_PROPERTIES = ("energy", "free_energy", "forces", "stress", "energies")
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def _opt(default: Any, doc: str, **checks: Any) -> Any:
+    """A dataclass field with a default, a one-line doc and range checks (gt, ge)."""
+    return dataclasses.field(default=default, metadata={"doc": doc, **checks})
+
+
+def _required(doc: str) -> Any:
+    """A dataclass field without a default (a key the run file must give)."""
+    return dataclasses.field(metadata={"doc": doc, "required": True})
+
+
+class _Section:
+    """Shared validation of the config dataclasses (type coercion, ranges, key listing)."""
+
+    SECTION: ClassVar[str] = ""
+
+    @classmethod
+    def keys(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    @classmethod
+    def _where(cls, name: str) -> str:
+        return f"{cls.SECTION}.{name}" if cls.SECTION else name
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            where = self._where(f.name)
+            value = _coerce(where, hints[f.name], getattr(self, f.name))
+            for check, bound in f.metadata.items():
+                if check in ("doc", "required"):
+                    continue
+                if check == "gt" and not value > bound:
+                    raise ConfigError(f"{where} must be > {bound}, got {value}")
+                if check == "ge" and not value >= bound:
+                    raise ConfigError(f"{where} must be >= {bound}, got {value}")
+            object.__setattr__(self, f.name, value)
+        self._check()
+
+    def _check(self) -> None:
+        """Checks that involve more than one key (overridden per section)."""
+
+    @classmethod
+    def from_dict(cls, raw: Any, **fixed: Any):
+        """Build from a YAML mapping; unknown keys are an error that lists the valid ones."""
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            where = cls.SECTION or "the run file"
+            raise ConfigError(f"{where} must be a mapping of keys to values, got "
+                              f"{type(raw).__name__} ({raw!r})")
+        unknown = sorted(str(k) for k in raw if k not in cls.keys())
+        if unknown:
+            where = f"section {cls.SECTION!r}" if cls.SECTION else "the run file"
+            raise ConfigError(f"unknown key(s) {', '.join(map(repr, unknown))} in {where}; "
+                              f"valid keys: {', '.join(cls.keys())}")
+        values = {**dict(raw), **fixed}
+        missing = [f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                   if f.metadata.get("required") and f.name not in values]
+        if missing:
+            raise ConfigError("missing required key(s): " + "; ".join(
+                f"{cls._where(n)!r} ({cls._doc(n)})" for n in missing))
+        return cls(**values)
+
+    @classmethod
+    def _doc(cls, name: str) -> str:
+        return next(f.metadata.get("doc", "") for f in dataclasses.fields(cls)  # type: ignore
+                    if f.name == name)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain YAML-able values (paths as strings, tuples as lists)."""
+        out: Dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if isinstance(v, _Section):
+                v = v.to_dict()
+            elif isinstance(v, Path):
+                v = str(v)
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+
+def _coerce(where: str, hint: Any, value: Any) -> Any:
+    """Check ``value`` against the annotation ``hint``; return it in canonical form."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(where, inner, value)
+    if origin is Literal:
+        if isinstance(value, str):
+            for choice in args:
+                if value.lower() == str(choice).lower():
+                    return choice
+        raise ConfigError(f"{where} must be one of {', '.join(map(str, args))}; got {value!r}")
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {type(value).__name__} ({value!r})")
+        return tuple(_coerce(f"{where}[{i}]", args[0], v) for i, v in enumerate(value))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{where} must be a finite number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where} must be a non-empty string, got {value!r}")
+        return value
+    if hint is Path:
+        if not isinstance(value, (str, Path)) or not str(value):
+            raise ConfigError(f"{where} must be a file path, got {value!r}")
+        return Path(value)
+    if isinstance(hint, type) and issubclass(hint, _Section):
+        if isinstance(value, hint):
+            return value
+        return hint.from_dict(value)
+    raise TypeError(f"config field {where} has an unsupported annotation {hint!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SinglePointOptions(_Section):
+    """``singlepoint:`` section: evaluate every frame of ``struct``."""
+
+    SECTION: ClassVar[str] = "singlepoint"
+    properties: Tuple[str, ...] = _opt(("energy", "forces", "stress"),
+                                       f"subset of {', '.join(SINGLEPOINT_PROPERTIES)}")
+
+    def _check(self) -> None:
+        if not self.properties:
+            raise ConfigError("singlepoint.properties must name at least one property")
+        for p in self.properties:
+            if p not in SINGLEPOINT_PROPERTIES:
+                raise ConfigError(f"singlepoint.properties: unknown property {p!r}; valid: "
+                                  f"{', '.join(SINGLEPOINT_PROPERTIES)}")
+        if len(set(self.properties)) != len(self.properties):
+            raise ConfigError(f"singlepoint.properties lists a property twice: {self.properties}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GeomOptOptions(_Section):
+    """``geomopt:`` section: relax positions (and optionally the cell) of one frame."""
+
+    SECTION: ClassVar[str] = "geomopt"
+    fmax: float = _opt(0.05, "force convergence threshold, eV/Å", gt=0)
+    steps: int = _opt(1000, "maximum optimizer steps", ge=0)
+    optimizer: Literal["FIRE", "BFGS", "LBFGS"] = _opt("FIRE", "ASE optimizer")
+    relax_cell: bool = _opt(False, "also relax the cell (FrechetCellFilter / ExpCellFilter)")
+    traj_every: int = _opt(1, "write a trajectory frame every N steps (0: none)", ge=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MDOptions(_Section):
+    """``md:`` section: molecular dynamics of one frame."""
+
+    SECTION: ClassVar[str] = "md"
+    ensemble: Literal["nve", "nvt", "npt"] = _opt("nve", "nve | nvt (Langevin) | npt (Melchionna)")
+    steps: int = _opt(1000, "number of MD steps", ge=0)
+    timestep: float = _opt(1.0, "fs", gt=0)
+    temperature: float = _opt(300.0, "K: target (nvt/npt) and initial velocities", ge=0)
+    friction: float = _opt(0.01, "Langevin friction, 1/fs", ge=0)
+    pressure: float = _opt(1.01325, "npt external pressure, bar")
+    taut: float = _opt(50.0, "npt thermostat time, fs", gt=0)
+    taup: float = _opt(75.0, "npt barostat time, fs", gt=0)
+    bulk_modulus: float = _opt(100.0, "npt: bulk modulus estimate, GPa (barostat mass)", gt=0)
+    traj_every: int = _opt(10, "write a trajectory frame every N steps (0: none)", ge=0)
+    stats_every: int = _opt(1, "write a stats row every N steps", gt=0)
+    seed: int = _opt(0, "seed of the initial velocities and the Langevin noise")
+
+    def _check(self) -> None:
+        if self.ensemble == "nvt" and not self.friction > 0:
+            raise ConfigError(f"md.friction must be > 0 for the nvt (Langevin) ensemble, got "
+                              f"{self.friction}")
+        if self.ensemble == "npt" and not self.temperature > 0:
+            raise ConfigError(f"md.temperature must be > 0 for the npt ensemble, got "
+                              f"{self.temperature}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(_Section):
+    """A whole run: structure, model, calculator options, and the task's section.
+
+    Only the section of ``task`` is used; giving another task's section is an error.
+    Paths are resolved (relative ones against the run file's directory by :func:`load_run_config`).
+    """
+
+    task: Literal["singlepoint", "geomopt", "md"] = _required("singlepoint | geomopt | md")
+    struct: Path = _required("structure file (ase.io.read); all frames for singlepoint, the "
+                             "last frame otherwise")
+    model: Optional[Path] = _opt(None, "MACE model file (default: the bundled model)")
+    device: str = _opt("cuda", "cpu | cuda | cuda:N")
+    dtype: Literal["float32", "float64"] = _opt("float32", "model dtype")
+    head: Optional[str] = _opt(None, "head of a multi-head model (default: the last)")
+    backend: Literal["auto", "cuda", "reference"] = _opt("auto", "mace-accel backend")
+    fallback: Literal["warn", "error"] = _opt("warn", "if the CUDA backend cannot run")
+    verify: bool = _opt(True, "check the accelerated model against the unpatched one")
+    outputs: Optional[Path] = _opt(None, "output directory (default: <run file stem>-results)")
+    progress: bool = _opt(True, "progress bar on stderr (only when it is a terminal)")
+    singlepoint: SinglePointOptions = dataclasses.field(default_factory=SinglePointOptions)
+    geomopt: GeomOptOptions = dataclasses.field(default_factory=GeomOptOptions)
+    md: MDOptions = dataclasses.field(default_factory=MDOptions)
+
+    def _check(self) -> None:
+        if not _DEVICE_RE.match(self.device):
+            raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.outputs is None:
+            object.__setattr__(self, "outputs", Path(f"{self.task}-results"))
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The run as YAML-able values, with only the chosen task's section."""
+        out = super().to_dict()
+        for other in TASKS:
+            if other != self.task:
+                del out[other]
+        return out
+
+    @property
+    def options(self) -> _Section:
+        """The section of the chosen task."""
+        return getattr(self, self.task)
+
+    @property
+    def model_path(self) -> Path:
+        """``model``, or the bundled default model."""
+        if self.model is not None:
+            return self.model
+        from .models import default_model_path
+
+        return default_model_path()
+
+
+def apply_overrides(raw: Dict[str, Any], overrides: Mapping[str, Any]) -> Dict[str, Any]:
+    """A copy of ``raw`` with dotted keys set (``{"md.steps": 5, "device": "cpu"}``)."""
+    out = _deep_copy(raw)
+    for key, value in overrides.items():
+        parts = str(key).split(".")
+        if not all(parts):
+            raise ConfigError(f"bad override key {key!r}; use KEY or SECTION.KEY")
+        node = out
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"cannot set {key!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deep_copy(raw: Mapping[str, Any]) -> Dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+
+
+def parse_override(text: str) -> Tuple[str, Any]:
+    """``"md.steps=5"`` -> ``("md.steps", 5)``; the value is parsed as YAML."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"bad override {text!r}; expected KEY=VALUE, e.g. md.steps=100")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"bad value in override {text!r}: {exc}") from None
+    return key.strip(), parsed
+
+
+def config_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".",
+                     stem: Optional[str] = None) -> RunConfig:
+    """Validate a run mapping and resolve its paths against ``base_dir``.
+
+    Args:
+        raw: the parsed YAML mapping (after overrides).
+        base_dir: directory relative ``struct``, ``model`` and ``outputs`` are resolved against.
+        stem: name the default output directory ``<stem>-results`` is derived from.
+    """
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"a run file must be a mapping of keys to values, got "
+                          f"{type(raw).__name__}")
+    task = raw.get("task")
+    if task is None:
+        raise ConfigError(f"task is required: one of {', '.join(TASKS)}")
+    task = _coerce("task", typing.get_type_hints(RunConfig)["task"], task)
+    for other in TASKS:
+        if other != task and raw.get(other) is not None:
+            raise ConfigError(f"section {other!r} is given but task is {task!r}; remove it or "
+                              f"set task: {other}")
+    base = Path(base_dir).resolve()
+    fixed: Dict[str, Any] = {"task": task}
+    for key in ("struct", "model", "outputs"):
+        value = raw.get(key)
+        if isinstance(value, (str, Path)) and str(value):
+            fixed[key] = (base / Path(value).expanduser()).resolve()
+    if raw.get("outputs") is None:
+        fixed["outputs"] = base / f"{stem or task}-results"
+    config = RunConfig.from_dict(raw, **fixed)
+    if not config.struct.is_file():
+        raise ConfigError(f"struct: no such file {str(config.struct)!r}")
+    if config.model is not None and not config.model.is_file():
+        raise ConfigError(f"model: no such file {str(config.model)!r}")
+    return config
+
+
+def load_run_config(path: Path | str, overrides: Optional[Mapping[str, Any]] = None) -> RunConfig:
+    """Read, override and validate a YAML run file.
+
+    Args:
+        path: the YAML file; relative paths inside it are taken from its directory.
+        overrides: dotted keys to set before validation (``{"md.steps": 10, "device": "cpu"}``),
+            as the CLI's ``--set KEY=VALUE`` does.
+
+    Raises:
+        ConfigError: the file is missing, is not valid YAML, or holds an invalid run.
+    """
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"run file not found: {str(path)!r}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of keys to values, got "
+                          f"{type(raw).__name__}")
+    raw = apply_overrides(raw, overrides or {})
+    try:
+        return config_from_dict(raw, base_dir=path.parent, stem=path.stem)
+    except ConfigError as exc:
+        raise ConfigError(f"{path.name}: {exc}") from None

@@ -1,0 +1,492 @@
+"""YAML-driven runs: single points, geometry optimisation and molecular dynamics with ASE.
+
+``run(config)`` reads the structure, builds a :class:`~mace_accel.calculator.MACEAccelCalculator`
+and writes into ``config.outputs``:
+
+=====================  ===================================================================
+``run.log``            what was run, the patch report, optimizer / MD progress (flushed)
+``config.yaml``        the validated run, paths resolved
+``results.extxyz``     singlepoint: every frame with its results (``.partial`` while running)
+``trajectory.extxyz``  geomopt / md: frames every ``traj_every`` steps (flushed as it goes)
+``stats.dat``          md: step, time, energies, temperature (and volume, pressure for npt)
+``final.extxyz``       geomopt / md: the last structure with its results
+=====================  ===================================================================
+
+Frames carry energy / forces / stress through ASE's ``SinglePointCalculator``, so
+``ase.io.read`` hands them back. Files written as the run goes are flushed after each record, so
+an interrupted run keeps what it did; final files are written atomically (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, TextIO
+
+import numpy as np
+
+from .config import RunConfig, load_run_config
+from .errors import BackendUnavailableError, ConfigError, InputError
+from .progress import ProgressBar
+
+STATS_COLUMNS = ("step", "time_fs", "epot_eV", "ekin_eV", "etot_eV", "temperature_K")
+NPT_STATS_COLUMNS = ("volume_A3", "pressure_bar")
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a run did.
+
+    Attributes:
+        task: ``singlepoint | geomopt | md``.
+        outputs: the output directory.
+        files: ``{role: path}`` of the files written (log, config, results / trajectory, ...).
+        backend: the mace-accel backend the calculator ran with.
+        summary: task-specific numbers (frames, steps, converged, final max force, ...).
+    """
+
+    task: str
+    outputs: Path
+    files: Dict[str, Path]
+    backend: Optional[str]
+    summary: Dict[str, Any]
+
+    def __str__(self) -> str:
+        lines = [f"{self.task} finished (backend {self.backend!r}); outputs in {self.outputs}"]
+        lines += [f"  {k}: {_fmt(v)}" for k, v in self.summary.items()]
+        lines += [f"  {role}: {path.name}" for role, path in self.files.items()]
+        return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points
+
+
+def run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] = None, *,
+        progress_stream: Optional[TextIO] = None) -> RunResult:
+    """Run a YAML run file (or a :class:`RunConfig`) to the end.
+
+    Args:
+        config: a run file path or an already validated :class:`RunConfig`.
+        overrides: dotted keys set before validation (``{"md.steps": 5, "device": "cpu"}``);
+            only with a path.
+        progress_stream: where the progress bar draws (default stderr, only if a terminal).
+
+    Returns:
+        a :class:`RunResult`; the files are in ``result.outputs``.
+    """
+    cfg = _as_config(config, overrides)
+    check_device(cfg.device)
+    frames = read_structures(cfg)
+    out = Path(cfg.outputs)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"log": out / "run.log", "config": out / "config.yaml"}
+    _atomic_write_text(files["config"], _yaml_dump(cfg.to_dict()))
+    with RunLog(files["log"]) as log:
+        log.write(f"mace-accel {_version()}: task {cfg.task}, structure {cfg.struct} "
+                  f"({len(frames)} frame(s)), model {cfg.model_path}")
+        log.write(f"device {cfg.device}, dtype {cfg.dtype}, backend {cfg.backend}, "
+                  f"head {cfg.head or '(default)'}")
+        calc = make_calculator(cfg, compute_stress=_needs_stress(cfg, frames))
+        backend = getattr(calc, "backend", None)
+        report = getattr(calc, "report", None)
+        log.write(f"active backend: {backend}")
+        if report is not None:
+            log.write(str(report))
+        task = {"singlepoint": run_singlepoint, "geomopt": run_geomopt, "md": run_md}[cfg.task]
+        try:
+            summary, task_files = task(cfg, frames, calc, log, progress_stream)
+        except KeyboardInterrupt:
+            log.write("interrupted by the user; the files written so far are kept")
+            raise
+        files.update(task_files)
+        log.write("finished: " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
+    return RunResult(cfg.task, out, files, backend, summary)
+
+
+def dry_run(config: RunConfig | str | Path,
+            overrides: Optional[Mapping[str, Any]] = None) -> str:
+    """Validate a run and describe it, without loading the model or writing anything."""
+    cfg = _as_config(config, overrides)
+    frames = read_structures(cfg)
+    formulas = sorted({a.get_chemical_formula() for a in frames})
+    shown = ", ".join(formulas[:5]) + (", ..." if len(formulas) > 5 else "")
+    lines = [f"# dry run: {cfg.task} on {len(frames)} frame(s) ({shown}) of "
+             f"{len(frames[0])}{'+' if len({len(a) for a in frames}) > 1 else ''} atoms",
+             f"# model: {cfg.model_path}{' (bundled)' if cfg.model is None else ''}",
+             f"# outputs would go to {cfg.outputs}"]
+    try:
+        check_device(cfg.device)
+    except BackendUnavailableError as exc:
+        lines.append(f"# note: this run would fail here: {exc}")
+    lines += [_yaml_dump(cfg.to_dict()).rstrip()]
+    return "\n".join(lines)
+
+
+def _as_config(config: RunConfig | str | Path,
+               overrides: Optional[Mapping[str, Any]]) -> RunConfig:
+    if isinstance(config, RunConfig):
+        if overrides:
+            raise ConfigError("overrides apply to a run file; build the RunConfig with the "
+                              "values you want instead")
+        return config
+    return load_run_config(config, overrides)
+
+
+def check_device(device: str) -> None:
+    """Raise a clear error, with the run-file fix, if ``device`` names a GPU torch cannot see."""
+    from .checkpoint import resolve_device
+
+    try:
+        resolve_device(device)
+    except BackendUnavailableError as exc:
+        raise BackendUnavailableError(
+            f"{exc}. In a run file: set `device: cpu` (or pass --set device=cpu)") from None
+
+
+def read_structures(cfg: RunConfig) -> List[Any]:
+    """All frames of ``cfg.struct`` for singlepoint, else a one-element list (the last frame)."""
+    import ase.io
+
+    index = ":" if cfg.task == "singlepoint" else -1
+    try:
+        frames = ase.io.read(str(cfg.struct), index=index)
+    except Exception as exc:  # ase raises many types for unreadable files
+        raise InputError(f"could not read structure file {str(cfg.struct)!r} with ase.io.read: "
+                         f"{type(exc).__name__}: {exc}") from None
+    frames = frames if isinstance(frames, list) else [frames]
+    if not frames or any(len(a) == 0 for a in frames):
+        raise InputError(f"structure file {str(cfg.struct)!r} holds no atoms")
+    return frames
+
+
+def make_calculator(cfg: RunConfig, compute_stress: bool):
+    """The ASE calculator of a run (loads the model, patches it, verifies it)."""
+    from .calculator import MACEAccelCalculator
+
+    path = cfg.model_path
+    if not path.is_file():
+        where = "the bundled default model" if cfg.model is None else "model"
+        raise ConfigError(f"{where} not found at {str(path)!r}; set `model:` in the run file")
+    return MACEAccelCalculator(model=path, device=cfg.device, default_dtype=cfg.dtype,
+                               head=cfg.head, compute_stress=compute_stress,
+                               backend=cfg.backend, verify=cfg.verify, fallback=cfg.fallback)
+
+
+def _needs_stress(cfg: RunConfig, frames: List[Any]) -> bool:
+    """Stress costs an extra derivative: compute it only where the task uses it."""
+    if cfg.task == "singlepoint":
+        return "stress" in cfg.singlepoint.properties and any(_periodic(a) for a in frames)
+    if cfg.task == "geomopt":
+        return cfg.geomopt.relax_cell
+    return cfg.md.ensemble == "npt"
+
+
+def _periodic(atoms) -> bool:
+    return bool(np.all(atoms.pbc)) and atoms.cell.rank == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# output helpers
+
+
+class RunLog:
+    """Timestamped lines in ``run.log``, flushed after each write."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.file: TextIO = open(self.path, "w")
+
+    def write(self, text: str) -> None:
+        stamp = datetime.datetime.now().isoformat(timespec="seconds")
+        for line in str(text).splitlines() or [""]:
+            self.file.write(f"{stamp}  {line}\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> "RunLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def snapshot(atoms, properties: Optional[List[str]] = None):
+    """A copy of ``atoms`` holding its calculator's results in a ``SinglePointCalculator``.
+
+    Args:
+        properties: keep only these results (default: every standard ASE property computed).
+    """
+    from ase.calculators.calculator import all_properties
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    results = dict(atoms.calc.results) if atoms.calc is not None else {}
+    keep = set(properties) if properties is not None else set(all_properties)
+    results = {k: v for k, v in results.items() if k in keep}
+    copy = atoms.copy()
+    copy.calc = SinglePointCalculator(copy, **{k: np.array(v) if np.ndim(v) else v
+                                               for k, v in results.items()})
+    return copy
+
+
+def write_frame(handle: TextIO, atoms) -> None:
+    """Append one extxyz frame and flush it to disk."""
+    import ase.io
+
+    ase.io.write(handle, atoms, format="extxyz")
+    handle.flush()
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temp path next to ``path``; rename it onto ``path`` only if the block succeeds."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def _atomic_write_frames(path: Path, frames: List[Any]) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        for atoms in frames:
+            write_frame(f, atoms)
+
+
+def _yaml_dump(data: Mapping[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(dict(data), sort_keys=False)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _progress(cfg: RunConfig, total: int, desc: str, stream: Optional[TextIO]) -> ProgressBar:
+    return ProgressBar(total, desc=desc, stream=stream, enabled=None if cfg.progress else False)
+
+
+def _max_force(atoms) -> float:
+    forces = atoms.get_forces()
+    return float(np.sqrt((forces**2).sum(axis=1)).max()) if len(forces) else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# tasks: each returns (summary, {role: path})
+
+
+def run_singlepoint(cfg: RunConfig, frames: List[Any], calc, log: RunLog,
+                    progress_stream: Optional[TextIO] = None):
+    """Evaluate ``singlepoint.properties`` on every frame; write ``results.extxyz``."""
+    out = Path(cfg.outputs) / "results.extxyz"
+    partial = out.with_name(out.name + ".partial")
+    wanted = list(cfg.singlepoint.properties)
+    skipped_stress = 0
+    with open(partial, "w") as handle, _progress(cfg, len(frames), "singlepoint",
+                                                 progress_stream) as bar:
+        for i, atoms in enumerate(frames):
+            props = [p for p in wanted if p != "stress" or _periodic(atoms)]
+            skipped_stress += len(props) < len(wanted)
+            atoms.calc = calc
+            calc.get_properties(props, atoms)
+            frame = snapshot(atoms, props)
+            write_frame(handle, frame)
+            log.write(f"frame {i}: {len(atoms)} atoms, energy {frame.get_potential_energy():.8f} eV")
+            bar.update()
+    os.replace(partial, out)
+    if skipped_stress:
+        log.write(f"stress left out for {skipped_stress} frame(s) without a 3D periodic cell")
+    return {"frames": len(frames), "stress_skipped": skipped_stress}, {"results": out}
+
+
+def _make_optimizer(name: str):
+    from ase import optimize
+
+    return {"FIRE": optimize.FIRE, "BFGS": optimize.BFGS, "LBFGS": optimize.LBFGS}[name]
+
+
+def _cell_filter(atoms):
+    try:
+        from ase.filters import FrechetCellFilter
+
+        return FrechetCellFilter(atoms)
+    except ImportError:
+        pass
+    try:
+        from ase.filters import ExpCellFilter
+    except ImportError:
+        try:
+            from ase.constraints import ExpCellFilter  # ase < 3.23
+        except ImportError:
+            raise InputError("geomopt.relax_cell needs ase's FrechetCellFilter or "
+                             "ExpCellFilter; upgrade ase (pip install -U ase)") from None
+    return ExpCellFilter(atoms)
+
+
+def run_geomopt(cfg: RunConfig, frames: List[Any], calc, log: RunLog,
+                progress_stream: Optional[TextIO] = None):
+    """Relax one frame with an ASE optimizer; trajectory as it goes, final frame atomically."""
+    opts = cfg.geomopt
+    atoms = frames[-1]
+    atoms.calc = calc
+    if opts.relax_cell and not _periodic(atoms):
+        raise InputError("geomopt.relax_cell needs a structure with a 3D periodic cell; set "
+                         "relax_cell: false or give the structure a cell and pbc")
+    out = Path(cfg.outputs)
+    files: Dict[str, Path] = {"final": out / "final.extxyz"}
+    fmax0 = _max_force(atoms)
+    log.write(f"geomopt: {opts.optimizer}, fmax {opts.fmax} eV/Å, at most {opts.steps} steps, "
+              f"relax_cell {opts.relax_cell}; initial max force {fmax0:.6g} eV/Å")
+    target = _cell_filter(atoms) if opts.relax_cell else atoms
+    with contextlib.ExitStack() as stack:
+        traj = None
+        if opts.traj_every:
+            files["trajectory"] = out / "trajectory.extxyz"
+            traj = stack.enter_context(open(files["trajectory"], "w"))
+        bar = stack.enter_context(_progress(cfg, opts.steps, "geomopt", progress_stream))
+        opt = _make_optimizer(opts.optimizer)(target, logfile=log.file)
+        if traj is not None:
+            opt.attach(lambda: write_frame(traj, snapshot(atoms)), interval=opts.traj_every)
+        opt.attach(lambda: bar.update() if opt.nsteps else None, interval=1)
+        converged = bool(opt.run(fmax=opts.fmax, steps=opts.steps))
+    fmax1 = _max_force(atoms)
+    _atomic_write_frames(files["final"], [snapshot(atoms)])
+    if not converged:
+        log.write(f"warning: not converged to fmax {opts.fmax} in {opts.steps} steps")
+    summary = {"converged": converged, "steps": int(opt.nsteps), "initial_fmax": fmax0,
+               "final_fmax": fmax1, "energy": float(atoms.get_potential_energy())}
+    return summary, files
+
+
+def _npt_class():
+    try:
+        from ase.md.melchionna import MelchionnaNPT
+
+        return MelchionnaNPT
+    except ImportError:
+        pass
+    try:
+        from ase.md.npt import NPT
+    except ImportError:
+        raise InputError("md.ensemble npt needs ASE's NPT (Melchionna) integrator, which this ase "
+                         "does not have; upgrade ase (pip install -U ase)") from None
+    return NPT
+
+
+def _make_dynamics(cfg: RunConfig, atoms, rng: np.random.Generator):
+    from ase import units
+
+    md = cfg.md
+    dt = md.timestep * units.fs
+    if md.ensemble == "nve":
+        from ase.md.verlet import VelocityVerlet
+
+        return VelocityVerlet(atoms, timestep=dt)
+    if md.ensemble == "nvt":
+        from ase.md.langevin import Langevin
+
+        return Langevin(atoms, timestep=dt, temperature_K=md.temperature,
+                        friction=md.friction / units.fs, rng=rng)
+    if not _periodic(atoms):
+        raise InputError("md.ensemble npt needs a structure with a 3D periodic cell")
+    cell = np.asarray(atoms.cell)
+    if not (np.allclose(np.triu(cell, 1), 0) or np.allclose(np.tril(cell, -1), 0)):
+        raise InputError("ASE's NPT integrator needs a triangular cell matrix; rotate the "
+                         "structure so the cell is upper or lower triangular (e.g. "
+                         "atoms.set_cell(atoms.cell.standard_form()[0], scale_atoms=True))")
+    pfactor = (md.taup * units.fs) ** 2 * md.bulk_modulus * units.GPa
+    return _npt_class()(atoms, timestep=dt, temperature_K=md.temperature,
+                        externalstress=md.pressure * units.bar, ttime=md.taut * units.fs,
+                        pfactor=pfactor)
+
+
+def _init_velocities(atoms, temperature: float, seed: int, rng: np.random.Generator,
+                     log: RunLog) -> None:
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+
+    if atoms.has("momenta") and np.any(atoms.get_momenta() != 0):
+        log.write("md: starting from the momenta stored in the structure")
+        return
+    MaxwellBoltzmannDistribution(atoms, temperature_K=temperature, rng=rng)
+    Stationary(atoms)  # no drift of the centre of mass
+    log.write(f"md: Maxwell-Boltzmann velocities at {temperature} K (seed {seed})")
+
+
+class _StatsWriter:
+    """Rows of ``stats.dat`` (whitespace columns, ``#`` header), flushed after each row."""
+
+    def __init__(self, handle: TextIO, atoms, npt: bool, step_offset: Callable[[], int],
+                 timestep_fs: float) -> None:
+        self.handle, self.atoms, self.npt = handle, atoms, npt
+        self.step_offset, self.timestep_fs = step_offset, timestep_fs
+        columns = STATS_COLUMNS + (NPT_STATS_COLUMNS if npt else ())
+        handle.write("# " + " ".join(columns) + "\n")
+        handle.flush()
+
+    def __call__(self) -> None:
+        from ase import units
+
+        a = self.atoms
+        step = self.step_offset()
+        epot, ekin = a.get_potential_energy(), a.get_kinetic_energy()
+        row = [f"{step:16d}", f"{step * self.timestep_fs:16.6f}", f"{epot:16.8f}",
+               f"{ekin:16.8f}", f"{epot + ekin:16.8f}", f"{a.get_temperature():16.6f}"]
+        if self.npt:
+            pressure = -np.trace(a.get_stress(voigt=False, include_ideal_gas=True)) / 3.0
+            row += [f"{a.get_volume():16.6f}", f"{pressure / units.bar:16.6f}"]
+        self.handle.write(" ".join(row) + "\n")
+        self.handle.flush()
+
+
+def run_md(cfg: RunConfig, frames: List[Any], calc, log: RunLog,
+           progress_stream: Optional[TextIO] = None):
+    """Molecular dynamics of one frame; trajectory and stats as it goes, final frame atomically."""
+    md = cfg.md
+    atoms = frames[-1]
+    atoms.calc = calc
+    rng = np.random.default_rng(md.seed)
+    _init_velocities(atoms, md.temperature, md.seed, rng, log)
+    dyn = _make_dynamics(cfg, atoms, rng)
+    out = Path(cfg.outputs)
+    files: Dict[str, Path] = {"stats": out / "stats.dat", "final": out / "final.extxyz"}
+    log.write(f"md: {md.ensemble}, {md.steps} steps of {md.timestep} fs, {md.temperature} K"
+              + (f", {md.pressure} bar" if md.ensemble == "npt" else ""))
+    with contextlib.ExitStack() as stack:
+        stats = stack.enter_context(open(files["stats"], "w"))
+        dyn.attach(_StatsWriter(stats, atoms, md.ensemble == "npt", lambda: dyn.nsteps,
+                                md.timestep), interval=md.stats_every)
+        if md.traj_every:
+            files["trajectory"] = out / "trajectory.extxyz"
+            traj = stack.enter_context(open(files["trajectory"], "w"))
+            dyn.attach(lambda: write_frame(traj, snapshot(atoms)), interval=md.traj_every)
+        bar = stack.enter_context(_progress(cfg, md.steps, f"md {md.ensemble}", progress_stream))
+        dyn.attach(lambda: bar.update() if dyn.nsteps else None, interval=1)
+        dyn.run(md.steps)
+    _atomic_write_frames(files["final"], [snapshot(atoms)])
+    summary = {"steps": int(dyn.nsteps), "time_fs": dyn.nsteps * md.timestep,
+               "final_temperature_K": float(atoms.get_temperature()),
+               "final_epot": float(atoms.get_potential_energy())}
+    return summary, files

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# One command for the GPU machine: the GPU test suite, the standard side-by-side benchmark,
+# and a short summary printed LAST (the device tool returns the tail of the output).
+#
+# Usage: bash scripts/gpu_suite.sh [--tests-only | --bench-only] [--quick] [--no-install]
+#   --tests-only   only `python -m pytest -m gpu -q`          (log: $OUT/gpu_tests.log)
+#   --bench-only   only the benchmark                          (JSON/PNG: $OUT/bench/)
+#   --quick        benchmark mp-medium float32 at 256,2048 atoms, 10 repeats
+#   --no-install   skip `pip install -e .`
+# Environment: OUT (default ./out), TESTS_TIMEOUT (s, default 180),
+#   BENCH_TIME_LIMIT (s of measurements, default 220; the process gets 45 s more to finish).
+# Defaults keep the whole run under 9 minutes.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+
+OUT="${OUT:-$PWD/out}"
+TESTS_TIMEOUT="${TESTS_TIMEOUT:-180}"
+BENCH_TIME_LIMIT="${BENCH_TIME_LIMIT:-220}"
+run_tests=1; run_bench=1; quick=0; install=1
+for arg in "$@"; do
+  case "$arg" in
+    --tests-only) run_bench=0 ;;
+    --bench-only) run_tests=0 ;;
+    --quick) quick=1 ;;
+    --no-install) install=0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    *) echo "gpu_suite.sh: unknown argument '$arg' (use --tests-only, --bench-only, --quick," \
+            "--no-install)" >&2; exit 2 ;;
+  esac
+done
+if [ "$run_tests" = 0 ] && [ "$run_bench" = 0 ]; then
+  echo "gpu_suite.sh: --tests-only and --bench-only exclude each other" >&2; exit 2
+fi
+mkdir -p "$OUT"
+
+if [ -f .gpu-deps/setup.sh ]; then
+  # shellcheck disable=SC1091
+  source .gpu-deps/setup.sh
+fi
+install_note="skipped"
+if [ "$install" = 1 ]; then
+  if pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip_install.log" 2>&1; then
+    install_note="ok"
+  else
+    install_note="FAILED (see $OUT/pip_install.log)"
+    tail -n 20 "$OUT/pip_install.log"
+  fi
+fi
+# read-only look at the card's state, for the notes
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm,temperature.gpu \
+  --format=csv > "$OUT/gpu_state.csv" 2>&1 || true
+
+tests_line="not run"; tests_failures=""
+if [ "$run_tests" = 1 ]; then
+  echo "== GPU tests (timeout ${TESTS_TIMEOUT}s, log $OUT/gpu_tests.log)"
+  timeout --signal=INT --kill-after=20 "$TESTS_TIMEOUT" \
+    python -m pytest -m gpu -q -rfE -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  tests_rc=$?
+  tests_line=$(grep -E "[0-9]+ (passed|failed|error|errors|skipped|deselected)|no tests ran" \
+               "$OUT/gpu_tests.log" | tail -n 1)
+  [ -z "$tests_line" ] && tests_line="no pytest summary line (exit $tests_rc); see the log"
+  [ "$tests_rc" = 124 ] && tests_line="TIMED OUT after ${TESTS_TIMEOUT}s: $tests_line"
+  tests_failures=$(grep -E "^(FAILED|ERROR) " "$OUT/gpu_tests.log" | head -n 15)
+fi
+
+bench_line="not run"
+if [ "$run_bench" = 1 ]; then
+  if [ "$quick" = 1 ]; then
+    bench_args=(--models mp-medium --dtypes float32 --sizes 256,2048 --repeats 10 --warmup 3)
+  else
+    bench_args=(--models mp-medium,mp-large --dtypes float32,float64 --sizes 256,2048,6912
+                --repeats 20 --warmup 5)
+  fi
+  echo "== benchmark (measurements stop after ${BENCH_TIME_LIMIT}s, log $OUT/bench.log)"
+  timeout --signal=INT --kill-after=15 "$((BENCH_TIME_LIMIT + 45))" \
+    python -m mace_accel.bench "${bench_args[@]}" --backends e3nn,cueq,oeq,mace-accel \
+      --device cuda --time-limit "$BENCH_TIME_LIMIT" --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+  bench_rc=$?
+  case "$bench_rc" in
+    0) bench_line="ok" ;;
+    1) bench_line="finished; some backend FAILED (see the table)" ;;
+    124) bench_line="KILLED at $((BENCH_TIME_LIMIT + 45))s; table from the last saved JSON" ;;
+    *) bench_line="exit $bench_rc (see $OUT/bench.log)" ;;
+  esac
+fi
+
+echo
+echo "================================ summary ================================"
+echo "install: $install_note    gpu: $(tail -n 1 "$OUT/gpu_state.csv" 2>/dev/null)"
+echo "GPU tests: $tests_line"
+[ -n "$tests_failures" ] && echo "$tests_failures"
+if [ "$run_bench" = 1 ]; then
+  echo "benchmark: $bench_line"
+  if [ -f "$OUT/bench/bench.json" ]; then
+    python -m mace_accel.bench --summarize "$OUT/bench/bench.json" 2>&1 | tail -n 70
+  else
+    tail -n 30 "$OUT/bench.log"
+  fi
+fi
+echo "total ${SECONDS}s; logs and results under $OUT"

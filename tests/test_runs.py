@@ -1,0 +1,262 @@
+"""YAML runs end to end: every example config in configs/, run for a few steps on the CPU."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import ase.io
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from mace_accel import cli, runs
+from mace_accel.accelerate import evaluate
+from mace_accel.batch import atoms_to_batch, model_info
+from mace_accel.config import load_run_config
+from mace_accel.errors import BackendUnavailableError, ConfigError
+from mace_accel.models import small_test_model
+from mace_accel.progress import ProgressBar
+from mace_accel.tolerances import rel_norm_error
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A tiny fp64 Cu/Ni model (random weights) saved to disk, and the module itself."""
+    model = small_test_model("RealAgnosticResidualInteractionBlock", elements=(28, 29),
+                             hidden_irreps="4x0e+4x1o", seed=1)
+    path = tmp_path_factory.mktemp("model") / "cuni.model"
+    torch.save(model, path)
+    return path, model
+
+
+def run_example(name: str, tmp_path: Path, model: Path, **overrides):
+    """Run configs/<name>.yaml on the CPU with the tiny model, outputs into tmp_path."""
+    base = {"device": "cpu", "backend": "reference", "dtype": "float64", "model": str(model),
+            "outputs": str(tmp_path / "out"), "progress": False}
+    return runs.run(CONFIGS / f"{name}.yaml", {**base, **overrides})
+
+
+def read_stats(path: Path):
+    header = path.read_text().splitlines()[0]
+    assert header.startswith("# ")
+    return header[2:].split(), np.atleast_2d(np.loadtxt(path))
+
+
+def no_temp_files(directory: Path) -> bool:
+    return not [p for p in directory.iterdir() if p.name.endswith((".tmp", ".partial"))]
+
+
+def test_singlepoint_matches_the_model(tiny_model, tmp_path):
+    path, model = tiny_model
+    result = run_example("singlepoint", tmp_path, path)
+    out = result.outputs
+    assert result.backend == "reference" and result.summary["frames"] == 4
+    frames = ase.io.read(out / "results.extxyz", ":")
+    inputs = ase.io.read(CONFIGS / "structures" / "cu_ni_fcc32_frames.extxyz", ":")
+    assert len(frames) == 4 and no_temp_files(out)
+    info = model_info(model)
+    for got, atoms in zip(frames, inputs):
+        np.testing.assert_allclose(got.positions, atoms.positions, atol=1e-8)
+        want = evaluate(model, atoms_to_batch(atoms, info), compute_stress=True)
+        assert rel_norm_error(torch.tensor(got.get_potential_energy()), want["energy"][0]) < 1e-10
+        assert rel_norm_error(torch.from_numpy(got.get_forces()), want["forces"]) < 1e-10
+        assert rel_norm_error(torch.from_numpy(got.get_stress(voigt=False)),
+                              want["stress"][0]) < 1e-10
+    log = (out / "run.log").read_text()
+    assert "active backend: reference" in log and "frame 3:" in log
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["task"] == "singlepoint" and saved["device"] == "cpu"
+
+
+def test_singlepoint_without_cell_leaves_stress_out(tiny_model, tmp_path):
+    (tmp_path / "dimer.xyz").write_text("2\n\nCu 0 0 0\nNi 0 0 2.4\n")
+    run_file = tmp_path / "sp.yaml"
+    run_file.write_text(yaml.safe_dump({"task": "singlepoint", "struct": "dimer.xyz",
+                                        "singlepoint": {"properties": ["energy", "stress"]}}))
+    result = runs.run(run_file, {"device": "cpu", "backend": "reference",
+                                 "model": str(tiny_model[0])})
+    assert result.outputs == tmp_path / "sp-results"
+    frame = ase.io.read(result.outputs / "results.extxyz")
+    assert "stress" not in frame.calc.results and "forces" not in frame.calc.results
+    assert np.isfinite(frame.get_potential_energy())
+    assert result.summary["stress_skipped"] == 1
+    assert "stress left out for 1 frame(s)" in (result.outputs / "run.log").read_text()
+
+
+def test_geomopt_reduces_the_max_force(tiny_model, tmp_path):
+    result = run_example("geomopt", tmp_path, tiny_model[0], **{"geomopt.steps": 6})
+    out, s = result.outputs, result.summary
+    assert 1 <= s["steps"] <= 6 and s["final_fmax"] < s["initial_fmax"]
+    final = ase.io.read(out / "final.extxyz")
+    f = np.linalg.norm(final.get_forces(), axis=1).max()
+    assert f == pytest.approx(s["final_fmax"], rel=1e-10)
+    assert np.isfinite(final.get_stress()).all()  # relax_cell: true in the example
+    traj = ase.io.read(out / "trajectory.extxyz", ":")
+    assert len(traj) == s["steps"] + 1  # step 0 and every step after it
+    first = np.linalg.norm(traj[0].get_forces(), axis=1).max()
+    assert first == pytest.approx(s["initial_fmax"], rel=1e-10)
+    assert not np.allclose(traj[0].cell, final.cell)  # the cell was relaxed too
+    assert "FIRE" in (out / "run.log").read_text() and no_temp_files(out)
+
+
+def test_md_nve_conserves_energy(tiny_model, tmp_path):
+    steps = 20
+    result = run_example("md_nve", tmp_path, tiny_model[0],
+                         **{"md.steps": steps, "md.timestep": 0.25, "md.stats_every": 1,
+                            "md.traj_every": 5})
+    out = result.outputs
+    columns, stats = read_stats(out / "stats.dat")
+    assert columns == list(runs.STATS_COLUMNS)
+    assert len(stats) == steps + 1
+    np.testing.assert_array_equal(stats[:, 0], np.arange(steps + 1))
+    np.testing.assert_allclose(stats[:, 1], 0.25 * np.arange(steps + 1))
+    np.testing.assert_allclose(stats[:, 4], stats[:, 2] + stats[:, 3], atol=1e-7)
+    assert stats[0, 5] > 100  # Maxwell-Boltzmann velocities at 300 K
+    etot, ekin = stats[:, 4], stats[:, 3]
+    drift = np.abs(etot - etot[0]).max()
+    assert drift < 1e-3 * max(np.ptp(ekin), 1e-3) + 1e-5, (drift, np.ptp(ekin))
+    assert len(ase.io.read(out / "trajectory.extxyz", ":")) == steps // 5 + 1
+    final = ase.io.read(out / "final.extxyz")
+    assert final.get_potential_energy() == pytest.approx(stats[-1, 2], abs=1e-7)
+    assert result.summary["steps"] == steps and no_temp_files(out)
+
+
+def test_md_langevin_is_seeded(tiny_model, tmp_path):
+    over = {"md.steps": 6, "md.stats_every": 2, "md.traj_every": 3, "md.timestep": 1.0}
+    a = run_example("md_langevin", tmp_path / "a", tiny_model[0], **over)
+    b = run_example("md_langevin", tmp_path / "b", tiny_model[0], **over)
+    c = run_example("md_langevin", tmp_path / "c", tiny_model[0], **over, **{"md.seed": 7})
+    _, sa = read_stats(a.outputs / "stats.dat")
+    _, sb = read_stats(b.outputs / "stats.dat")
+    _, sc = read_stats(c.outputs / "stats.dat")
+    assert len(sa) == 6 // 2 + 1
+    np.testing.assert_array_equal(sa, sb)
+    assert not np.allclose(sa[1:, 3], sc[1:, 3])
+    assert len(ase.io.read(a.outputs / "trajectory.extxyz", ":")) == 3
+
+
+def test_md_npt_writes_volume_and_pressure(tiny_model, tmp_path):
+    result = run_example("md_npt", tmp_path, tiny_model[0],
+                         **{"md.steps": 4, "md.stats_every": 1, "md.traj_every": 2})
+    columns, stats = read_stats(result.outputs / "stats.dat")
+    assert columns == list(runs.STATS_COLUMNS + runs.NPT_STATS_COLUMNS)
+    assert stats.shape == (5, len(columns)) and np.isfinite(stats).all()
+    start = ase.io.read(CONFIGS / "structures" / "cu_ni_fcc32.extxyz")
+    assert stats[0, 6] == pytest.approx(start.get_volume())
+    assert stats[-1, 6] != stats[0, 6]  # the barostat moves the cell
+    final = ase.io.read(result.outputs / "final.extxyz")
+    assert final.get_volume() == pytest.approx(stats[-1, 6])
+
+
+def test_md_starts_from_stored_momenta(tiny_model, tmp_path):
+    atoms = ase.io.read(CONFIGS / "structures" / "cu_ni_fcc32.extxyz")
+    rng = np.random.default_rng(0)
+    atoms.set_momenta(rng.normal(0, 0.05, (len(atoms), 3)))
+    ase.io.write(tmp_path / "moving.extxyz", atoms)
+    run_file = tmp_path / "md.yaml"
+    run_file.write_text(yaml.safe_dump({"task": "md", "struct": "moving.extxyz",
+                                        "md": {"steps": 1, "temperature": 5000}}))
+    result = runs.run(run_file, {"device": "cpu", "backend": "reference", "progress": False,
+                                 "model": str(tiny_model[0])})
+    _, stats = read_stats(result.outputs / "stats.dat")
+    assert stats[0, 3] == pytest.approx(atoms.get_kinetic_energy())
+
+
+def test_interrupted_md_keeps_what_it_did(tiny_model, tmp_path, monkeypatch):
+    real_update = ProgressBar.update
+
+    def interrupt_after_3(self, n=1):
+        real_update(self, n)
+        if self.n >= 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ProgressBar, "update", interrupt_after_3)
+    with pytest.raises(KeyboardInterrupt):
+        run_example("md_nve", tmp_path, tiny_model[0],
+                    **{"md.steps": 50, "md.stats_every": 1, "md.traj_every": 1})
+    out = tmp_path / "out"
+    _, stats = read_stats(out / "stats.dat")
+    assert len(stats) == 4  # steps 0..3, flushed as they were written
+    assert len(ase.io.read(out / "trajectory.extxyz", ":")) == 4
+    assert not (out / "final.extxyz").exists() and no_temp_files(out)
+    assert "interrupted" in (out / "run.log").read_text()
+
+
+def test_cli_run_prints_the_summary(tiny_model, tmp_path, capsys):
+    code = cli.main(["run", str(CONFIGS / "md_nve.yaml"), "--set", "device=cpu",
+                     "--set", "backend=reference", "--set", f"model={tiny_model[0]}",
+                     "--set", f"outputs={tmp_path}", "--set", "md.steps=2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "md finished (backend 'reference')" in out and "steps: 2" in out
+    assert (tmp_path / "stats.dat").is_file()
+
+
+def test_runs_refuse_a_missing_gpu_and_a_missing_model(tiny_model, tmp_path):
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailableError, match="device: cpu"):
+            runs.run(CONFIGS / "md_nve.yaml", {"outputs": str(tmp_path)})
+    cfg = load_run_config(CONFIGS / "md_nve.yaml", {"device": "cpu", "outputs": str(tmp_path),
+                                                    "model": str(tiny_model[0])})
+    with pytest.raises(ConfigError, match="overrides apply to a run file"):
+        runs.run(cfg, {"md.steps": 1})
+
+
+def test_dry_run_describes_without_writing(tmp_path):
+    text = runs.dry_run(CONFIGS / "md_npt.yaml", {"outputs": str(tmp_path / "o")})
+    assert "md on 1 frame(s) (Cu24Ni8) of 32 atoms" in text and "(bundled)" in text
+    assert yaml.safe_load(text)["md"]["ensemble"] == "npt"
+    assert not (tmp_path / "o").exists()
+
+
+# -- progress bar ------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_progress_bar_rate_and_eta():
+    clock = FakeClock()
+    stream = io.StringIO()
+    bar = ProgressBar(100, desc="md", stream=stream, enabled=True, min_interval=0.0,
+                      width=10, clock=clock)
+    clock.t = 5.0
+    bar.update(25)
+    assert bar.render() == "md [##........] 25/100 5 it/s ETA 00:15"
+    clock.t = 20.0
+    bar.update(75)
+    bar.close()
+    text = stream.getvalue()
+    assert text.endswith("\n") and "100/100" in text and "00:20 total" in text
+
+
+def test_progress_bar_is_silent_off_a_terminal():
+    stream = io.StringIO()  # not a TTY
+    with ProgressBar(10, stream=stream) as bar:
+        for _ in range(10):
+            bar.update()
+    assert stream.getvalue() == ""
+    with ProgressBar(10, stream=stream, enabled=False) as bar:
+        bar.update(10)
+    assert stream.getvalue() == ""
+
+
+def test_progress_bar_throttles_redraws():
+    clock = FakeClock()
+    stream = io.StringIO()
+    bar = ProgressBar(1000, stream=stream, enabled=True, min_interval=1.0, clock=clock)
+    for i in range(999):
+        clock.t = i * 1e-3  # 999 updates within one second: one draw
+        bar.update()
+    assert stream.getvalue().count("\r") == 1
+    bar.update()  # the last step always draws
+    assert stream.getvalue().count("\r") == 2
