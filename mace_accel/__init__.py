@@ -11,15 +11,25 @@ Public API (imported lazily; importing this package does no work and sets no glo
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.1.0"
 
+# In a source checkout run with the repo root on sys.path (``python -m pytest``), ``kernels/``
+# and ``patches/`` sit beside this folder rather than inside it (wheels and editable installs map
+# them with package-dir). Let this package's own search path see them there; nothing global.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if (os.path.isfile(os.path.join(_ROOT, "pyproject.toml"))
+        and os.path.isfile(os.path.join(_ROOT, "patches", "interaction_blocks.py"))
+        and _ROOT not in __path__):
+    __path__.append(_ROOT)
+
+# ``accelerate`` is both a submodule and its main function: import the function now, so a later
+# ``import mace_accel.accelerate`` cannot shadow it with the module (torch is imported; no state).
+from .accelerate import PatchReport, accelerate, is_accelerated, revert  # noqa: E402
+
 _API = {
-    "accelerate": "mace_accel.accelerate",
-    "revert": "mace_accel.accelerate",
-    "is_accelerated": "mace_accel.accelerate",
-    "PatchReport": "mace_accel.accelerate",
     "MACEAccelCalculator": "mace_accel.calculator",
     "mace_mp": "mace_accel.foundations",
     "mace_off": "mace_accel.foundations",
@@ -27,7 +37,8 @@ _API = {
     "default_model_path": "mace_accel.models",
 }
 
-__all__ = sorted(_API) + ["__version__"]
+__all__ = sorted(_API) + ["PatchReport", "__version__", "accelerate", "is_accelerated",
+                          "revert"]
 
 
 def __getattr__(name: str) -> Any:

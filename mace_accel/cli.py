@@ -172,10 +172,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runs import dry_run, run
 
     overrides = dict(parse_override(s) for s in args.set or [])
+    cwd = Path.cwd()  # paths typed on the command line are relative to where it was typed
     if args.dry_run:
-        print(dry_run(args.config, overrides))
+        print(dry_run(args.config, overrides, overrides_base=cwd))
         return EXIT_OK
-    print(run(args.config, overrides))
+    print(run(args.config, overrides, overrides_base=cwd))
     return EXIT_OK
 
 

@@ -114,14 +114,37 @@ def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs) -> Dict[str, List[str]]:
 
 
 def _gy_reduce(cols: Sequence[int], dim2: int) -> List[str]:
-    """Warp-sum the partial d(edge_attrs) and park it in shared memory (0 for unused columns)."""
-    lines = []
-    for c in range(dim2):
-        slot = f"red[(warp * TILE + t) * DIM2 + {c}]"
-        if c in cols:
-            lines.append(f"{{ const real v = warp_sum(py{c}); if (lane == 0) {slot} = v; }}")
-        else:
-            lines.append(f"if (lane == 0) {slot} = (real)0;")
+    """Warp-sum the partial d(edge_attrs) columns and park them in shared memory.
+
+    Transposed butterfly: at each of the first log2(n) steps every lane sends half of its
+    values and keeps the other half, so reducing n columns over 32 lanes takes n + log2 steps'
+    worth of shuffles instead of 5n; afterwards lane ``l`` holds one column's full sum. The
+    order is fixed, so the result is deterministic. Unused columns are sent as zeros.
+    """
+    n = 1
+    while n < dim2:
+        n *= 2
+    if n > 32:
+        raise ValueError(f"edge attributes of {dim2} columns exceed one warp's reduction")
+    v = [f"py{c}" if c in cols else "(real)0" for c in range(dim2)] + ["(real)0"] * (n - dim2)
+    lines = ["{", "  " + " ".join(f"real v{i} = {v[i]};" for i in range(n))]
+    steps, half, offset = 0, n // 2, 16
+    while half >= 1:
+        lines.append(f"  {{ const bool hi = (lane & {offset}) != 0;")
+        for i in range(half):
+            lines.append(f"    {{ const real s = hi ? v{i} : v{i + half}; const real k = hi ? "
+                         f"v{i + half} : v{i}; v{i} = k + __shfl_xor_sync(0xffffffffu, s, {offset}); }}")
+        lines.append("  }")
+        steps, half, offset = steps + 1, half // 2, offset // 2
+    while offset >= 1:  # lanes still holding partial sums of the same column
+        lines.append(f"  v0 += __shfl_xor_sync(0xffffffffu, v0, {offset});")
+        offset //= 2
+    terms = [f"((lane & {16 >> j}) ? {n >> (j + 1)} : 0)" for j in range(steps)]
+    column = " + ".join(terms) if terms else "0"
+    writer = (16 >> (steps - 1)) - 1 if steps else 31
+    lines.append(f"  const int c = {column};")
+    lines.append(f"  if ((lane & {writer}) == 0 && c < DIM2) red[(warp * TILE + t) * DIM2 + c] = v0;")
+    lines.append("}")
     return lines
 
 

@@ -33,6 +33,7 @@ from .errors import ConfigError
 
 TASKS = ("singlepoint", "geomopt", "md")
 SINGLEPOINT_PROPERTIES = ("energy", "free_energy", "forces", "stress", "energies")
+PATH_KEYS = ("struct", "model", "outputs")  # resolved against the run file's directory
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -337,7 +338,7 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".",
                               f"set task: {other}")
     base = Path(base_dir).resolve()
     fixed: Dict[str, Any] = {"task": task}
-    for key in ("struct", "model", "outputs"):
+    for key in PATH_KEYS:
         value = raw.get(key)
         if isinstance(value, (str, Path)) and str(value):
             fixed[key] = (base / Path(value).expanduser()).resolve()
@@ -351,13 +352,16 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".",
     return config
 
 
-def load_run_config(path: Path | str, overrides: Optional[Mapping[str, Any]] = None) -> RunConfig:
+def load_run_config(path: Path | str, overrides: Optional[Mapping[str, Any]] = None,
+                    overrides_base: Optional[Path | str] = None) -> RunConfig:
     """Read, override and validate a YAML run file.
 
     Args:
         path: the YAML file; relative paths inside it are taken from its directory.
         overrides: dotted keys to set before validation (``{"md.steps": 10, "device": "cpu"}``),
             as the CLI's ``--set KEY=VALUE`` does.
+        overrides_base: directory relative paths in ``overrides`` (struct, model, outputs) are
+            taken from (the CLI passes the working directory); default: the run file's.
 
     Raises:
         ConfigError: the file is missing, is not valid YAML, or holds an invalid run.
@@ -376,7 +380,13 @@ def load_run_config(path: Path | str, overrides: Optional[Mapping[str, Any]] = N
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of keys to values, got "
                           f"{type(raw).__name__}")
-    raw = apply_overrides(raw, overrides or {})
+    overrides = dict(overrides or {})
+    if overrides_base is not None:
+        for key in PATH_KEYS:
+            value = overrides.get(key)
+            if isinstance(value, (str, Path)) and str(value):
+                overrides[key] = str((Path(overrides_base) / Path(value).expanduser()).resolve())
+    raw = apply_overrides(raw, overrides)
     try:
         return config_from_dict(raw, base_dir=path.parent, stem=path.stem)
     except ConfigError as exc:

@@ -71,6 +71,7 @@ def _fmt(v: Any) -> str:
 
 
 def run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] = None, *,
+        overrides_base: Optional[Path | str] = None,
         progress_stream: Optional[TextIO] = None) -> RunResult:
     """Run a YAML run file (or a :class:`RunConfig`) to the end.
 
@@ -78,12 +79,14 @@ def run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] =
         config: a run file path or an already validated :class:`RunConfig`.
         overrides: dotted keys set before validation (``{"md.steps": 5, "device": "cpu"}``);
             only with a path.
+        overrides_base: directory relative paths in ``overrides`` are taken from (default: the
+            run file's directory, like the paths in the file).
         progress_stream: where the progress bar draws (default stderr, only if a terminal).
 
     Returns:
         a :class:`RunResult`; the files are in ``result.outputs``.
     """
-    cfg = _as_config(config, overrides)
+    cfg = _as_config(config, overrides, overrides_base)
     check_device(cfg.device)
     frames = read_structures(cfg)
     out = Path(cfg.outputs)
@@ -107,15 +110,19 @@ def run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] =
         except KeyboardInterrupt:
             log.write("interrupted by the user; the files written so far are kept")
             raise
+        except Exception as exc:
+            log.write(f"stopped by an error ({type(exc).__name__}: {exc}); the files written "
+                      "so far are kept")
+            raise
         files.update(task_files)
         log.write("finished: " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
     return RunResult(cfg.task, out, files, backend, summary)
 
 
-def dry_run(config: RunConfig | str | Path,
-            overrides: Optional[Mapping[str, Any]] = None) -> str:
+def dry_run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] = None,
+            overrides_base: Optional[Path | str] = None) -> str:
     """Validate a run and describe it, without loading the model or writing anything."""
-    cfg = _as_config(config, overrides)
+    cfg = _as_config(config, overrides, overrides_base)
     frames = read_structures(cfg)
     formulas = sorted({a.get_chemical_formula() for a in frames})
     shown = ", ".join(formulas[:5]) + (", ..." if len(formulas) > 5 else "")
@@ -131,14 +138,14 @@ def dry_run(config: RunConfig | str | Path,
     return "\n".join(lines)
 
 
-def _as_config(config: RunConfig | str | Path,
-               overrides: Optional[Mapping[str, Any]]) -> RunConfig:
+def _as_config(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]],
+               overrides_base: Optional[Path | str]) -> RunConfig:
     if isinstance(config, RunConfig):
         if overrides:
             raise ConfigError("overrides apply to a run file; build the RunConfig with the "
                               "values you want instead")
         return config
-    return load_run_config(config, overrides)
+    return load_run_config(config, overrides, overrides_base)
 
 
 def check_device(device: str) -> None:
@@ -311,7 +318,8 @@ def run_singlepoint(cfg: RunConfig, frames: List[Any], calc, log: RunLog,
             props = [p for p in wanted if p != "stress" or _periodic(atoms)]
             skipped_stress += len(props) < len(wanted)
             atoms.calc = calc
-            calc.get_properties(props, atoms)
+            for name in props:  # one model call: the first computes all, the rest are cached
+                calc.get_property(name, atoms)
             frame = snapshot(atoms, props)
             write_frame(handle, frame)
             log.write(f"frame {i}: {len(atoms)} atoms, energy {frame.get_potential_energy():.8f} eV")
@@ -408,8 +416,14 @@ def _make_dynamics(cfg: RunConfig, atoms, rng: np.random.Generator):
     if md.ensemble == "nvt":
         from ase.md.langevin import Langevin
 
+        try:  # ase >= 3.28 deprecates fixcm=True in favour of a FixCom constraint
+            from ase.constraints import FixCom
+        except ImportError:
+            return Langevin(atoms, timestep=dt, temperature_K=md.temperature,
+                            friction=md.friction / units.fs, rng=rng, fixcm=True)
+        atoms.set_constraint(list(atoms.constraints) + [FixCom()])
         return Langevin(atoms, timestep=dt, temperature_K=md.temperature,
-                        friction=md.friction / units.fs, rng=rng)
+                        friction=md.friction / units.fs, rng=rng, fixcm=False)
     if not _periodic(atoms):
         raise InputError("md.ensemble npt needs a structure with a 3D periodic cell")
     cell = np.asarray(atoms.cell)
@@ -443,7 +457,9 @@ class _StatsWriter:
         self.handle, self.atoms, self.npt = handle, atoms, npt
         self.step_offset, self.timestep_fs = step_offset, timestep_fs
         columns = STATS_COLUMNS + (NPT_STATS_COLUMNS if npt else ())
-        handle.write("# " + " ".join(columns) + "\n")
+        # "#" + names right-aligned over the 16-character value columns below them
+        handle.write("#" + " ".join([f"{columns[0]:>15}"] + [f"{c:>16}" for c in columns[1:]])
+                     + "\n")
         handle.flush()
 
     def __call__(self) -> None:

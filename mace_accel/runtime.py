@@ -21,10 +21,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .codegen import backward_name, render_backward, render_forward
+from .codegen import backward_name, forward_name, render_backward, render_forward
 from .errors import KernelError
 from .graph import ConvGraph
-from .schedule import DeviceLimits, KernelPlan, plan_kernels
+from .schedule import ConvPlan, DeviceLimits, plan_kernels
 from .spec import TPSpec
 
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -164,22 +164,27 @@ class CudaConvPrimitives:
                               "are implemented; use deterministic=True")
         self.spec, self.dtype = spec, dtype
         self.device = torch.device("cuda", _index(device))
-        self.plan: KernelPlan = plan_kernels(spec, str(dtype).replace("torch.", ""),
-                                             device_limits(self.device))
+        limits = device_limits(self.device)
+        self.arch = limits.arch
+        self.plan: ConvPlan = plan_kernels(spec, str(dtype).replace("torch.", ""), limits)
         self._kernels: Dict[str, _Kernel] = {}
+        # columns no path writes must read as zeros (e3nn semantics)
+        self._out_all_written = {p.i_out for p in spec.paths} == set(range(len(spec.irreps_out)))
+        self._in1_all_read = {p.i_in1 for p in spec.paths} == set(range(len(spec.irreps_in1)))
 
     def _kernel(self, name: str, render) -> _Kernel:
         k = self._kernels.get(name)
         if k is None:
-            k = _Kernel(render(), name, self.device, self.plan.arch)
+            k = _Kernel(render(), name, self.device, self.arch)
             self._kernels[name] = k
         return k
 
     # -- checks before launch -------------------------------------------------------------------
     def _check(self, graph: ConvGraph, **tensors: torch.Tensor) -> None:
         n, e = graph.n_nodes, graph.n_edges
-        rows = {"x": (n, self.plan.dim_in1), "y": (e, self.plan.dim_in2),
-                "w": (e, self.plan.weight_numel), "g": (n, self.plan.dim_out)}
+        s = self.spec
+        rows = {"x": (n, s.dim_in1), "y": (e, s.dim_in2), "w": (e, s.weight_numel),
+                "g": (n, s.dim_out)}
         for name, t in tensors.items():
             if t.dtype != self.dtype:
                 raise KernelError(f"{name}: expected {self.dtype}, got {t.dtype}")
@@ -200,15 +205,18 @@ class CudaConvPrimitives:
                 w: torch.Tensor) -> torch.Tensor:
         """``out [N, dim_out]``: the fused convolution (see :mod:`mace_accel.reference`)."""
         self._check(graph, x=x, y=y, w=w)
-        out = torch.empty((graph.n_nodes, self.plan.dim_out), dtype=self.dtype, device=x.device)
+        alloc = torch.empty if self._out_all_written else torch.zeros
+        out = alloc((graph.n_nodes, self.spec.dim_out), dtype=self.dtype, device=x.device)
         if graph.n_nodes == 0:
             return out
         row_ptr, perm = graph.csr("receiver")
         sender = graph.index32("sender")
-        k = self._kernel("mace_conv_fwd", lambda: render_forward(self.plan))
-        k.launch(graph.n_nodes, self.plan.threads,
-                 (_ptr(x), _ptr(y), _ptr(w), _ptr(sender), _ptr(row_ptr), _ptr(perm),
-                  _ptr(out), _i32(graph.n_nodes)))
+        for plan in self.plan.launches:
+            name = forward_name(plan)
+            k = self._kernel(name, lambda: render_forward(plan))
+            k.launch(graph.n_nodes, plan.threads,
+                     (_ptr(x), _ptr(y), _ptr(w), _ptr(sender), _ptr(row_ptr), _ptr(perm),
+                      _ptr(out), _i32(graph.n_nodes)))
         return out
 
     def backward(self, graph: ConvGraph, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
@@ -216,19 +224,22 @@ class CudaConvPrimitives:
         """``(gx [N, dim_in1], gy [E, dim_in2], gw [E, weight_numel])``, None where not needed."""
         self._check(graph, x=x, y=y, w=w, g=g)
         needs = tuple(bool(n) for n in needs)
-        n, e = graph.n_nodes, graph.n_edges
-        gx = torch.empty((n, self.plan.dim_in1), dtype=self.dtype, device=x.device) if needs[0] else None
-        gy = torch.empty((e, self.plan.dim_in2), dtype=self.dtype, device=x.device) if needs[1] else None
-        gw = torch.empty((e, self.plan.weight_numel), dtype=self.dtype, device=x.device) if needs[2] else None
+        n, e, s = graph.n_nodes, graph.n_edges, self.spec
+        opts = dict(dtype=self.dtype, device=x.device)
+        gx = (torch.empty if self._in1_all_read else torch.zeros)((n, s.dim_in1), **opts) \
+            if needs[0] else None
+        gy = torch.empty((e, s.dim_in2), **opts) if needs[1] else None
+        gw = torch.empty((e, s.weight_numel), **opts) if needs[2] else None
         if n == 0 or not any(needs):
             return gx, gy, gw
         row_ptr, perm = graph.csr("sender")
         receiver = graph.index32("receiver")
-        name = backward_name(needs)
-        k = self._kernel(name, lambda: render_backward(self.plan, needs))
-        k.launch(n, self.plan.threads,
-                 (_ptr(x), _ptr(y), _ptr(w), _ptr(g), _ptr(receiver), _ptr(row_ptr), _ptr(perm),
-                  _ptr(gx), _ptr(gy), _ptr(gw), _i32(n)))
+        for plan in self.plan.launches:  # launch 0 writes gy, later launches add to it
+            name = backward_name(plan, needs)
+            k = self._kernel(name, lambda: render_backward(plan, needs))
+            k.launch(n, plan.threads,
+                     (_ptr(x), _ptr(y), _ptr(w), _ptr(g), _ptr(receiver), _ptr(row_ptr),
+                      _ptr(perm), _ptr(gx), _ptr(gy), _ptr(gw), _i32(n)))
         return gx, gy, gw
 
 

@@ -115,32 +115,36 @@ def _check_cell(cell: np.ndarray, pbc: np.ndarray) -> None:
 
 
 def _check_distances(atoms, min_distance: float) -> None:
-    """Closest pair below ``min_distance``, periodic images included, via a k-d tree (O(N log N))."""
-    from ase.geometry import complete_cell
+    """Closest pair below ``min_distance``, periodic images included, via a k-d tree."""
+    from ase.geometry import complete_cell, minkowski_reduce
     from scipy.spatial import cKDTree
 
     pbc = np.asarray(atoms.pbc, dtype=bool)
-    cell = complete_cell(np.asarray(atoms.cell.array, dtype=np.float64))
     positions = np.asarray(atoms.positions, dtype=np.float64)
-    if pbc.any():  # wrap into the cell along periodic directions, so images one cell away suffice
+    cell = complete_cell(np.asarray(atoms.cell.array, dtype=np.float64))
+    offsets = np.zeros_like(positions)  # integer cell offsets removed by wrapping
+    if pbc.any():
+        # a reduced basis keeps the lattice but has short, near-orthogonal vectors, so only
+        # images a cell or two away can be within min_distance, however skewed the input cell
+        cell = minkowski_reduce(cell, pbc=pbc)[0]
         frac = np.linalg.solve(cell.T, positions.T).T
-        frac[:, pbc] %= 1.0
-        positions = frac @ cell
+        offsets[:, pbc] = np.floor(frac[:, pbc])
+        positions = (frac - offsets) @ cell
     heights = 1.0 / np.linalg.norm(np.linalg.inv(cell), axis=0)  # distances between lattice planes
-    reach = [int(np.ceil(min_distance / heights[k])) if pbc[k] else 0 for k in range(3)]
+    reach = np.array([int(np.ceil(min_distance / heights[k])) if pbc[k] else 0 for k in range(3)])
     tree = cKDTree(positions)
-    best = None  # (distance, a, b, shift)
+    best = None  # (distance, a, b, image shift in the reduced cell)
     n_pairs = 0
-    for shift in np.ndindex(*(2 * r + 1 for r in reach)):
-        s = np.asarray(shift) - np.asarray(reach)
+    for index in np.ndindex(*(2 * reach + 1)):
+        s = np.asarray(index) - reach
         if tuple(s) < (0, 0, 0):
             continue  # the image at -s gives the same pairs as +s
         if not s.any():
             pairs = tree.query_pairs(min_distance, output_type="ndarray")
             if len(pairs) == 0:
                 continue
-            d = np.linalg.norm(positions[pairs[:, 0]] - positions[pairs[:, 1]], axis=1)
             a_idx, b_idx = pairs[:, 0], pairs[:, 1]
+            d = np.linalg.norm(positions[a_idx] - positions[b_idx], axis=1)
         else:
             found = tree.sparse_distance_matrix(cKDTree(positions + s @ cell), min_distance,
                                                 output_type="ndarray")
@@ -154,9 +158,10 @@ def _check_distances(atoms, min_distance: float) -> None:
     if best is None:
         return
     dist, a, b, s = best
-    symbols = atoms.get_chemical_symbols()
+    crosses = np.any(s - offsets[b] + offsets[a])  # image shift between the unwrapped positions
     where = ("an atom and its own periodic image" if a == b else
-             "across a periodic boundary" if s.any() else "in the same cell")
+             "across a periodic boundary" if crosses else "in the same cell")
+    symbols = atoms.get_chemical_symbols()
     raise InputError(
         f"atoms {a} ({symbols[a]}) and {b} ({symbols[b]}) are {dist:.4f} Å apart ({where}), "
         f"closer than min_distance={min_distance} Å ({n_pairs} such pair(s)); the structure "

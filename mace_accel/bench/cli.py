@@ -2,7 +2,8 @@
 and mace-accel on the same batches, in one process.
 
 The main CLI registers it with :func:`add_bench_parser`; ``python -m mace_accel.bench`` runs
-:func:`main`. Both end in :func:`run_from_args`, which returns the exit code.
+:func:`main`, which goes through the main CLI. Both end in :func:`run_from_args`, which returns
+the exit code.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .backends import BACKENDS, resolve_model_source
 from .runner import DTYPES, BenchConfig, run_bench
 from .systems import SYSTEM_KINDS
 
+EXIT_BACKEND_FAILED = 3
 DESCRIPTION = """\
 Time energy + forces of MACE models with each backend side by side on the same batch (CUDA
 events, warm-up, median of many calls), check each backend's forces against e3nn, and write
@@ -34,25 +36,27 @@ examples:
   mace-accel bench --device cpu --allow-reference --models mp-small --sizes 32 --repeats 3"""
 
 
-def _csv(item: Callable[[str], object], what: str) -> Callable[[str], List]:
+def _csv(item: Callable[[str], object]) -> Callable[[str], List]:
+    """argparse type of a comma-separated list (argparse names the option in its error)."""
     def parse(text: str) -> List:
         items = [t.strip() for t in text.split(",") if t.strip()]
         if not items:
-            raise argparse.ArgumentTypeError(f"{what}: give a comma-separated list")
+            raise argparse.ArgumentTypeError("give a comma-separated list")
         try:
             return [item(t) for t in items]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{what}: could not read {text!r}") from None
+            raise argparse.ArgumentTypeError(f"could not read {text!r} as a list of "
+                                             f"{item.__name__}") from None
     return parse
 
 
-def _choices(allowed: Sequence[str], what: str) -> Callable[[str], List[str]]:
+def _choices(allowed: Sequence[str]) -> Callable[[str], List[str]]:
     def parse(text: str) -> List[str]:
-        items = _csv(str, what)(text)
+        items = _csv(str)(text)
         bad = [i for i in items if i not in allowed]
         if bad:
             raise argparse.ArgumentTypeError(
-                f"{what}: unknown {', '.join(bad)}; choose from {','.join(allowed)}")
+                f"unknown {', '.join(bad)}; choose from {','.join(allowed)}")
         return items
     return parse
 
@@ -64,15 +68,15 @@ def _default_device() -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``bench`` (shared by the subcommand and ``python -m``)."""
     what = parser.add_argument_group("what to run")
-    what.add_argument("--models", type=_csv(str, "--models"), default=["mp-medium"],
+    what.add_argument("--models", type=_csv(str), default=["mp-medium"],
                       help="comma-separated architectures (mp-small, mp-medium, mp-large, "
                            "off-small, off-medium, off-large: random weights) or model files "
                            "(default: mp-medium)")
-    what.add_argument("--dtypes", type=_choices(tuple(DTYPES), "--dtypes"),
+    what.add_argument("--dtypes", type=_choices(tuple(DTYPES)),
                       default=["float32", "float64"], help="default: float32,float64")
-    what.add_argument("--sizes", type=_csv(int, "--sizes"), default=[256, 2048, 6912],
+    what.add_argument("--sizes", type=_csv(int), default=[256, 2048, 6912],
                       help="atom counts; fcc systems round to 4n^3 (default: 256,2048,6912)")
-    what.add_argument("--backends", type=_choices(BACKENDS, "--backends"),
+    what.add_argument("--backends", type=_choices(BACKENDS),
                       default=list(BACKENDS), help=f"default: {','.join(BACKENDS)}")
     what.add_argument("--system", choices=SYSTEM_KINDS, default="auto",
                       help="fcc Cu/Ni supercell, molecular H/C/N/O box, or auto by the "
@@ -105,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="time limit of each search (default: 120)")
     more.add_argument("--md", action="store_true",
                       help="also measure MD throughput with the ASE calculators")
-    more.add_argument("--md-sizes", type=_csv(int, "--md-sizes"), default=[256],
+    more.add_argument("--md-sizes", type=_csv(int), default=[256],
                       help="atom counts for --md (default: 256)")
     more.add_argument("--md-steps", type=int, default=20, help="timed MD steps (default: 20)")
     more.add_argument("--md-warmup", type=int, default=5, help="untimed MD steps (default: 5)")
@@ -128,7 +132,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run the benchmark; 0 on success, 1 if a backend failed, 2 for invalid options."""
+    """Run the benchmark; 0 on success, 2 for invalid options, 3 if it finished but a backend
+    failed (its error is in the table and JSON)."""
     from .report import (JSON_NAME, environment, load_json, render_summary, write_json,
                          write_outputs)
 
@@ -161,7 +166,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(render_summary(result))
     failed = [r for r in list(result.records) + list(result.md)
               if r.status.startswith("failed")]
-    return 1 if failed else 0
+    return EXIT_BACKEND_FAILED if failed else 0
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -176,9 +181,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m mace_accel.bench [options]``."""
-    parser = argparse.ArgumentParser(prog="python -m mace_accel.bench", description=DESCRIPTION,
-                                     epilog=EXAMPLES,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    """``python -m mace_accel.bench [options]``: the same as ``mace-accel bench [options]``
+    (through the main CLI, for its error and warning handling)."""
+    from ..cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])

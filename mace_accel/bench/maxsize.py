@@ -1,4 +1,5 @@
-"""The largest system that fits in device memory: growth then bisection over supercell size n.
+"""The largest system that fits in device memory: growth (or shrinking) then bisection over
+supercell size n.
 
 The search is independent of models: it calls ``try_size(n)``, which raises an out-of-memory
 error (see :func:`mace_accel.bench.timing.is_out_of_memory`) when size ``n`` does not fit. Any
@@ -50,9 +51,10 @@ def find_max_size(try_size: Callable[[int], Any], start: int, upper: int,
                   deadline: Optional[Deadline] = None) -> MaxSizeResult:
     """Largest ``n`` in ``[start, upper]`` for which ``try_size(n)`` does not run out of memory.
 
-    Doubles ``n`` from ``start`` until a size fails or ``upper`` is reached, then bisects
-    between the last size that fitted and the first that did not. Assumes that fitting is
-    monotone in ``n``. Checks ``deadline`` before every attempt.
+    Doubles ``n`` from ``start`` until a size fails or ``upper`` is reached (or, if ``start``
+    already fails, halves it until a size fits), then bisects between the largest size that
+    fitted and the smallest that did not. Assumes that fitting is monotone in ``n``. Checks
+    ``deadline`` before every attempt.
     """
     if not 1 <= start <= upper:
         raise ValueError(f"need 1 <= start <= upper, got start={start}, upper={upper}")
@@ -85,6 +87,15 @@ def find_max_size(try_size: Callable[[int], Any], start: int, upper: int,
         if n == upper:
             return MaxSizeResult(fit, oom, UPPER_BOUND, trials)
         n = min(2 * n, upper)
+    n = oom // 2
+    while fit is None and n >= 1:  # shrink phase: start did not fit
+        ok = attempt(n)
+        if ok is None:
+            return MaxSizeResult(fit, oom, TIME_LIMIT, trials)
+        if ok:
+            fit = n
+        else:
+            oom, n = n, n // 2
     if fit is None:
         return MaxSizeResult(None, oom, NOTHING_FITS, trials)
     while oom - fit > 1:  # bisection phase

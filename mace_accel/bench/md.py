@@ -60,6 +60,17 @@ def _accel_calculator(backend: str, model: torch.nn.Module, device: str, dtype: 
                                default_dtype=DTYPE_NAMES[dtype], backend=backend)
 
 
+def _thermalize(atoms, temperature_K: float, seed: int) -> None:
+    """Maxwell-Boltzmann velocities (ase >= 3.27 renamed the function)."""
+    from ase.md import velocitydistribution as vd
+
+    rng = np.random.default_rng(seed)
+    if hasattr(vd, "thermalize_momenta"):
+        vd.thermalize_momenta(atoms, temperature_K, rng=rng)
+    else:
+        vd.MaxwellBoltzmannDistribution(atoms, temperature_K=temperature_K, rng=rng)
+
+
 def _steps(atoms, calc, n: int, timestep_fs: float) -> float:
     """Run ``n`` velocity-Verlet steps; returns the wall time in seconds."""
     from ase import units
@@ -88,8 +99,6 @@ def run_md(backend: str, model: torch.nn.Module, atoms, device: torch.device | s
     Returns:
         an :class:`MDRecord`; failures are in its ``status``, never raised.
     """
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
-
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -100,8 +109,7 @@ def run_md(backend: str, model: torch.nn.Module, atoms, device: torch.device | s
         record.status = f"not installed: {missing}"
         return record
     atoms = atoms.copy()
-    MaxwellBoltzmannDistribution(atoms, temperature_K=temperature_K,
-                                 rng=np.random.default_rng(seed))
+    _thermalize(atoms, temperature_K, seed)
     calc = None
     try:
         with preserve_default_dtype(), mace_device(device) as dev:

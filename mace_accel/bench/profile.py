@@ -7,7 +7,8 @@ Forward hooks open a ``torch.profiler.record_function`` range around each hooked
 through autograd's sequence numbers: a backward node belongs to the part whose range held the
 forward op that created it. On CUDA the table sums the kernels' self device time; on the CPU,
 self CPU time. Whatever is not attributed (embeddings, spherical harmonics, readouts' sums,
-scatter of energies, unlinked kernels, Python overhead on the CPU) is "other".
+scatter of energies, unlinked kernels, Python overhead on the CPU) is "other". A backend that
+replays a captured CUDA graph runs no module forwards, so all of its time shows as "other".
 """
 
 from __future__ import annotations
@@ -158,24 +159,38 @@ def attribute(events, on_cuda: bool) -> Tuple[List[PartTime], float, int]:
 
     cpu = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
     fwd_of: Dict[Tuple[int, int], str] = {}
+    fwd_threads = set()
     part_of: Dict[int, Optional[str]] = {}
     for evt in cpu:
         part = _forward_part(evt)
         part_of[id(evt)] = part
         if part is not None and evt.sequence_nr >= 0:
             fwd_of[(evt.sequence_nr, evt.thread)] = part
+            fwd_threads.add(evt.thread)
+    # sequence numbers count per thread; with one forward thread they alone identify the op,
+    # which guards against thread ids that the profiler reports differently for backward nodes
+    fwd_of_seq = {seq: part for (seq, _), part in fwd_of.items()} if len(fwd_threads) == 1 \
+        else {}
     for evt in cpu:
         if part_of[id(evt)] is None:
             node = _backward_node(evt)
             if node is not None:
-                part_of[id(evt)] = fwd_of.get((node.sequence_nr, node.fwd_thread))
+                part_of[id(evt)] = fwd_of.get((node.sequence_nr, node.fwd_thread),
+                                              fwd_of_seq.get(node.sequence_nr))
 
     time_us = {p: 0.0 for p in PARTS}
     count = {p: 0 for p in PARTS}
+    counted_us, counted_n = 0.0, 0
     for evt in cpu:
         part = part_of[id(evt)]
         if on_cuda:
-            t, n = sum(k.duration for k in evt.kernels), len(evt.kernels)
+            # without CUPTI, torch times every op with CUDA events ("legacy" kernels that
+            # include the children's): count leaves only, so nothing is counted twice
+            legacy_parent = evt.is_legacy and bool(evt.cpu_children)
+            kernels = [] if legacy_parent else evt.kernels
+            t, n = sum(k.duration for k in kernels), len(kernels)
+            counted_us += t
+            counted_n += n
         else:
             t = evt.self_cpu_time_total
             n = int(evt.name.startswith("aten::") and not any(
@@ -185,8 +200,8 @@ def attribute(events, on_cuda: bool) -> Tuple[List[PartTime], float, int]:
             count[part] += n
     if on_cuda:
         device = [e for e in events if e.device_type != DeviceType.CPU]
-        total_us = float(sum(e.time_range.elapsed_us() for e in device))
-        total_n = len(device)
+        total_us = max(float(sum(e.time_range.elapsed_us() for e in device)), counted_us)
+        total_n = max(len(device), counted_n)
     else:
         calls = [e for e in cpu if e.name == _CALL_RANGE]
         total_us = float(sum(e.cpu_time_total for e in calls))

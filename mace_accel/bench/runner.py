@@ -311,8 +311,7 @@ class BenchRunner:
             self._add(record)
         if timed and cfg.max_size and prepared.ok:
             self._add(self._max_size(prepared, info, label, dtype_name))
-        if prepared.model is not model:
-            del prepared.model
+        prepared.model = None  # drop this backend's copy before the next one is built
         free_memory(self.device)
 
     def _reference_only(self, model: torch.nn.Module, case: _Case) -> None:
@@ -322,7 +321,7 @@ class BenchRunner:
             case.reference = _cpu64(evaluate(model, case.batch, self.config.compute_stress))
         except Exception as exc:  # the others are then reported without errors
             self.log(f"   e3nn reference at {case.system.n_atoms} atoms: {failure_status(exc)}")
-        free_memory(self.device)
+            free_memory(self.device)
 
     def _measure(self, prepared: PreparedBackend, case: _Case, label: str,
                  dtype_name: str) -> CaseRecord:
@@ -345,12 +344,16 @@ class BenchRunner:
                     lambda: model(dict(batch), training=False, compute_force=True,
                                   compute_stress=stress),
                     self.device, warmup=cfg.warmup, repeats=cfg.repeats)
-            if cfg.profile:
-                record.profile = self._profile(model, case)
         except Exception as exc:
             record.status = failure_status(exc)
             free_memory(self.device)
             return record
+        if cfg.profile:
+            try:
+                record.profile = self._profile(model, case)
+            except Exception as exc:  # the timing stands; say why there is no breakdown
+                record.profile = {"error": failure_status(exc)}
+                self.log(f"   profile failed: {record.profile['error']}")
         record.clock = timing.clock
         record.median_ms, record.p10_ms, record.p90_ms = (timing.median_ms, timing.p10_ms,
                                                           timing.p90_ms)
@@ -364,8 +367,6 @@ class BenchRunner:
         else:
             record.detail = "; ".join(filter(None, [record.detail,
                                                     "no e3nn reference at this size"]))
-        del outputs
-        free_memory(self.device)
         return record
 
     @staticmethod

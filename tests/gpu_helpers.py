@@ -1,0 +1,27 @@
+"""Random convolution problems for the GPU tests (never zeros; MACE-like edge order)."""
+
+from __future__ import annotations
+
+import torch
+
+from mace_accel.graph import ConvGraph
+
+
+def random_problem(spec, n_nodes: int, n_edges: int, dtype: torch.dtype, device, seed: int = 0,
+                   sorted_by_sender: bool = True):
+    """``(graph, x, y, w)`` with random features and a random graph.
+
+    MACE's neighbour lists come sorted by sender; ``sorted_by_sender=False`` shuffles them.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    sender = torch.randint(0, n_nodes, (n_edges,), generator=gen)
+    receiver = torch.randint(0, n_nodes, (n_edges,), generator=gen)
+    if sorted_by_sender:
+        order = torch.argsort(sender, stable=True)
+        sender, receiver = sender[order], receiver[order]
+    x = torch.randn(n_nodes, spec.dim_in1, generator=gen, dtype=torch.float64)
+    y = torch.randn(n_edges, spec.dim_in2, generator=gen, dtype=torch.float64)
+    w = torch.randn(n_edges, spec.weight_numel, generator=gen, dtype=torch.float64)
+    graph = ConvGraph(sender=sender.to(device), receiver=receiver.to(device), n_nodes=n_nodes)
+    cast = dict(dtype=dtype, device=device)
+    return graph, x.to(**cast), y.to(**cast), w.to(**cast)
