@@ -66,7 +66,10 @@ def _fwd_lines(seg: SegmentPlan) -> Tuple[List[str], List[str], List[str]]:
 
 
 def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs) -> Dict[str, List[str]]:
-    """Registers and per-edge body of one segment's backward (``i`` = segment number)."""
+    """Per-edge body of one segment's backward (``i`` = segment number).
+
+    Per edge ``t`` of the receiver ``node``: x gathered from the sender, g from the node's row.
+    """
     need_x, need_y, need_w = needs
     x = [f"xs{i}_{a}" for a in range(seg.x_dim)]
     gx = [f"gx{i}_{a}" for a in range(seg.x_dim)]
@@ -79,7 +82,12 @@ def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs) -> Dict[str, List[str]]:
     if need_x or need_w:  # d(edge_attrs) alone needs no edge attributes
         body.append("const real* yr = ys + t * DIM2;")
         body += [f"const real y{c} = yr[{c}];" for c in cols]
-    for j, p in enumerate(seg.paths):
+    if need_y or need_w:  # d(node_feats) alone needs no node features
+        body.append(f"const real* xr = x + (long long)ss[t] * DIM1 + {seg.x_offset} + u * {seg.x_dim};")
+        body += [f"const real {x[a]} = xr[{a}];" for a in range(seg.x_dim)]
+    if need_x:
+        body += [f"real {v} = 0;" for v in gx]
+    for p in seg.paths:
         ks = sorted({k for _, _, k, _ in p.terms})
         body.append("{")
         body += [f"  const real g{k} = gr[{p.out_offset} + u * {p.out_dim} + {k}];" for k in ks]
@@ -100,17 +108,11 @@ def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs) -> Dict[str, List[str]]:
                          for a, b, k, c in p.terms if p.y_offset + b == col]
                 body.append(f"  py{col} += wv * ({_sum(prods)});")
         body.append("}")
-    reduce_lines = []
-    need_xv = need_y or need_w  # d(node_feats) alone needs no node features
-    return {
-        "x_regs": x if need_xv else [], "gx_regs": gx if need_x else [],
-        "x_load": [f"{x[a]} = xr[{a}];" for a in range(seg.x_dim)] if need_xv else [],
-        "gy_regs": [f"py{c}" for c in cols] if need_y else [],
-        "bwd_body": body,
-        "gy_reduce": reduce_lines,
-        "gx_store": [f"gxr[{a}] = {gx[a]};" for a in range(seg.x_dim)] if need_x else [],
-        "cols": cols,
-    }
+    if need_x:
+        body.append(f"real* gxr = gxm + (long long)es[t] * DIM1 + {seg.x_offset} + u * {seg.x_dim};")
+        body += [f"gxr[{a}] = {gx[a]};" for a in range(seg.x_dim)]
+    return {"gy_regs": [f"py{c}" for c in cols] if need_y else [], "bwd_body": body,
+            "cols": cols}
 
 
 def _gy_reduce(cols: Sequence[int], dim2: int) -> List[str]:
@@ -182,6 +184,15 @@ def render_backward(plan: KernelPlan, needs: Needs) -> str:
         needs=needs)
 
 
+SENDER_SUM = "mace_conv_sender_sum"
+
+
+def render_sender_sum(plan: KernelPlan) -> str:
+    """CUDA source of the deterministic per-sender sum of d(node_feats) edge messages."""
+    return _environment().get_template("conv_tp.cu.j2").render(
+        kind="sender_sum", plan=plan, name=SENDER_SUM, segments=[], real=_real(plan), needs=None)
+
+
 def _real(plan: KernelPlan) -> str:
     return "double" if plan.dtype == "float64" else "float"
 
@@ -192,5 +203,5 @@ def all_backward_needs() -> List[Needs]:
             if a or b or c]
 
 
-__all__ = ["render_forward", "render_backward", "backward_name", "forward_name", "literal", "kernels_dir",
+__all__ = ["render_forward", "render_backward", "render_sender_sum", "SENDER_SUM", "backward_name", "forward_name", "literal", "kernels_dir",
            "all_backward_needs", "PathPlan"]

@@ -21,7 +21,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .codegen import backward_name, forward_name, render_backward, render_forward
+from .codegen import (SENDER_SUM, backward_name, forward_name, render_backward, render_forward,
+                      render_sender_sum)
 from .errors import KernelError
 from .graph import ConvGraph
 from .schedule import ConvPlan, DeviceLimits, plan_kernels
@@ -226,20 +227,28 @@ class CudaConvPrimitives:
         needs = tuple(bool(n) for n in needs)
         n, e, s = graph.n_nodes, graph.n_edges, self.spec
         opts = dict(dtype=self.dtype, device=x.device)
-        gx = (torch.empty if self._in1_all_read else torch.zeros)((n, s.dim_in1), **opts) \
-            if needs[0] else None
+        gx = torch.empty((n, s.dim_in1), **opts) if needs[0] else None
         gy = torch.empty((e, s.dim_in2), **opts) if needs[1] else None
         gw = torch.empty((e, s.weight_numel), **opts) if needs[2] else None
         if n == 0 or not any(needs):
             return gx, gy, gw
-        row_ptr, perm = graph.csr("sender")
-        receiver = graph.index32("receiver")
+        # d(node_feats) as per-edge messages, summed per sender below (columns of segments
+        # without paths are never written, so they must start at zero)
+        gxm = (torch.empty if self._in1_all_read else torch.zeros)((e, s.dim_in1), **opts) \
+            if needs[0] else None
+        row_ptr, perm = graph.csr("receiver")
+        sender = graph.index32("sender")
         for plan in self.plan.launches:  # launch 0 writes gy, later launches add to it
             name = backward_name(plan, needs)
             k = self._kernel(name, lambda: render_backward(plan, needs))
             k.launch(n, plan.threads,
-                     (_ptr(x), _ptr(y), _ptr(w), _ptr(g), _ptr(receiver), _ptr(row_ptr),
-                      _ptr(perm), _ptr(gx), _ptr(gy), _ptr(gw), _i32(n)))
+                     (_ptr(x), _ptr(y), _ptr(w), _ptr(g), _ptr(sender), _ptr(row_ptr),
+                      _ptr(perm), _ptr(gxm), _ptr(gy), _ptr(gw), _i32(n)))
+        if gx is not None:
+            s_ptr, s_perm = graph.csr("sender")
+            k = self._kernel(SENDER_SUM, lambda: render_sender_sum(self.plan.launches[0]))
+            k.launch(n, min(1024, max(32, -(-s.dim_in1 // 32) * 32)),
+                     (_ptr(gxm), _ptr(s_ptr), _ptr(s_perm), _ptr(gx), _i32(n)))
         return gx, gy, gw
 
 

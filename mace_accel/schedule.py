@@ -193,9 +193,10 @@ def _max_group_threads(dtype: str) -> int:
     """Threads per launch beyond which a launch is split (register budget per thread).
 
     65536 registers / 384 threads leaves ~170 a thread: enough for the float64 accumulators of
-    three l <= 2 segments with l <= 3 edge attributes (checked without spills by the nvcc test).
+    three l <= 2 segments with l <= 3 edge attributes; float32 fits in 512 threads (~128 each).
+    Both are checked without spills by the nvcc test of the catalog.
     """
-    return 384 if dtype == "float64" else 1024
+    return 384 if dtype == "float64" else 512
 
 
 def _group_segments(spec: TPSpec, by_segment: dict, max_threads: int) -> List[List[int]]:

@@ -13,7 +13,8 @@ import subprocess
 import pytest
 
 from mace_accel.catalog import UNIQUE
-from mace_accel.codegen import all_backward_needs, render_backward, render_forward
+from mace_accel.codegen import (all_backward_needs, render_backward, render_forward,
+                                render_sender_sum)
 from mace_accel.schedule import DeviceLimits, plan_kernels
 from mace_accel.spec import make_spec
 
@@ -34,6 +35,7 @@ def _sources():
             for plan in plan_kernels(spec, dtype, H100).launches:
                 tag = f"{name}-{dtype}-g{plan.group}"
                 yield f"{tag}-fwd", render_forward(plan)
+                yield f"{tag}-sender-sum", render_sender_sum(plan)
                 # every gradient selection on one problem; elsewhere those MACE uses
                 selections = all_backward_needs() if name == "mp-medium-l2" else [
                     (True, True, True), (False, True, True)]
