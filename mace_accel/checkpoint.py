@@ -49,7 +49,8 @@ def resolve_device(device: Union[str, torch.device]) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as exc:
-        raise InputError(f"invalid device {device!r} ({exc}); use 'cpu', 'cuda' or 'cuda:N'") from None
+        raise InputError(f"invalid device {device!r} ({exc}); use 'cpu', 'cuda' or "
+                         "'cuda:N'") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise BackendUnavailableError(
@@ -177,9 +178,13 @@ def check_mace_module(obj, source: str = "the object") -> torch.nn.Module:
 
 # -- legacy layouts -------------------------------------------------------------------------------
 # Attributes that mace 0.3.16 sets in __init__ but checkpoints from older releases lack, with the
-# value that reproduces how those releases behaved. The 0.3.16 forward reads most of them through
-# hasattr, but its calculator, extract_config_mace_model, the cuEquivariance/OpenEquivariance
-# converters and LAMMPS export read them plainly. Never filled in: attributes whose mere presence
+# value that reproduces how those releases behaved (the defaults mace's own
+# extract_config_mace_model assumes when they are missing). A traced 0.3.16 forward of every
+# interaction class reads these only through hasattr; its plain reads are of attributes old
+# checkpoints have, except that the Agnesi/Soft transforms and ZBL index ``atomic_numbers`` with a
+# tensor (a list fails). The calculator (``model.r_max.cpu()``), extract_config_mace_model
+# (``r_max.item()``, ``num_interactions.item()``), LAMMPS export and the cuEquivariance /
+# OpenEquivariance converters read them plainly. Never filled in: attributes whose mere presence
 # switches a code path on (distance_transform, pair_repulsion, conv_fusion, joint_embedding).
 _MODEL_DEFAULTS = {
     "lammps_mliap": False, "apply_cutoff": True, "edge_irreps": None, "use_reduced_cg": False,
@@ -222,12 +227,12 @@ def upgrade_legacy_model(model: torch.nn.Module) -> List[str]:
         model.register_buffer(name, value)
         changed.append(name)
 
-    r_max = getattr(model, "r_max")
-    if name_is_plain(model, "r_max"):
+    r_max = model.r_max
+    if _is_plain(model, "r_max"):
         value = float(r_max.item() if torch.is_tensor(r_max) else r_max)
         as_buffer("r_max", torch.tensor(value, dtype=float_dtype, device=device))
-    z = getattr(model, "atomic_numbers")
-    if name_is_plain(model, "atomic_numbers") or (torch.is_tensor(z) and z.dtype != torch.int64):
+    z = model.atomic_numbers
+    if _is_plain(model, "atomic_numbers") or (torch.is_tensor(z) and z.dtype != torch.int64):
         values = [int(v) for v in (z.tolist() if torch.is_tensor(z) else z)]
         as_buffer("atomic_numbers", torch.tensor(values, dtype=torch.int64, device=device))
     if not hasattr(model, "num_interactions"):
@@ -262,7 +267,7 @@ def upgrade_legacy_model(model: torch.nn.Module) -> List[str]:
     return changed
 
 
-def name_is_plain(module: torch.nn.Module, name: str) -> bool:
+def _is_plain(module: torch.nn.Module, name: str) -> bool:
     """True if ``name`` is stored as a plain attribute, not as a registered buffer."""
     return name in module.__dict__ and name not in module._buffers
 

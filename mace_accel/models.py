@@ -83,7 +83,10 @@ def build_model(arch: Architecture, dtype: torch.dtype = torch.float64, seed: in
         radial_MLP=list(arch.radial_mlp), heads=list(arch.heads),
     )
     if scale_shift:
-        model = modules.ScaleShiftMACE(atomic_inter_scale=1.0, atomic_inter_shift=0.0, **kwargs)
+        n_heads = len(arch.heads)
+        scale, shift = ([1.0] * n_heads, [0.0] * n_heads) if n_heads > 1 else (1.0, 0.0)
+        model = modules.ScaleShiftMACE(atomic_inter_scale=scale, atomic_inter_shift=shift,
+                                       **kwargs)
     else:
         model = modules.MACE(**kwargs)
     return model.to(device=device, dtype=dtype).eval()

@@ -58,7 +58,8 @@ def edge_messages(spec: TPSpec, x1: torch.Tensor, x2: torch.Tensor,
     segments: list = [None] * len(spec.irreps_out)
     for path in spec.paths:
         x1s, x2s, ws, cg = _segments(spec, path, x1, x2, weights)
-        msg = torch.einsum("euv,ijk,eui,evj->euk", ws, cg, x1s, x2s).reshape(n_edges, -1)
+        msg = torch.einsum("euv,ijk,eui,evj->euk", ws, cg, x1s, x2s).reshape(
+            n_edges, spec.irreps_out[path.i_out].dim)
         prev = segments[path.i_out]
         segments[path.i_out] = msg if prev is None else prev + msg
     for i, ir in enumerate(spec.irreps_out):  # outputs no path writes are zero, as in e3nn
@@ -115,15 +116,15 @@ def conv_tp_backward(
             if g_x1 is not None:
                 o1 = spec.offsets_in1[path.i_in1]
                 part = torch.einsum("euv,ijk,evj,euk->eui", ws, cg, x2s, gs)
-                g_x1[:, o1:o1 + part.shape[1] * part.shape[2]] += part.reshape(len(part), -1)
+                g_x1[:, o1:o1 + part.shape[1] * part.shape[2]] += part.flatten(1)
             if g_x2 is not None:
                 o2 = spec.offsets_in2[path.i_in2]
                 part = torch.einsum("euv,ijk,eui,euk->evj", ws, cg, x1s, gs)
-                g_x2[:, o2:o2 + part.shape[1] * part.shape[2]] += part.reshape(len(part), -1)
+                g_x2[:, o2:o2 + part.shape[1] * part.shape[2]] += part.flatten(1)
             if g_w is not None:
                 part = torch.einsum("ijk,eui,evj,euk->euv", cg, x1s, x2s, gs)
                 g_w[:, path.weight_offset:path.weight_offset + path.weight_numel] += \
-                    part.reshape(len(part), -1)
+                    part.flatten(1)
         g_node = None
         if g_x1 is not None:
             g_node = torch.zeros_like(node_feats).index_add_(0, sender, g_x1)

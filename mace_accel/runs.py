@@ -191,10 +191,17 @@ def make_calculator(cfg: RunConfig, compute_stress: bool):
 def _needs_stress(cfg: RunConfig, frames: List[Any]) -> bool:
     """Stress costs an extra derivative: compute it only where the task uses it."""
     if cfg.task == "singlepoint":
-        return "stress" in cfg.singlepoint.properties and any(_periodic(a) for a in frames)
+        return "stress" in cfg.singlepoint.properties and any(_has_stress(a) for a in frames)
     if cfg.task == "geomopt":
         return cfg.geomopt.relax_cell
     return cfg.md.ensemble == "npt"
+
+
+def _has_stress(atoms) -> bool:
+    """The calculator's own rule for when a structure has a stress."""
+    from .calculator import has_stress
+
+    return has_stress(atoms)
 
 
 def _periodic(atoms) -> bool:
@@ -315,7 +322,7 @@ def run_singlepoint(cfg: RunConfig, frames: List[Any], calc, log: RunLog,
     with open(partial, "w") as handle, _progress(cfg, len(frames), "singlepoint",
                                                  progress_stream) as bar:
         for i, atoms in enumerate(frames):
-            props = [p for p in wanted if p != "stress" or _periodic(atoms)]
+            props = [p for p in wanted if p != "stress" or _has_stress(atoms)]
             skipped_stress += len(props) < len(wanted)
             atoms.calc = calc
             for name in props:  # one model call: the first computes all, the rest are cached

@@ -70,7 +70,16 @@ class FusedConvTP(torch.nn.Module):
         self.sync_original()
         state = self.__dict__.copy()
         state["_kernels"] = {}  # binaries never travel; rebuilt on first call
+        # e3nn's generated submodules only pickle through the original's own __getstate__;
+        # re-adopt them on load
+        state["_modules"] = {k: v for k, v in self._modules.items()
+                             if k not in self.original._modules}
         return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for name, m in self.original._modules.items():
+            self._modules[name] = m
 
     def extra_repr(self) -> str:
         return f"{self.spec.describe()}, backend={self.backend!r}"

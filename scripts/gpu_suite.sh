@@ -47,8 +47,11 @@ if [ "$install" = 1 ]; then
   fi
 fi
 # read-only look at the card's state, for the notes
-nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm,temperature.gpu \
-  --format=csv > "$OUT/gpu_state.csv" 2>&1 || true
+gpu_state="nvidia-smi not found"
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm,temperature.gpu \
+    --format=csv > "$OUT/gpu_state.csv" 2>&1 && gpu_state=$(tail -n 1 "$OUT/gpu_state.csv")
+fi
 
 tests_line="not run"; tests_failures=""
 if [ "$run_tests" = 1 ]; then
@@ -78,7 +81,7 @@ if [ "$run_bench" = 1 ]; then
   bench_rc=$?
   case "$bench_rc" in
     0) bench_line="ok" ;;
-    1) bench_line="finished; some backend FAILED (see the table)" ;;
+    3) bench_line="finished; some backend FAILED (see the table)" ;;
     124) bench_line="KILLED at $((BENCH_TIME_LIMIT + 45))s; table from the last saved JSON" ;;
     *) bench_line="exit $bench_rc (see $OUT/bench.log)" ;;
   esac
@@ -86,7 +89,7 @@ fi
 
 echo
 echo "================================ summary ================================"
-echo "install: $install_note    gpu: $(tail -n 1 "$OUT/gpu_state.csv" 2>/dev/null)"
+echo "install: $install_note    gpu: $gpu_state"
 echo "GPU tests: $tests_line"
 [ -n "$tests_failures" ] && echo "$tests_failures"
 if [ "$run_bench" = 1 ]; then

@@ -110,6 +110,24 @@ def test_convert_reload_gives_the_same_results(plain_model, fast_model, batch):
         assert rel_norm_error(got[key], want[key]) < 1e-12, key
 
 
+def test_converted_file_loads_in_a_fresh_interpreter(plain_model, fast_model, batch, tmp_path):
+    """Only ``import mace_accel`` and ``torch.load``: nothing else may be needed to unpickle."""
+    atoms_file = tmp_path / "batch.pt"
+    torch.save(batch, atoms_file)
+    script = (
+        "import sys, torch, mace_accel\n"
+        "model = torch.load(sys.argv[1], weights_only=False)\n"
+        "batch = torch.load(sys.argv[2], weights_only=False)\n"
+        "out = model(batch, training=False, compute_force=True)\n"
+        "print(repr(out['energy'].item()))\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(fast_model), str(atoms_file)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    energy = float(proc.stdout.strip().splitlines()[-1])
+    want = evaluate(plain_model[1], batch, compute_stress=False)["energy"].item()
+    assert abs(energy - want) <= 1e-12 * abs(want)
+
+
 def test_convert_casts_dtype(plain_model, batch, tmp_path, capsys):
     out = tmp_path / "fast32.model"
     code, stdout, _ = run_cli(capsys, "convert", plain_model[0], out, *CPU, "--dtype", "float32")

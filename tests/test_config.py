@@ -197,3 +197,14 @@ def test_example_configs_are_valid(name):
     assert cfg.model is None, "examples use the bundled model"
     assert cfg.struct.is_file() and cfg.struct.parent.name == "structures"
     assert cfg.task == name.split("_")[0]
+
+
+def test_path_overrides_resolve_against_the_given_base(run_dir, tmp_path_factory):
+    path = write(run_dir, {"task": "md", "struct": "s.xyz"})
+    elsewhere = tmp_path_factory.mktemp("cwd")
+    (elsewhere / "other.xyz").write_text("1\n\nNi 0 0 0\n")
+    cfg = load_run_config(path, {"struct": "other.xyz", "outputs": "out"}, overrides_base=elsewhere)
+    assert cfg.struct == (elsewhere / "other.xyz").resolve()
+    assert cfg.outputs == (elsewhere / "out").resolve()
+    with pytest.raises(ConfigError, match="no such file"):  # default base: the run file's dir
+        load_run_config(path, {"struct": "other.xyz"})

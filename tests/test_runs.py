@@ -25,9 +25,13 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    """A tiny fp64 Cu/Ni model (random weights) saved to disk, and the module itself."""
+    """A tiny fp64 Cu/Ni model (random weights) saved to disk, and the module itself.
+
+    Random weights give no physical minimum near fcc; with this seed the example structure
+    relaxes smoothly (other seeds let FIRE collapse atom pairs within a few dozen steps).
+    """
     model = small_test_model("RealAgnosticResidualInteractionBlock", elements=(28, 29),
-                             hidden_irreps="4x0e+4x1o", seed=1)
+                             hidden_irreps="4x0e+4x1o", seed=5)
     path = tmp_path_factory.mktemp("model") / "cuni.model"
     torch.save(model, path)
     return path, model
@@ -42,8 +46,8 @@ def run_example(name: str, tmp_path: Path, model: Path, **overrides):
 
 def read_stats(path: Path):
     header = path.read_text().splitlines()[0]
-    assert header.startswith("# ")
-    return header[2:].split(), np.atleast_2d(np.loadtxt(path))
+    assert header.startswith("#")
+    return header[1:].split(), np.atleast_2d(np.loadtxt(path))
 
 
 def no_temp_files(directory: Path) -> bool:
@@ -63,7 +67,8 @@ def test_singlepoint_matches_the_model(tiny_model, tmp_path):
         np.testing.assert_allclose(got.positions, atoms.positions, atol=1e-8)
         want = evaluate(model, atoms_to_batch(atoms, info), compute_stress=True)
         assert rel_norm_error(torch.tensor(got.get_potential_energy()), want["energy"][0]) < 1e-10
-        assert rel_norm_error(torch.from_numpy(got.get_forces()), want["forces"]) < 1e-10
+        # extxyz stores per-atom columns with 8 decimals
+        np.testing.assert_allclose(got.get_forces(), want["forces"].numpy(), rtol=0, atol=1e-8)
         assert rel_norm_error(torch.from_numpy(got.get_stress(voigt=False)),
                               want["stress"][0]) < 1e-10
     log = (out / "run.log").read_text()
@@ -88,17 +93,19 @@ def test_singlepoint_without_cell_leaves_stress_out(tiny_model, tmp_path):
 
 
 def test_geomopt_reduces_the_max_force(tiny_model, tmp_path):
-    result = run_example("geomopt", tmp_path, tiny_model[0], **{"geomopt.steps": 6})
+    result = run_example("geomopt", tmp_path, tiny_model[0], **{"geomopt.steps": 15})
     out, s = result.outputs, result.summary
-    assert 1 <= s["steps"] <= 6 and s["final_fmax"] < s["initial_fmax"]
+    assert s["steps"] == 15 and not s["converged"]  # fmax 0.01 is out of reach in 15 steps
+    assert s["final_fmax"] < 0.5 * s["initial_fmax"]
     final = ase.io.read(out / "final.extxyz")
     f = np.linalg.norm(final.get_forces(), axis=1).max()
-    assert f == pytest.approx(s["final_fmax"], rel=1e-10)
+    assert f == pytest.approx(s["final_fmax"], rel=1e-6)  # extxyz keeps 8 decimals
     assert np.isfinite(final.get_stress()).all()  # relax_cell: true in the example
     traj = ase.io.read(out / "trajectory.extxyz", ":")
     assert len(traj) == s["steps"] + 1  # step 0 and every step after it
     first = np.linalg.norm(traj[0].get_forces(), axis=1).max()
-    assert first == pytest.approx(s["initial_fmax"], rel=1e-10)
+    assert first == pytest.approx(s["initial_fmax"], rel=1e-6)
+    assert final.get_potential_energy() < traj[0].get_potential_energy()
     assert not np.allclose(traj[0].cell, final.cell)  # the cell was relaxed too
     assert "FIRE" in (out / "run.log").read_text() and no_temp_files(out)
 
@@ -118,7 +125,9 @@ def test_md_nve_conserves_energy(tiny_model, tmp_path):
     assert stats[0, 5] > 100  # Maxwell-Boltzmann velocities at 300 K
     etot, ekin = stats[:, 4], stats[:, 3]
     drift = np.abs(etot - etot[0]).max()
-    assert drift < 1e-3 * max(np.ptp(ekin), 1e-3) + 1e-5, (drift, np.ptp(ekin))
+    assert np.ptp(ekin) > 1e-3  # energy does flow between kinetic and potential
+    # velocity Verlet at 0.25 fs: drift ~1e-8 eV; 5e-8 is the rounding of 8-decimal columns
+    assert drift < 1e-3 * np.ptp(ekin) + 5e-8, (drift, np.ptp(ekin))
     assert len(ase.io.read(out / "trajectory.extxyz", ":")) == steps // 5 + 1
     final = ase.io.read(out / "final.extxyz")
     assert final.get_potential_energy() == pytest.approx(stats[-1, 2], abs=1e-7)
@@ -163,7 +172,7 @@ def test_md_starts_from_stored_momenta(tiny_model, tmp_path):
     result = runs.run(run_file, {"device": "cpu", "backend": "reference", "progress": False,
                                  "model": str(tiny_model[0])})
     _, stats = read_stats(result.outputs / "stats.dat")
-    assert stats[0, 3] == pytest.approx(atoms.get_kinetic_energy())
+    assert stats[0, 3] == pytest.approx(atoms.get_kinetic_energy(), abs=1e-8)  # 8 decimals
 
 
 def test_interrupted_md_keeps_what_it_did(tiny_model, tmp_path, monkeypatch):

@@ -57,7 +57,8 @@ def _accel_calculator(backend: str, model: torch.nn.Module, device: str, dtype: 
     from ..calculator import MACEAccelCalculator
 
     return MACEAccelCalculator(model=copy.deepcopy(model), device=device,
-                               default_dtype=DTYPE_NAMES[dtype], backend=backend)
+                               default_dtype=DTYPE_NAMES[dtype], backend=backend,
+                               fallback="error")  # a benchmark must not time a fallback
 
 
 def _thermalize(atoms, temperature_K: float, seed: int) -> None:

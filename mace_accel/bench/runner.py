@@ -223,8 +223,14 @@ class BenchRunner:
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _add(self, record) -> None:
-        target = {CaseRecord: self.result.records, MaxSizeRecord: self.result.max_size}
-        target.get(type(record), self.result.md).append(record)
+        """Keep a record (speedups kept current, so a run killed midway saves them too)."""
+        if isinstance(record, CaseRecord):
+            self.result.records.append(record)
+            compute_speedups(self.result.records)
+        elif isinstance(record, MaxSizeRecord):
+            self.result.max_size.append(record)
+        else:
+            self.result.md.append(record)
         self.on_update(self.result)
 
     def _case_record(self, label: str, dtype: str, case: _Case, backend: str,
@@ -245,8 +251,6 @@ class BenchRunner:
             systems: Dict[int, BenchSystem] = {}
             for dtype_name in self.config.dtypes:
                 self._run_model_dtype(source, dtype_name, systems)
-        compute_speedups(self.result.records)
-        self.on_update(self.result)
         return self.result
 
     def _run_model_dtype(self, source: ModelSource, dtype_name: str,
@@ -268,7 +272,6 @@ class BenchRunner:
         order = ["e3nn"] + [b for b in cfg.backends if b != "e3nn"]
         for backend in order:
             self._run_backend(backend, model, info, source.label, dtype_name, cases)
-        compute_speedups(self.result.records)
         if cfg.md:
             self._run_md(model, info, source.label, dtype_name, systems)
         del model, cases

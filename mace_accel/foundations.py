@@ -1,0 +1,128 @@
+"""``mace_mp`` / ``mace_off``: the MACE foundation models behind a :class:`MACEAccelCalculator`.
+
+Model names, URLs and the download cache are mace's own (``mace.calculators.foundations_models``):
+a model mace already downloaded is reused, and new mace releases bring their new names. A local
+file path is accepted too (the way to go on a machine without network).
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+from pathlib import Path
+from types import ModuleType
+from typing import Dict, Union
+
+from .calculator import MACEAccelCalculator
+from .errors import CheckpointError, InputError
+
+_DOWNLOAD_TIMEOUT = 120  # seconds per read
+
+
+def mace_mp(model: Union[str, Path, None] = "medium", device: str = "cuda",
+            default_dtype: str = "float32", **kwargs) -> MACEAccelCalculator:
+    """A :class:`MACEAccelCalculator` with a MACE-MP foundation model (89 elements).
+
+    Args:
+        model: a MACE-MP name of mace's table (``"small"``, ``"medium"``, ``"large"``,
+            ``"medium-mpa-0"``, ``"medium-omat-0"``, ...), an ``https://`` URL, or a local path;
+            None means mace's own default (``"medium-mpa-0"``).
+        device, default_dtype, **kwargs: as :class:`MACEAccelCalculator`.
+    """
+    fm = _foundations_module()
+    model = "medium-mpa-0" if model is None else model  # None: mace's own default
+    path = _local_path(model)
+    if path is None:
+        name = str(model)
+        _check_name(name, fm.mace_mp_urls, "MACE-MP")
+        url = fm.mace_mp_urls.get(name, name)
+        try:
+            path = Path(fm.download_mace_mp_checkpoint(name))
+        except Exception as exc:  # network, HTTP or disk failure
+            raise _download_error("MACE-MP", name, url, exc) from exc
+    return MACEAccelCalculator(model=path, device=device, default_dtype=default_dtype, **kwargs)
+
+
+def mace_off(model: Union[str, Path, None] = "medium", device: str = "cuda",
+             default_dtype: str = "float64", **kwargs) -> MACEAccelCalculator:
+    """A :class:`MACEAccelCalculator` with a MACE-OFF23 organic force field (ASL licence).
+
+    Args:
+        model: ``"small"``, ``"medium"``, ``"large"`` (mace's table), an ``https://`` URL, or a
+            local path.
+        default_dtype: ``"float64"`` by default, as mace's ``mace_off``.
+        device, **kwargs: as :class:`MACEAccelCalculator`.
+    """
+    fm = _foundations_module()
+    model = "medium" if model is None else model  # None: mace's own default
+    path = _local_path(model)
+    if path is None:
+        name = str(model)
+        _check_name(name, fm.mace_off_urls, "MACE-OFF")
+        url = fm.mace_off_urls.get(name, name)
+        # the cache file name mace's mace_off uses, so a model it downloaded is reused
+        path = Path(fm.get_cache_dir()) / os.path.basename(url).split("?")[0]
+        if not path.is_file():
+            try:
+                _download(url, path)
+            except Exception as exc:
+                raise _download_error("MACE-OFF", name, url, exc) from exc
+    return MACEAccelCalculator(model=path, device=device, default_dtype=default_dtype, **kwargs)
+
+
+def _foundations_module() -> ModuleType:
+    from ._e3nn_compat import import_mace
+
+    import_mace()
+    from mace.calculators import foundations_models
+
+    return foundations_models
+
+
+def _local_path(model: Union[str, Path]):
+    """``model`` as a Path if it names a local file, None if it is a model name or URL."""
+    if isinstance(model, Path) or (isinstance(model, str) and (
+            os.path.exists(model) or model.endswith((".model", ".pt")) or os.sep in model)
+            and not model.startswith(("https:", "http:"))):
+        path = Path(model)
+        if not path.is_file():
+            raise CheckpointError(f"model file {str(path)!r} does not exist; pass the path of a "
+                                  "MACE .model file or one of the model names")
+        return path
+    if not isinstance(model, str):
+        raise InputError(f"model must be a name, a URL or a path, got {type(model).__name__}")
+    return None
+
+
+def _check_name(name: str, urls: Dict[str, str], family: str) -> None:
+    if name in urls or name.startswith("https:"):
+        return
+    raise InputError(f"unknown {family} model {name!r}; choose one of {sorted(urls)}, an https:// "
+                     "URL, or pass the path of a local .model file")
+
+
+def _download_error(family: str, name: str, url: str, exc: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"could not download the {family} model {name!r} from {url} ({type(exc).__name__}: "
+        f"{exc}). Without network access, download the file elsewhere and pass its local path, "
+        f"e.g. model='/path/to/{os.path.basename(url)}'")
+
+
+def _download(url: str, path: Path) -> None:
+    """Stream ``url`` to ``path`` atomically (a failed download leaves no file behind)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    try:
+        with urllib.request.urlopen(url, timeout=_DOWNLOAD_TIMEOUT) as response:
+            if "text/html" in str(response.headers.get("Content-Type", "")):
+                raise OSError("the server answered with an HTML page, not a model file")
+            with open(tmp, "wb") as f:
+                while True:
+                    block = response.read(1 << 20)
+                    if not block:
+                        break
+                    f.write(block)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

@@ -1,0 +1,190 @@
+"""Packaging: the installed layout, import hygiene, the console script and the bundled model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def library_modules() -> list:
+    """Every module of the package as an importable name (mace_accel.*, patches, kernels)."""
+    names = []
+    for folder, package in ((REPO / "mace_accel", "mace_accel"),
+                            (REPO / "patches", "mace_accel.patches"),
+                            (REPO / "kernels", "mace_accel.kernels")):
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            if parts and parts[-1] == "__main__":
+                continue
+            names.append(".".join([package] + parts))
+    return names
+
+
+def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter in ``cwd`` (so the repo is not on sys.path)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_subpackages_import_from_outside_the_repo(tmp_path):
+    proc = run_python("""
+        import json, sys, mace_accel, mace_accel.patches, mace_accel.kernels
+        from mace_accel.patches import find_blocks
+        from mace_accel.patches.interaction_blocks import PATCHES
+        print(json.dumps({"sys_path0": sys.path[0], "patches": mace_accel.patches.__file__,
+                          "kernels": mace_accel.kernels.__file__, "n": len(PATCHES)}))
+    """, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert str(REPO) not in out["sys_path0"]
+    assert Path(out["patches"]).name == "__init__.py" and out["n"] >= 1
+    # templates ship with the kernels package
+    kernels_dir = Path(out["kernels"]).parent
+    assert any(kernels_dir.glob("*.j2")) or any(kernels_dir.glob("*.cuh"))
+
+
+def test_import_has_no_global_side_effects(tmp_path):
+    """Importing mace-accel's modules sets no env var, keeps the default dtype, skips cupy."""
+    modules = library_modules()
+    assert "mace_accel.accelerate" in modules and "mace_accel.patches.conv_tp" in modules
+    proc = run_python(f"""
+        import importlib, json, os, sys
+        import torch
+        env, dtype = dict(os.environ), torch.get_default_dtype()
+        for name in {modules!r}:
+            importlib.import_module(name)
+            assert torch.get_default_dtype() == dtype, name
+            assert "cupy" not in sys.modules, name
+        changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))
+        print(json.dumps({{"env_changed": changed, "dtype": str(torch.get_default_dtype()),
+                          "dtype_before": str(dtype), "cupy": "cupy" in sys.modules,
+                          "mace": "mace" in sys.modules, "e3nn": "e3nn" in sys.modules}}))
+    """, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["env_changed"] == [], f"importing mace-accel changed os.environ: {out}"
+    assert out["dtype"] == out["dtype_before"] == "torch.float32"
+    assert not out["cupy"], "cupy must only be imported when the CUDA backend is used"
+    # mace sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD when imported: only import it on demand
+    assert not out["mace"] and not out["e3nn"], out
+
+
+def test_lazy_public_api_is_complete():
+    import mace_accel
+
+    assert callable(mace_accel.accelerate) and callable(mace_accel.revert)
+    for name in mace_accel.__all__:
+        if name == "__version__":
+            continue
+        module = mace_accel._API.get(name)
+        if module is not None and not (REPO / (module.replace(".", "/") + ".py")).is_file():
+            pytest.fail(f"mace_accel.{name} is advertised but {module} does not exist")
+        assert getattr(mace_accel, name) is not None
+    with pytest.raises(AttributeError):
+        mace_accel.no_such_thing  # noqa: B018
+
+
+def test_accelerate_is_not_shadowed_by_its_module(tmp_path):
+    proc = run_python("""
+        import mace_accel.accelerate, mace_accel
+        from mace_accel import accelerate
+        print(callable(accelerate), callable(mace_accel.accelerate))
+    """, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True"]
+
+
+def test_console_script_is_declared():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["mace-accel"] == "mace_accel.cli:main"
+    installed = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
+    assert installed.get("mace-accel") == "mace_accel.cli:main", (
+        "the installed metadata lacks the console script: reinstall with pip install -e .")
+
+
+def test_console_script_runs(tmp_path):
+    from mace_accel import cli
+
+    assert callable(cli.main)
+    proc = subprocess.run([sys.executable, "-m", "mace_accel.cli", "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("convert", "revert", "info", "run"):
+        assert command in proc.stdout
+
+
+def test_bundled_model_is_declared_as_package_data():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "mace_accel.data" in project["tool"]["setuptools"]["packages"]
+    patterns = project["tool"]["setuptools"]["package-data"]["mace_accel.data"]
+    assert "*.model" in patterns and "*.json" in patterns
+
+
+def test_bundled_model_matches_its_metadata():
+    """The shipped model is a MACE module that loads with torch.load and matches its JSON."""
+    import torch
+
+    from mace_accel import _e3nn_compat
+    from mace_accel.batch import model_info
+    from mace_accel.models import default_model_path
+
+    path = default_model_path()
+    assert path.is_file(), "run scripts/train_default_model.py to build the bundled model"
+    meta = json.loads(path.with_suffix(".json").read_text())
+    assert meta["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest(), (
+        "the model file and its metadata are out of sync; rerun scripts/train_default_model.py")
+    assert path.stat().st_size < 5 * 2**20
+    _e3nn_compat.import_mace()
+    model = torch.load(path, map_location="cpu", weights_only=False)
+    info = model_info(model)
+    assert type(model).__name__ == meta["hyperparameters"]["model"] == "ScaleShiftMACE"
+    assert info.symbols == ["Ni", "Cu"] and info.r_max == meta["hyperparameters"]["r_max"]
+    assert str(info.dtype) == "torch." + meta["dtype"]
+    assert [type(b).__name__ for b in model.interactions] == [
+        meta["hyperparameters"]["interaction_first"], meta["hyperparameters"]["interaction"]]
+
+    # it is a usable potential: close to EMT on a fresh rattled alloy cell it never saw
+    from ase.build import bulk
+    from ase.calculators.emt import EMT
+
+    from mace_accel.accelerate import evaluate
+    from mace_accel.batch import atoms_to_batch
+
+    rng = np.random.default_rng(123)
+    atoms = bulk("Cu", "fcc", a=3.57, cubic=True).repeat(2)
+    atoms.numbers = rng.choice([28, 29], size=len(atoms))
+    atoms.positions += rng.normal(0.0, 0.05, atoms.positions.shape)
+    out = evaluate(model.eval(), atoms_to_batch(atoms, info), compute_stress=False)
+    atoms.calc = EMT()
+    energy_err = abs(float(out["energy"][0]) - atoms.get_potential_energy()) / len(atoms)
+    force_rmse = float(np.sqrt(np.mean((out["forces"].numpy() - atoms.get_forces()) ** 2)))
+    assert energy_err < 0.03, f"energy off EMT by {1e3 * energy_err:.1f} meV/atom"
+    assert force_rmse < 0.15, f"force RMSE vs EMT {1e3 * force_rmse:.0f} meV/Å"
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run installs torch first and then runs exactly the README's test command."""
+    readme = (REPO / "README.md").read_text()
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.lstrip().startswith("#")]
+    assert "set -euo pipefail" in ci
+    command = ci[-1]
+    assert command.startswith("python -m pip install torch==2.13.0 && ")
+    assert "pytest" in command and '-m "not gpu"' in command
+    assert f"\n{command}\n" in readme, "README's test command and .ci/run differ"
