@@ -51,8 +51,9 @@ def _check_device(device: str) -> None:
     try:
         resolve_device(device)
     except BackendUnavailableError as exc:
+        what = str(exc).split(";")[0]  # the fact, without the Python-API advice
         raise BackendUnavailableError(
-            f"{exc}. Without a GPU, convert with --device cpu --backend reference") from None
+            f"{what}; without a GPU, convert with --device cpu --backend reference") from None
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

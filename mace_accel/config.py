@@ -150,7 +150,8 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
             raise ConfigError(f"{where} must be an integer, got {value!r}")
         return value
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value):
             raise ConfigError(f"{where} must be a finite number, got {value!r}")
         return float(value)
     if hint is str:

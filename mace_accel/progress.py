@@ -52,7 +52,7 @@ class ProgressBar:
         self._clock = clock
         self._start = clock()
         self._last_draw = -float("inf")
-        self._drawn = False
+        self._drawn_n: Optional[int] = None  # self.n at the last draw (None: never drawn)
 
     def update(self, n: int = 1) -> None:
         """Advance by ``n`` steps (redraws at most every ``min_interval`` seconds)."""
@@ -84,12 +84,13 @@ class ProgressBar:
         self.stream.write("\r" + self.render(now) + "\033[K")
         self.stream.flush()
         self._last_draw = now
-        self._drawn = True
+        self._drawn_n = self.n
 
     def close(self) -> None:
         """Draw the final state and end the line (only if anything was drawn)."""
-        if self.enabled and self._drawn:
-            self._draw(self._clock())
+        if self.enabled and self._drawn_n is not None:
+            if self._drawn_n != self.n:
+                self._draw(self._clock())
             self.stream.write("\n")
             self.stream.flush()
         self.enabled = False

@@ -155,8 +155,9 @@ def check_device(device: str) -> None:
     try:
         resolve_device(device)
     except BackendUnavailableError as exc:
+        what = str(exc).split(";")[0]  # the fact, without the Python-API advice
         raise BackendUnavailableError(
-            f"{exc}. In a run file: set `device: cpu` (or pass --set device=cpu)") from None
+            f"{what}; set `device: cpu` in the run file (or pass --set device=cpu)") from None
 
 
 def read_structures(cfg: RunConfig) -> List[Any]:
@@ -181,8 +182,9 @@ def make_calculator(cfg: RunConfig, compute_stress: bool):
 
     path = cfg.model_path
     if not path.is_file():
-        where = "the bundled default model" if cfg.model is None else "model"
-        raise ConfigError(f"{where} not found at {str(path)!r}; set `model:` in the run file")
+        what = "the bundled default model" if cfg.model is None else "the model"
+        raise ConfigError(f"{what} was not found at {str(path)!r}; set `model:` in the run file "
+                          "(or pass --set model=PATH)")
     return MACEAccelCalculator(model=path, device=cfg.device, default_dtype=cfg.dtype,
                                head=cfg.head, compute_stress=compute_stress,
                                backend=cfg.backend, verify=cfg.verify, fallback=cfg.fallback)
@@ -329,7 +331,8 @@ def run_singlepoint(cfg: RunConfig, frames: List[Any], calc, log: RunLog,
                 calc.get_property(name, atoms)
             frame = snapshot(atoms, props)
             write_frame(handle, frame)
-            log.write(f"frame {i}: {len(atoms)} atoms, energy {frame.get_potential_energy():.8f} eV")
+            energy = frame.get_potential_energy()
+            log.write(f"frame {i}: {len(atoms)} atoms, energy {energy:.8f} eV")
             bar.update()
     os.replace(partial, out)
     if skipped_stress:
@@ -446,13 +449,15 @@ def _make_dynamics(cfg: RunConfig, atoms, rng: np.random.Generator):
 
 def _init_velocities(atoms, temperature: float, seed: int, rng: np.random.Generator,
                      log: RunLog) -> None:
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+    from ase.md import velocitydistribution as vd
 
     if atoms.has("momenta") and np.any(atoms.get_momenta() != 0):
         log.write("md: starting from the momenta stored in the structure")
         return
-    MaxwellBoltzmannDistribution(atoms, temperature_K=temperature, rng=rng)
-    Stationary(atoms)  # no drift of the centre of mass
+    # ase >= 3.29 names it thermalize_momenta (and deprecates MaxwellBoltzmannDistribution)
+    thermalize = getattr(vd, "thermalize_momenta", vd.MaxwellBoltzmannDistribution)
+    thermalize(atoms, temperature_K=temperature, rng=rng)
+    vd.Stationary(atoms)  # no drift of the centre of mass
     log.write(f"md: Maxwell-Boltzmann velocities at {temperature} K (seed {seed})")
 
 

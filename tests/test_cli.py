@@ -1,4 +1,8 @@
-"""The ``mace-accel`` command line, in process through ``mace_accel.cli.main`` (plus one subprocess)."""
+"""The ``mace-accel`` command line, in process through ``mace_accel.cli.main``.
+
+Two subprocess tests: the installed console script, and loading a converted file in a fresh
+interpreter.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,6 @@ import pytest
 import torch
 import yaml
 
-import mace_accel  # noqa: F401  (registers nothing; the reload tests rely on a plain import)
 from mace_accel import cli
 from mace_accel.accelerate import evaluate, is_accelerated
 from mace_accel.batch import atoms_to_batch, model_info, random_structure
@@ -159,7 +162,8 @@ def test_convert_refuses_to_overwrite(plain_model, tmp_path, capsys):
 
 
 def test_convert_user_errors(tmp_path, capsys):
-    code, _, err = run_cli(capsys, "convert", tmp_path / "missing.model", tmp_path / "o.model", *CPU)
+    code, _, err = run_cli(capsys, "convert", tmp_path / "missing.model", tmp_path / "o.model",
+                           *CPU)
     assert_user_error(code, err, "not found")
     garbage = tmp_path / "garbage.model"
     garbage.write_bytes(b"not a torch file at all")

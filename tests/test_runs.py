@@ -205,7 +205,7 @@ def test_cli_run_prints_the_summary(tiny_model, tmp_path, capsys):
     assert (tmp_path / "stats.dat").is_file()
 
 
-def test_runs_refuse_a_missing_gpu_and_a_missing_model(tiny_model, tmp_path):
+def test_runs_refuse_a_missing_gpu_and_overrides_of_a_built_config(tiny_model, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(BackendUnavailableError, match="device: cpu"):
             runs.run(CONFIGS / "md_nve.yaml", {"outputs": str(tmp_path)})
