@@ -91,6 +91,7 @@ class KernelPlan:
     fwd_tile: int       # edges staged per warp in the forward
     bwd_tile: int       # edges staged per block in the backward
     group: int = 0      # launch number within the ConvPlan (0 writes d edge_attrs, later add)
+    fwd_unroll: int = 4  # edges in flight per thread in the forward (register budget permitting)
 
     @property
     def warps(self) -> int:
@@ -178,7 +179,8 @@ def plan_kernels(spec: TPSpec, dtype: str, limits: DeviceLimits = DeviceLimits()
         plan = KernelPlan(spec_key=spec.key(), dtype=dtype, arch=limits.arch,
                           dim_in1=spec.dim_in1, dim_in2=spec.dim_in2, dim_out=spec.dim_out,
                           weight_numel=spec.weight_numel, segments=tuple(segments),
-                          threads=max(threads, WARP), fwd_tile=1, bwd_tile=1, group=g)
+                          threads=max(threads, WARP), fwd_tile=1, bwd_tile=1, group=g,
+                          fwd_unroll=_fwd_unroll(dtype, segments, threads))
         fwd_tile = _largest_tile(
             lambda t: dataclasses.replace(plan, fwd_tile=t).fwd_shared_bytes(),
             limits.max_shared_per_block)
@@ -187,6 +189,16 @@ def plan_kernels(spec: TPSpec, dtype: str, limits: DeviceLimits = DeviceLimits()
             limits.max_shared_per_block, candidates=(16, 8, 4, 2, 1))
         launches.append(dataclasses.replace(plan, fwd_tile=fwd_tile, bwd_tile=bwd_tile))
     return ConvPlan(spec_key=spec.key(), dtype=dtype, launches=tuple(launches))
+
+
+def _fwd_unroll(dtype: str, segments: List["SegmentPlan"], threads: int) -> int:
+    """Edges in flight per thread in the forward: more hides latency, but each copy of the
+    edge body needs its own registers. float64 keeps twice the words per accumulator, so it
+    unrolls only small launches (chosen by the nvcc spill check over the catalog)."""
+    if dtype == "float32":
+        return 4
+    small = len(segments) <= 2 and max(seg.x_dim for seg in segments) <= 3
+    return 2 if small and threads <= 256 else 1
 
 
 def _max_group_threads(dtype: str) -> int:
