@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from .errors import BackendUnavailableError, UnsupportedModelError, VerificationError
+from .errors import (BackendUnavailableError, MaceAccelError, UnsupportedModelError,
+                     VerificationError)
 from .patches import PatchRecord, find_blocks
 from .tolerances import model_tolerance, rel_norm_error
 
@@ -162,6 +163,44 @@ def accelerate(model: torch.nn.Module, backend: str = "cuda", verify: bool = Tru
                 f"relative tolerance {report.tolerance:.0e}; the model was left unpatched.\n"
                 f"{report}")
     return report
+
+
+def plan(model: torch.nn.Module) -> List[Dict[str, Any]]:
+    """What :func:`accelerate` would do to each interaction block of ``model``, changing nothing.
+
+    Returns:
+        one dict per block found, in model order: ``{"path", "block", "irreps_in1",
+        "irreps_in2", "irreps_out", "paths", "weight_numel", "status", "reason", "backend"}``.
+        ``status`` is ``"accelerated"`` (with the active ``backend``), ``"would be patched"`` or
+        ``"left"`` (with ``reason``); the tensor-product fields are None where the block's
+        ``conv_tp`` is not an e3nn tensor product (e.g. cuEquivariance).
+    """
+    from .patches.conv_tp import FusedConvTP
+    from .spec import spec_from_e3nn
+
+    blocks: List[Dict[str, Any]] = []
+    for path, module, patch in find_blocks(model):
+        tp = module.conv_tp
+        applied = patch.is_applied(module)
+        spec = tp.spec if isinstance(tp, FusedConvTP) else None
+        if spec is None:
+            try:
+                spec = spec_from_e3nn(tp)
+            except MaceAccelError:
+                spec = None  # not an e3nn TP (e.g. cuEquivariance); skip_reason says so
+        reason = None if applied else patch.skip_reason(module)
+        status = ("accelerated" if applied else "would be patched" if reason is None else "left")
+        blocks.append({
+            "path": path, "block": type(module).__name__,
+            "irreps_in1": spec.irreps_str("in1") if spec else None,
+            "irreps_in2": spec.irreps_str("in2") if spec else None,
+            "irreps_out": spec.irreps_str("out") if spec else None,
+            "paths": len(spec.paths) if spec else None,
+            "weight_numel": spec.weight_numel if spec else None,
+            "status": status, "reason": reason,
+            "backend": tp.backend if applied else None,
+        })
+    return blocks
 
 
 def revert(model: torch.nn.Module) -> int:

@@ -21,7 +21,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from .errors import InputError, MaceAccelError
 
@@ -44,26 +44,15 @@ def _check_output(src: Path, dst: Path, force: bool) -> None:
         raise InputError(f"output directory {str(dst.resolve().parent)!r} does not exist")
 
 
-def _check_device(device: str) -> None:
-    from .checkpoint import resolve_device
-    from .errors import BackendUnavailableError
-
-    try:
-        resolve_device(device)
-    except BackendUnavailableError as exc:
-        what = str(exc).split(";")[0]  # the fact, without the Python-API advice
-        raise BackendUnavailableError(
-            f"{what}; without a GPU, convert with --device cpu --backend reference") from None
-
-
 def cmd_convert(args: argparse.Namespace) -> int:
     from .accelerate import accelerate
     from .checkpoint import load_model, save_model
+    from .runs import check_device
 
     src, dst = Path(args.input), Path(args.output)
     _check_output(src, dst, args.force)
     device = args.device or ("cuda" if args.backend == "cuda" else "cpu")
-    _check_device(device)
+    check_device(device, fix="without a GPU, convert with --device cpu --backend reference")
     model = load_model(src, device=device, dtype=args.dtype)
     report = accelerate(model, backend=args.backend, verify=not args.no_verify)
     print(report)
@@ -88,42 +77,17 @@ def cmd_revert(args: argparse.Namespace) -> int:
 
 
 def model_plan(model: Any) -> Dict[str, Any]:
-    """What ``accelerate`` would do to ``model``, without changing it.
+    """The model's summary and what ``accelerate`` would do to it, without changing it.
 
     Returns:
-        ``{"model", "elements", "r_max", "heads", "dtype", "parameters", "accelerated",
-        "blocks": [{"path", "block", "irreps_in1", "irreps_in2", "irreps_out", "paths",
-        "weight_numel", "status", "reason"}]}``; ``status`` is ``accelerated``,
-        ``would be patched`` or ``left`` (with ``reason``).
+        ``{"model", "elements", "atomic_numbers", "r_max", "heads", "dtype", "parameters",
+        "accelerated", "blocks"}``; ``blocks`` is :func:`mace_accel.accelerate.plan`'s list.
     """
+    from .accelerate import plan
     from .batch import model_info
-    from .patches import find_blocks
-    from .patches.conv_tp import FusedConvTP
-    from .spec import spec_from_e3nn
 
     info = model_info(model)
-    blocks: List[Dict[str, Any]] = []
-    for path, module, patch in find_blocks(model):
-        tp = module.conv_tp
-        applied = patch.is_applied(module)
-        spec = tp.spec if isinstance(tp, FusedConvTP) else None
-        if spec is None:
-            try:
-                spec = spec_from_e3nn(tp)
-            except MaceAccelError:
-                spec = None  # not an e3nn TP (e.g. cuEquivariance); skip_reason says so
-        reason = None if applied else patch.skip_reason(module)
-        status = ("accelerated" if applied else "would be patched" if reason is None else "left")
-        blocks.append({
-            "path": path, "block": type(module).__name__,
-            "irreps_in1": spec.irreps_str("in1") if spec else None,
-            "irreps_in2": spec.irreps_str("in2") if spec else None,
-            "irreps_out": spec.irreps_str("out") if spec else None,
-            "paths": len(spec.paths) if spec else None,
-            "weight_numel": spec.weight_numel if spec else None,
-            "status": status, "reason": reason,
-            "backend": tp.backend if applied else None,
-        })
+    blocks = plan(model)
     return {
         "model": type(model).__name__, "elements": info.symbols,
         "atomic_numbers": list(info.atomic_numbers), "r_max": info.r_max,

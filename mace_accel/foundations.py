@@ -11,7 +11,7 @@ import os
 import urllib.request
 from pathlib import Path
 from types import ModuleType
-from typing import Dict, Union
+from typing import Callable, Dict, Union
 
 from .calculator import MACEAccelCalculator
 from .errors import CheckpointError, InputError
@@ -29,17 +29,7 @@ def mace_mp(model: Union[str, Path, None] = "medium", device: str = "cuda",
             None means mace's own default (``"medium-mpa-0"``).
         device, default_dtype, **kwargs: as :class:`MACEAccelCalculator`.
     """
-    fm = _foundations_module()
-    model = "medium-mpa-0" if model is None else model  # None: mace's own default
-    path = _local_path(model)
-    if path is None:
-        name = str(model)
-        _check_name(name, fm.mace_mp_urls, "MACE-MP")
-        url = fm.mace_mp_urls.get(name, name)
-        try:
-            path = Path(fm.download_mace_mp_checkpoint(name))
-        except Exception as exc:  # network, HTTP or disk failure
-            raise _download_error("MACE-MP", name, url, exc) from exc
+    path = _model_file(model, "medium-mpa-0", "MACE-MP", "mace_mp_urls", _fetch_mace_mp)
     return MACEAccelCalculator(model=path, device=device, default_dtype=default_dtype, **kwargs)
 
 
@@ -53,20 +43,7 @@ def mace_off(model: Union[str, Path, None] = "medium", device: str = "cuda",
         default_dtype: ``"float64"`` by default, as mace's ``mace_off``.
         device, **kwargs: as :class:`MACEAccelCalculator`.
     """
-    fm = _foundations_module()
-    model = "medium" if model is None else model  # None: mace's own default
-    path = _local_path(model)
-    if path is None:
-        name = str(model)
-        _check_name(name, fm.mace_off_urls, "MACE-OFF")
-        url = fm.mace_off_urls.get(name, name)
-        # the cache file name mace's mace_off uses, so a model it downloaded is reused
-        path = Path(fm.get_cache_dir()) / os.path.basename(url).split("?")[0]
-        if not path.is_file():
-            try:
-                _download(url, path)
-            except Exception as exc:
-                raise _download_error("MACE-OFF", name, url, exc) from exc
+    path = _model_file(model, "medium", "MACE-OFF", "mace_off_urls", _fetch_mace_off)
     return MACEAccelCalculator(model=path, device=device, default_dtype=default_dtype, **kwargs)
 
 
@@ -77,6 +54,49 @@ def _foundations_module() -> ModuleType:
     from mace.calculators import foundations_models
 
     return foundations_models
+
+
+def _model_file(model: Union[str, Path, None], default: str, family: str, urls: str,
+                fetch: Callable[[ModuleType, str, str], Path]) -> Path:
+    """The local file of a foundation ``model``: a path as given, or a name / URL fetched.
+
+    Args:
+        model: a name of mace's table, an ``https://`` URL, a local path, or None (``default``).
+        default: mace's own default name of the family.
+        family: ``"MACE-MP"`` or ``"MACE-OFF"``, for messages.
+        urls: the name of mace's ``{name: url}`` table in ``foundations_models``.
+        fetch: ``fetch(foundations_models, name, url)`` downloads (or finds in mace's cache) the
+            file and returns its path, raising :class:`CheckpointError` if it cannot.
+    """
+    fm = _foundations_module()
+    model = default if model is None else model  # None: mace's own default
+    path = _local_path(model)
+    if path is not None:
+        return path
+    name = str(model)
+    table: Dict[str, str] = getattr(fm, urls)
+    _check_name(name, table, family)
+    return fetch(fm, name, table.get(name, name))
+
+
+def _fetch_mace_mp(fm: ModuleType, name: str, url: str) -> Path:
+    """mace's own MACE-MP download (and cache)."""
+    try:
+        return Path(fm.download_mace_mp_checkpoint(name))
+    except Exception as exc:  # network, HTTP or disk failure
+        raise _download_error("MACE-MP", name, url, exc) from exc
+
+
+def _fetch_mace_off(fm: ModuleType, name: str, url: str) -> Path:
+    """A MACE-OFF file in mace's cache, downloaded there first if it is not yet."""
+    # the cache file name mace's mace_off uses, so a model it downloaded is reused
+    path = Path(fm.get_cache_dir()) / os.path.basename(url).split("?")[0]
+    if not path.is_file():
+        try:
+            _download(url, path)
+        except Exception as exc:
+            raise _download_error("MACE-OFF", name, url, exc) from exc
+    return path
 
 
 def _local_path(model: Union[str, Path]):

@@ -148,16 +148,23 @@ def _as_config(config: RunConfig | str | Path, overrides: Optional[Mapping[str, 
     return load_run_config(config, overrides, overrides_base)
 
 
-def check_device(device: str) -> None:
-    """Raise a clear error, with the run-file fix, if ``device`` names a GPU torch cannot see."""
+def check_device(device: str,
+                 fix: str = "set `device: cpu` in the run file (or pass --set device=cpu)") -> None:
+    """Raise a clear error if ``device`` names a GPU torch cannot see.
+
+    Args:
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        fix: how the user gets around it where they typed the device (default: the run-file
+            fix); it replaces the Python-API advice of
+            :func:`~mace_accel.checkpoint.resolve_device`'s message.
+    """
     from .checkpoint import resolve_device
 
     try:
         resolve_device(device)
     except BackendUnavailableError as exc:
         what = str(exc).split(";")[0]  # the fact, without the Python-API advice
-        raise BackendUnavailableError(
-            f"{what}; set `device: cpu` in the run file (or pass --set device=cpu)") from None
+        raise BackendUnavailableError(f"{what}; {fix}") from None
 
 
 def read_structures(cfg: RunConfig) -> List[Any]:

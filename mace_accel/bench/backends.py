@@ -28,9 +28,9 @@ from typing import Callable, Dict, Iterator, Optional, Tuple, TypeVar
 import torch
 
 from ..errors import BackendUnavailableError, ConfigError
+from .choices import BACKENDS
 from .timing import is_out_of_memory
 
-BACKENDS = ("e3nn", "cueq", "oeq", "mace-accel")
 REFERENCE_NAME = "mace-accel(reference)"
 # importable modules each backend needs, and the module prefix its converted layers come from
 REQUIREMENTS: Dict[str, Tuple[str, ...]] = {

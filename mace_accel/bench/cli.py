@@ -11,14 +11,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 from ..errors import MaceAccelError
-from .backends import BACKENDS, resolve_model_source
-from .runner import DTYPES, BenchConfig, run_bench
-from .systems import SYSTEM_KINDS
+from .choices import BACKENDS, DTYPES, SYSTEM_KINDS
+
+if TYPE_CHECKING:
+    from .runner import BenchConfig
+
+# torch and the modules that need it are imported inside the functions that run the benchmark:
+# building the parser (``mace-accel --help``) must stay cheap.
 
 EXIT_BACKEND_FAILED = 3
 DESCRIPTION = """\
@@ -62,6 +64,8 @@ def _choices(allowed: Sequence[str]) -> Callable[[str], List[str]]:
 
 
 def _default_device() -> str:
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -72,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="comma-separated architectures (mp-small, mp-medium, mp-large, "
                            "off-small, off-medium, off-large: random weights) or model files "
                            "(default: mp-medium)")
-    what.add_argument("--dtypes", type=_choices(tuple(DTYPES)),
+    what.add_argument("--dtypes", type=_choices(DTYPES),
                       default=["float32", "float64"], help="default: float32,float64")
     what.add_argument("--sizes", type=_csv(int), default=[256, 2048, 6912],
                       help="atom counts; fcc systems round to 4n^3 (default: 256,2048,6912)")
@@ -121,6 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Validate the parsed options (raises :class:`~mace_accel.errors.ConfigError` with the fix)."""
+    from .runner import BenchConfig
+
     return BenchConfig(
         models=args.models, dtypes=args.dtypes, sizes=args.sizes, backends=args.backends,
         device=args.device or _default_device(), warmup=args.warmup, repeats=args.repeats,
@@ -134,8 +140,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 on success, 2 for invalid options, 3 if it finished but a backend
     failed (its error is in the table and JSON)."""
+    import torch
+
+    from .backends import resolve_model_source
     from .report import (JSON_NAME, environment, load_json, render_summary, write_json,
                          write_outputs)
+    from .runner import run_bench
 
     if args.summarize is not None:
         try:

@@ -63,6 +63,8 @@ def find_max_size(try_size: Callable[[int], Any], start: int, upper: int,
     oom: Optional[int] = None
 
     def attempt(n: int) -> Optional[bool]:
+        """Try size ``n``, record it as the new ``fit`` or ``oom``; None if time is up."""
+        nonlocal fit, oom
         if deadline is not None and deadline.expired():
             return None
         try:
@@ -71,8 +73,10 @@ def find_max_size(try_size: Callable[[int], Any], start: int, upper: int,
             if not is_out_of_memory(exc):
                 raise
             trials.append(Trial(n, False, str(exc).splitlines()[0] if str(exc) else "OOM"))
+            oom = n
             return False
         trials.append(Trial(n, True, info))
+        fit = n
         return True
 
     n = start
@@ -81,9 +85,7 @@ def find_max_size(try_size: Callable[[int], Any], start: int, upper: int,
         if ok is None:
             return MaxSizeResult(fit, oom, TIME_LIMIT, trials)
         if not ok:
-            oom = n
             break
-        fit = n
         if n == upper:
             return MaxSizeResult(fit, oom, UPPER_BOUND, trials)
         n = min(2 * n, upper)
@@ -92,19 +94,10 @@ def find_max_size(try_size: Callable[[int], Any], start: int, upper: int,
         ok = attempt(n)
         if ok is None:
             return MaxSizeResult(fit, oom, TIME_LIMIT, trials)
-        if ok:
-            fit = n
-        else:
-            oom, n = n, n // 2
+        n //= 2
     if fit is None:
         return MaxSizeResult(None, oom, NOTHING_FITS, trials)
     while oom - fit > 1:  # bisection phase
-        mid = (fit + oom) // 2
-        ok = attempt(mid)
-        if ok is None:
+        if attempt((fit + oom) // 2) is None:
             return MaxSizeResult(fit, oom, TIME_LIMIT, trials)
-        if ok:
-            fit = mid
-        else:
-            oom = mid
     return MaxSizeResult(fit, oom, CONVERGED, trials)

@@ -19,13 +19,14 @@ from ..accelerate import evaluate
 from ..batch import ModelInfo, model_info
 from ..errors import ConfigError
 from ..tolerances import model_tolerance, rel_linf_error, rel_norm_error
+from . import choices
 from .backends import (BACKENDS, OK, OUT_OF_MEMORY, ModelSource, PreparedBackend, expected_name,
                        failure_status, prepare_backend)
 from .maxsize import MaxSizeResult, find_max_size
 from .systems import SYSTEM_KINDS, BenchSystem, build_system, cells_for_atoms, make_batch
 from .timing import Deadline, as_device, free_memory, time_calls, track_peak_memory
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {name: getattr(torch, name) for name in choices.DTYPES}  # name -> torch.dtype
 SKIPPED_TIME = "skipped: time limit reached"
 
 

@@ -23,6 +23,7 @@ import torch
 
 from ..batch import ModelInfo, atoms_to_batch
 from ..errors import InputError
+from .choices import SYSTEM_KINDS
 
 FCC_A = 3.61  # Å, fcc Cu
 FCC_ELEMENTS = (29, 28)  # Cu, Ni
@@ -32,7 +33,6 @@ FCC_RATTLE = 0.02  # Å, standard deviation of the random displacements
 MOLECULES = (("H2O", 0.6), ("CH3OH", 0.2), ("H3CNH2", 0.2))
 MOLECULAR_DENSITY = 0.95  # g/cm^3
 MIN_INTERMOLECULAR = 1.5  # Å, closest allowed approach of atoms of different molecules
-SYSTEM_KINDS = ("auto", "fcc", "molecular")
 _AMU_PER_A3_TO_G_PER_CM3 = 1.66053907
 
 
