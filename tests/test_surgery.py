@@ -36,7 +36,8 @@ F32, F64 = torch.float32, torch.float64
 ONE, TWO = ("Default",), ("pbe", "r2scan")
 
 # (first block, second block, hidden irreps, heads, dtype); mace does not allow the
-# attention block first, so it is always second.
+# attention block first, so it is always second. I = RealAgnosticInteractionBlock, R = ...Residual,
+# D = ...Density, DR = ...DensityResidual, A = ...AttResidual, NL = ...ResidualNonLinear.
 MATRIX = [
     (I, A, L0, ONE, F64), (D, R, L0, TWO, F32), (DR, NL, L0, TWO, F64),
     (I, R, L1, TWO, F64), (NL, D, L1, ONE, F64), (DR, A, L1, ONE, F32),
@@ -44,10 +45,12 @@ MATRIX = [
 ]
 
 
+SHORT = {I: "I", R: "R", D: "D", DR: "DR", A: "A", NL: "NL"}
+
+
 def _case_id(case) -> str:
     first, second, irreps, heads, dtype = case
-    short = lambda c: c.replace("RealAgnostic", "").replace("InteractionBlock", "")  # noqa: E731
-    return f"{short(first)}-{short(second)}-{irreps}-{len(heads)}h-{str(dtype)[-2:]}"
+    return f"{SHORT[first]}-{SHORT[second]}-{irreps}-{len(heads)}h-fp{str(dtype)[-2:]}"
 
 
 def build(tiny_model, case) -> torch.nn.Module:
