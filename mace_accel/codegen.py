@@ -84,7 +84,7 @@ def _fwd_lines(seg: SegmentPlan) -> Tuple[List[str], List[str], List[str]]:
     return accs, body, store
 
 
-def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs) -> Dict[str, List[str]]:
+def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool) -> Dict[str, List[str]]:
     """Per-edge body of one segment's backward (``i`` = segment number).
 
     Per edge ``t`` of the receiver ``node``: x gathered from the sender, g from the node's row.
@@ -132,7 +132,10 @@ def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs) -> Dict[str, List[str]]:
             for col in sorted(by_col):
                 body.append(f"  py{col} += wv * ({_sum(by_col[col])});")
         body.append("}")
-    if need_x:
+    if need_x and atomic:  # straight into d(node_feats) of the sender: fast, order not fixed
+        body.append(f"real* gxr = gxm + (long long)ss[t] * DIM1 + {seg.x_offset} + u * {seg.x_dim};")
+        body += [f"atomicAdd(gxr + {a}, {gx[a]});" for a in range(seg.x_dim)]
+    elif need_x:
         body.append(f"real* gxr = gxm + (long long)es[t] * DIM1 + {seg.x_offset} + u * {seg.x_dim};")
         body += [f"gxr[{a}] = {gx[a]};" for a in range(seg.x_dim)]
     return {"gy_regs": [f"py{c}" for c in cols] if need_y else [], "bwd_body": body,
@@ -191,21 +194,26 @@ def render_forward(plan: KernelPlan) -> str:
         kind="fwd", plan=plan, name=name, segments=segments, real=_real(plan), needs=None)
 
 
-def backward_name(plan: KernelPlan, needs: Needs) -> str:
-    return "mace_conv_bwd_g{}_x{}y{}w{}".format(plan.group, *(int(n) for n in needs))
+def backward_name(plan: KernelPlan, needs: Needs, atomic: bool = False) -> str:
+    return "mace_conv_bwd_g{}_x{}y{}w{}{}".format(plan.group, *(int(n) for n in needs),
+                                                "_atomic" if atomic else "")
 
 
-def render_backward(plan: KernelPlan, needs: Needs) -> str:
-    """CUDA source of the backward kernel for the gradients selected by ``needs`` (x, y, w)."""
+def render_backward(plan: KernelPlan, needs: Needs, atomic: bool = False) -> str:
+    """CUDA source of the backward kernel for the gradients selected by ``needs`` (x, y, w).
+
+    ``atomic``: d(node_feats) is added into the sender rows with float atomics (not
+    bit-reproducible) instead of per-edge messages summed by :func:`render_sender_sum`.
+    """
     segments = []
     for i, seg in enumerate(plan.segments):
-        parts = _bwd_lines(i, seg, needs)
+        parts = _bwd_lines(i, seg, needs, atomic)
         parts["gy_reduce"] = _gy_reduce(parts.pop("cols"), plan.dim_in2) if needs[1] else []
         segments.append(dict(warp_begin=seg.warp_begin, warp_end=seg.warp_end, mul=seg.mul,
                              x_offset=seg.x_offset, x_dim=seg.x_dim, **parts))
     return _environment().get_template("conv_tp.cu.j2").render(
-        kind="bwd", plan=plan, name=backward_name(plan, needs), segments=segments, real=_real(plan),
-        needs=needs)
+        kind="bwd", plan=plan, name=backward_name(plan, needs, atomic), segments=segments,
+        real=_real(plan), needs=needs, atomic=atomic)
 
 
 SENDER_SUM = "mace_conv_sender_sum"

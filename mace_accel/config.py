@@ -6,7 +6,7 @@ task (keys in the spirit of janus-core and mace's own scripts)::
     task: md                       # singlepoint | geomopt | md
     struct: structures/cu32.extxyz # relative to this file
     model: my.model                # default: the model bundled with mace-accel
-    device: cuda                   # cpu | cuda | cuda:N
+    device: cuda                   # auto | cpu | cuda | cuda:N
     dtype: float32                 # float32 | float64
     backend: auto                  # auto | cuda | reference
     md:
@@ -34,7 +34,7 @@ from .errors import ConfigError
 TASKS = ("singlepoint", "geomopt", "md")
 SINGLEPOINT_PROPERTIES = ("energy", "free_energy", "forces", "stress", "energies")
 PATH_KEYS = ("struct", "model", "outputs")  # resolved against the run file's directory
-_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 def _opt(default: Any, doc: str, **checks: Any) -> Any:
@@ -239,7 +239,7 @@ class RunConfig(_Section):
     struct: Path = _required("structure file (ase.io.read); all frames for singlepoint, the "
                              "last frame otherwise")
     model: Optional[Path] = _opt(None, "MACE model file (default: the bundled model)")
-    device: str = _opt("cuda", "cpu | cuda | cuda:N")
+    device: str = _opt("cuda", "auto | cpu | cuda | cuda:N (auto: cuda if a GPU is visible)")
     dtype: Literal["float32", "float64"] = _opt("float32", "model dtype")
     head: Optional[str] = _opt(None, "head of a multi-head model (default: the last)")
     backend: Literal["auto", "cuda", "reference"] = _opt("auto", "mace-accel backend")
@@ -253,7 +253,7 @@ class RunConfig(_Section):
 
     def _check(self) -> None:
         if not _DEVICE_RE.match(self.device):
-            raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.outputs is None:
             object.__setattr__(self, "outputs", Path(f"{self.task}-results"))
 

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, TextIO
@@ -87,6 +88,7 @@ def run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] =
         a :class:`RunResult`; the files are in ``result.outputs``.
     """
     cfg = _as_config(config, overrides, overrides_base)
+    cfg = resolve_auto_device(cfg)
     check_device(cfg.device)
     frames = read_structures(cfg)
     out = Path(cfg.outputs)
@@ -146,6 +148,19 @@ def _as_config(config: RunConfig | str | Path, overrides: Optional[Mapping[str, 
                               "values you want instead")
         return config
     return load_run_config(config, overrides, overrides_base)
+
+
+def resolve_auto_device(cfg: RunConfig) -> RunConfig:
+    """``device: auto`` becomes ``cuda`` when torch sees a GPU, else ``cpu`` (said on stderr)."""
+    if cfg.device != "auto":
+        return cfg
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        print("mace-accel: device auto -> cpu (no CUDA GPU visible): the reference (plain "
+              "torch) backend runs", file=sys.stderr)
+    return dataclasses.replace(cfg, device=device)
 
 
 def check_device(device: str,

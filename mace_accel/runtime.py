@@ -150,7 +150,9 @@ class CudaConvPrimitives:
     """The generated forward and backward kernels of one spec, dtype and device.
 
     Implements :class:`mace_accel.ops.ConvPrimitives`. Kernels are compiled lazily (the backward
-    for each selection of gradients on first use).
+    for each selection of gradients on first use). ``deterministic=False`` selects the atomic
+    backward: d(node_feats) is added into the sender rows with float atomics, which skips the
+    per-edge message buffer and the per-sender sum (faster, not bit-reproducible).
     """
 
     def __init__(self, spec: TPSpec, dtype: torch.dtype, device: torch.device,
@@ -160,10 +162,8 @@ class CudaConvPrimitives:
             raise KernelError(reason)
         if dtype not in (torch.float32, torch.float64):
             raise KernelError(f"the CUDA kernels run float32 or float64, got {dtype}")
-        if not deterministic:
-            raise KernelError("only the deterministic (receiver-sorted, atomic-free) kernels "
-                              "are implemented; use deterministic=True")
         self.spec, self.dtype = spec, dtype
+        self.deterministic = deterministic
         self.device = torch.device("cuda", _index(device))
         limits = device_limits(self.device)
         self.arch = limits.arch
@@ -232,19 +232,23 @@ class CudaConvPrimitives:
         gw = torch.empty((e, s.weight_numel), **opts) if needs[2] else None
         if n == 0 or not any(needs):
             return gx, gy, gw
-        # d(node_feats) as per-edge messages, summed per sender below (columns of segments
-        # without paths are never written, so they must start at zero)
-        gxm = (torch.empty if self._in1_all_read else torch.zeros)((e, s.dim_in1), **opts) \
-            if needs[0] else None
+        atomic = needs[0] and not self.deterministic
+        if atomic:  # d(node_feats) is added straight into the sender rows
+            gx = torch.zeros((n, s.dim_in1), **opts)
+            gxm = gx
+        else:  # per-edge messages, summed per sender below (columns of segments without
+            # paths are never written, so they must start at zero)
+            gxm = (torch.empty if self._in1_all_read else torch.zeros)((e, s.dim_in1), **opts) \
+                if needs[0] else None
         row_ptr, perm = graph.csr("receiver")
         sender = graph.index32("sender")
         for plan in self.plan.launches:  # launch 0 writes gy, later launches add to it
-            name = backward_name(plan, needs)
-            k = self._kernel(name, lambda: render_backward(plan, needs))
+            name = backward_name(plan, needs, atomic)
+            k = self._kernel(name, lambda: render_backward(plan, needs, atomic))
             k.launch(n, plan.threads,
                      (_ptr(x), _ptr(y), _ptr(w), _ptr(g), _ptr(sender), _ptr(row_ptr),
                       _ptr(perm), _ptr(gxm), _ptr(gy), _ptr(gw), _i32(n)))
-        if gx is not None:
+        if gx is not None and not atomic:
             s_ptr, s_perm = graph.csr("sender")
             k = self._kernel(SENDER_SUM, lambda: render_sender_sum(self.plan.launches[0]))
             k.launch(n, min(1024, max(32, -(-s.dim_in1 // 32) * 32)),

@@ -9,7 +9,7 @@
 #   --no-install   skip `pip install -e .`
 # Environment: OUT (default ./out), TESTS_TIMEOUT (s, default 180),
 #   BENCH_TIME_LIMIT (s of measurements, default 220; the process gets 45 s more to finish).
-# Defaults keep the whole run under 9 minutes.
+# Defaults keep the whole run under 10 minutes (tests ~2.5, conv kernel ~1.5, bench ~4.5).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,6 +66,16 @@ if [ "$run_tests" = 1 ]; then
   tests_failures=$(grep -E "^(FAILED|ERROR) " "$OUT/gpu_tests.log" | head -n 15)
 fi
 
+kernel_line="not run"
+if [ "$run_bench" = 1 ]; then
+  # the fused conv kernel alone vs OpenEquivariance / cuEquivariance (MP-medium layer 2, ~540k edges)
+  echo "== conv kernel benchmark (log $OUT/conv_kernel.log)"
+  timeout 240 python scripts/bench_conv_kernel.py --json "$OUT/conv_kernel.json" --repeats 20 \
+    > "$OUT/conv_kernel.log" 2>&1
+  kernel_rc=$?
+  [ "$kernel_rc" = 0 ] && kernel_line="ok" || kernel_line="exit $kernel_rc (see $OUT/conv_kernel.log)"
+fi
+
 bench_line="not run"
 if [ "$run_bench" = 1 ]; then
   if [ "$quick" = 1 ]; then
@@ -93,6 +103,8 @@ echo "install: $install_note    gpu: $gpu_state"
 echo "GPU tests: $tests_line"
 [ -n "$tests_failures" ] && echo "$tests_failures"
 if [ "$run_bench" = 1 ]; then
+  echo "conv kernel: $kernel_line"
+  sed -n '/^conv kernel,/,$p' "$OUT/conv_kernel.log" 2>/dev/null
   echo "benchmark: $bench_line"
   if [ -f "$OUT/bench/bench.json" ]; then
     python -m mace_accel.bench --summarize "$OUT/bench/bench.json" 2>&1 | tail -n 70

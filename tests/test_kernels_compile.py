@@ -42,6 +42,7 @@ def _sources():
                 for needs in selections:
                     yield f"{tag}-bwd{''.join(str(int(n)) for n in needs)}", \
                         render_backward(plan, needs)
+                yield f"{tag}-bwd111-atomic", render_backward(plan, (True, True, True), atomic=True)
 
 
 SOURCES = dict(_sources())
