@@ -175,6 +175,8 @@ def check_device(device: str,
     """
     from .checkpoint import resolve_device
 
+    if device == "auto":  # always resolves to something that runs (resolve_auto_device)
+        return
     try:
         resolve_device(device)
     except BackendUnavailableError as exc:

@@ -208,7 +208,7 @@ def test_cli_run_prints_the_summary(tiny_model, tmp_path, capsys):
 def test_runs_refuse_a_missing_gpu_and_overrides_of_a_built_config(tiny_model, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(BackendUnavailableError, match="device: cpu"):
-            runs.run(CONFIGS / "md_nve.yaml", {"outputs": str(tmp_path)})
+            runs.run(CONFIGS / "md_nve.yaml", {"device": "cuda", "outputs": str(tmp_path)})
     cfg = load_run_config(CONFIGS / "md_nve.yaml", {"device": "cpu", "outputs": str(tmp_path),
                                                     "model": str(tiny_model[0])})
     with pytest.raises(ConfigError, match="overrides apply to a run file"):
@@ -269,3 +269,13 @@ def test_progress_bar_throttles_redraws():
     assert stream.getvalue().count("\r") == 1
     bar.update()  # the last step always draws
     assert stream.getvalue().count("\r") == 2
+
+
+def test_device_auto_resolves_and_says_so(capsys):
+    cfg = load_run_config(CONFIGS / "md_langevin.yaml")
+    assert cfg.device == "auto"
+    resolved = runs.resolve_auto_device(cfg)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolved.device == expected
+    if expected == "cpu":
+        assert "device auto -> cpu" in capsys.readouterr().err
