@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import warnings
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -82,9 +83,8 @@ def _check_model(model: torch.nn.Module) -> None:
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device
-    return torch.device("cpu")
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
@@ -227,21 +227,13 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
 @contextlib.contextmanager
 def unpatched(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Temporarily restore the original e3nn modules (for side-by-side comparison)."""
-    from .patches.conv_tp import FusedConvTP
-
-    saved = []
-    for _, module, patch in list(find_blocks(model)):
-        if patch.is_applied(module):
-            fused = module.conv_tp
-            patch.revert(module)
-            saved.append((module, fused))
+    saved = [(module, patch, patch.revert(module))
+             for _, module, patch in list(find_blocks(model)) if patch.is_applied(module)]
     try:
         yield model
     finally:
-        for module, fused in saved:
-            assert isinstance(fused, FusedConvTP)
-            module.conv_tp = fused
-            module.conv_fusion = True
+        for module, patch, state in saved:
+            patch.reattach(module, state)
 
 
 def evaluate(model: torch.nn.Module, batch: Dict[str, torch.Tensor],

@@ -235,5 +235,5 @@ def all_backward_needs() -> List[Needs]:
             if a or b or c]
 
 
-__all__ = ["render_forward", "render_backward", "render_sender_sum", "SENDER_SUM", "backward_name", "forward_name", "literal", "kernels_dir",
-           "all_backward_needs", "PathPlan"]
+__all__ = ["SENDER_SUM", "all_backward_needs", "backward_name", "forward_name", "kernels_dir",
+           "literal", "render_backward", "render_forward", "render_sender_sum"]

@@ -30,7 +30,7 @@ class ConvGraph:
     sender: torch.Tensor
     receiver: torch.Tensor
     n_nodes: int
-    _csr: dict = dataclasses.field(default_factory=dict, repr=False)
+    _derived: dict = dataclasses.field(default_factory=dict, repr=False)  # int32 copies, CSRs
 
     @property
     def n_edges(self) -> int:
@@ -39,9 +39,9 @@ class ConvGraph:
     def index32(self, which: str) -> torch.Tensor:
         """``sender`` or ``receiver`` as int32 (what the kernels index with), cached."""
         key = ("index32", which)
-        if key not in self._csr:
-            self._csr[key] = getattr(self, which).to(torch.int32)
-        return self._csr[key]
+        if key not in self._derived:
+            self._derived[key] = getattr(self, which).to(torch.int32)
+        return self._derived[key]
 
     def csr(self, by: str, index_dtype: torch.dtype = torch.int32) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(row_ptr [n_nodes+1], perm [E])`` grouping edges by ``"receiver"`` or ``"sender"``.
@@ -49,14 +49,14 @@ class ConvGraph:
         ``perm[row_ptr[n]:row_ptr[n+1]]`` are the edges of node ``n`` in their original order.
         """
         key = (by, index_dtype)
-        if key not in self._csr:
+        if key not in self._derived:
             idx = self.receiver if by == "receiver" else self.sender
             perm = torch.sort(idx, stable=True).indices
             counts = torch.zeros(self.n_nodes + 1, dtype=torch.int64, device=idx.device)
             counts.index_add_(0, idx + 1, torch.ones_like(idx))
             row_ptr = torch.cumsum(counts, 0)
-            self._csr[key] = (row_ptr.to(index_dtype), perm.to(index_dtype))
-        return self._csr[key]
+            self._derived[key] = (row_ptr.to(index_dtype), perm.to(index_dtype))
+        return self._derived[key]
 
 
 _LAST: Optional[Tuple[weakref.ref, int, int, ConvGraph]] = None

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
+import numpy as np
 import torch
 
 from .codegen import (SENDER_SUM, backward_name, forward_name, render_backward, render_forward,
@@ -134,15 +135,22 @@ class _Kernel:
     def launch(self, grid: int, block: int, args: tuple) -> None:
         import cupy
 
-        stream = torch.cuda.current_stream(self.device_index)
+        stream = _cupy_stream(torch.cuda.current_stream(self.device_index).cuda_stream,
+                              self.device_index)
         with cupy.cuda.Device(self.device_index):
-            self._function((grid,), (block,), args,
-                           stream=cupy.cuda.ExternalStream(stream.cuda_stream, self.device_index))
+            self._function((grid,), (block,), args, stream=stream)
 
 
-def _ptr(t: Optional[torch.Tensor]):
-    import numpy as np
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(handle: int, device_index: int):
+    """cupy's wrapper of torch's stream ``handle`` (made once per stream, not per launch)."""
+    import cupy
 
+    return cupy.cuda.ExternalStream(handle, device_index)
+
+
+def _ptr(t: Optional[torch.Tensor]) -> np.uint64:
+    """A tensor's device pointer as a kernel argument (0 for an absent output)."""
     return np.uint64(0 if t is None else t.data_ptr())
 
 
@@ -227,14 +235,14 @@ class CudaConvPrimitives:
         needs = tuple(bool(n) for n in needs)
         n, e, s = graph.n_nodes, graph.n_edges, self.spec
         opts = dict(dtype=self.dtype, device=x.device)
-        gx = torch.empty((n, s.dim_in1), **opts) if needs[0] else None
+        atomic = needs[0] and not self.deterministic  # d(node_feats) added into sender rows
+        gx = (torch.zeros if atomic else torch.empty)((n, s.dim_in1), **opts) \
+            if needs[0] else None
         gy = torch.empty((e, s.dim_in2), **opts) if needs[1] else None
         gw = torch.empty((e, s.weight_numel), **opts) if needs[2] else None
         if n == 0 or not any(needs):
             return gx, gy, gw
-        atomic = needs[0] and not self.deterministic
-        if atomic:  # d(node_feats) is added straight into the sender rows
-            gx = torch.zeros((n, s.dim_in1), **opts)
+        if atomic:
             gxm = gx
         else:  # per-edge messages, summed per sender below (columns of segments without
             # paths are never written, so they must start at zero)
@@ -256,7 +264,5 @@ class CudaConvPrimitives:
         return gx, gy, gw
 
 
-def _i32(v: int):
-    import numpy as np
-
+def _i32(v: int) -> np.int32:
     return np.int32(v)

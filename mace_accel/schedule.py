@@ -24,7 +24,6 @@ from .errors import KernelError
 from .spec import DTYPES, TPSpec
 
 WARP = 32
-REGISTERS_PER_SM = 65536  # every architecture since sm_50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +98,10 @@ class KernelPlan:
 
     @property
     def min_blocks(self) -> int:
-        """``__launch_bounds__`` blocks per SM: lets ptxas use up to ~128 registers a thread.
+        """``__launch_bounds__`` minimum blocks per SM: 1 leaves ptxas the whole register file.
 
-        (A bare thread-count bound made ptxas aim for 64 registers and spill on some problems.)
+        (A bare thread-count bound made ptxas aim for 64 registers and spill on some problems;
+        register pressure is bounded by splitting launches instead, see _max_group_threads.)
         """
         return 1
 

@@ -61,16 +61,20 @@ class InteractionConvPatch(BlockPatch):
               **options) -> PatchRecord:
         original = module.conv_tp
         spec = spec_from_e3nn(original)
-        module.conv_tp = FusedConvTP(original, spec, backend=backend, **options)
-        module.conv_fusion = True
+        self.reattach(module, FusedConvTP(original, spec, backend=backend, **options))
         return PatchRecord(path=path, block=type(module).__name__, patch=self.name,
                            spec=spec, backend=backend)
 
-    def revert(self, module: torch.nn.Module) -> None:
+    def revert(self, module: torch.nn.Module) -> FusedConvTP:
         fused = module.conv_tp
         module.conv_tp = fused.sync_original()
         if "conv_fusion" in module.__dict__:
             del module.conv_fusion
+        return fused
+
+    def reattach(self, module: torch.nn.Module, state: FusedConvTP) -> None:
+        module.conv_tp = state
+        module.conv_fusion = True
 
 
 PATCHES = (InteractionConvPatch(),)

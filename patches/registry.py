@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -41,7 +41,12 @@ class BlockPatch:
     def apply(self, path: str, module: torch.nn.Module, backend: str, **options) -> PatchRecord:
         raise NotImplementedError
 
-    def revert(self, module: torch.nn.Module) -> None:
+    def revert(self, module: torch.nn.Module) -> Any:
+        """Restore the original; returns what :meth:`reattach` needs to undo the revert."""
+        raise NotImplementedError
+
+    def reattach(self, module: torch.nn.Module, state: Any) -> None:
+        """Put back what :meth:`revert` returned (for temporary side-by-side comparisons)."""
         raise NotImplementedError
 
     def is_applied(self, module: torch.nn.Module) -> bool:
