@@ -3,13 +3,13 @@
 Same results and conventions as mace's ``MACECalculator`` (energy, free energy, forces, per-atom
 energies, ASE Voigt stress in eV/Å^3 with ASE's sign), with the interaction blocks fused by
 :func:`mace_accel.accelerate`: the generated CUDA kernels on a GPU, the plain-torch reference
-backend on CPU. Every structure is validated (:mod:`mace_accel.validation`) before it is batched.
+backend on CPU. Every structure is validated (:mod:`mace_accel.models.validation`)
+before it is batched.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -18,20 +18,15 @@ import torch
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from .accelerate import (PatchReport, accelerate, cuda_unavailable_reason, is_accelerated,
-                         verify_against_unpatched)
-from .batch import atoms_to_batch, model_info
-from .checkpoint import load_model, resolve_device, resolve_dtype
-from .errors import (BackendUnavailableError, ConfigError, UnsupportedModelError,
-                     VerificationError)
-from .patches import PatchRecord, find_blocks
-from .tolerances import model_tolerance
-from .validation import validate_atoms, validate_head
+from mace_accel.errors import UnsupportedModelError
+from mace_accel.models.batch import atoms_to_batch, model_info
+from mace_accel.models.checkpoint import default_model_path, load_model
+from mace_accel.models.validation import validate_atoms, validate_head
+from mace_accel.options import AccelOptions, make_options, resolve_device, resolve_dtype
+from mace_accel.surgery import PatchReport, accelerate, is_accelerated, revert
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "cuda", "reference")
-FALLBACKS = ("warn", "error")
 # relative volume below which a cell is too flat to define a stress
 _SINGULAR_CELL = 1e-8
 
@@ -42,7 +37,8 @@ class MACEAccelCalculator(Calculator):
     Args:
         model: path to a MACE ``.model`` file or a loaded MACE module (modified in place: upgraded,
             cast, moved, accelerated); default: the small Cu/Ni model bundled with mace-accel.
-        device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
+        device: ``"auto"`` (a GPU if torch sees one, else the CPU), ``"cuda"``, ``"cuda:N"`` or
+            ``"cpu"``.
         default_dtype: ``"float32"`` (MD) or ``"float64"`` (optimisation, finite differences);
             the model is cast to it; torch's global default dtype is never changed.
         head: head of a multi-head model (default: the only head, or the one named "default").
@@ -54,33 +50,33 @@ class MACEAccelCalculator(Calculator):
         fallback: when the CUDA backend cannot run: ``"warn"`` (warn and use the reference
             backend) or ``"error"``.
         min_distance: smallest interatomic distance accepted in Å (None disables the check).
+        deterministic: CUDA backend: no float atomics, bit-identical repeats (the default).
+        options: all acceleration options at once (:class:`~mace_accel.options.AccelOptions`);
+            the keyword arguments above override its fields.
         **kwargs: passed to ``ase.calculators.calculator.Calculator``.
 
     Attributes:
         backend: the backend that runs (``"cuda"`` or ``"reference"``).
-        report: the :class:`~mace_accel.accelerate.PatchReport` of the surgery.
+        report: the :class:`~mace_accel.surgery.PatchReport` of the surgery.
+        options: the options in effect (backend resolved).
         model, info, device, dtype, head: what is evaluated, and how.
     """
 
     implemented_properties = ["energy", "free_energy", "forces", "stress", "energies"]
 
     def __init__(self, model: Union[str, Path, torch.nn.Module, None] = None,
-                 device: Union[str, torch.device] = "cuda", default_dtype: str = "float32",
+                 device: Union[str, torch.device] = "auto", default_dtype: str = "float32",
                  head: Optional[str] = None, compute_stress: bool = True, backend: str = "auto",
                  verify: bool = True, fallback: str = "warn",
-                 min_distance: Optional[float] = 0.5, **kwargs) -> None:
+                 min_distance: Optional[float] = 0.5, deterministic: bool = True,
+                 options: Optional[AccelOptions] = None, **kwargs) -> None:
         Calculator.__init__(self, **kwargs)
-        if backend not in BACKENDS:
-            raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if fallback not in FALLBACKS:
-            raise ConfigError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+        requested = make_options(options, backend=backend, verify=verify, fallback=fallback,
+                                 deterministic=deterministic)
         self.dtype = resolve_dtype(default_dtype)
         self.device = resolve_device(device)
-        if model is None:
-            from .models import default_model_path
-
-            model = default_model_path()
-        self.model = load_model(model, device=self.device, dtype=self.dtype)
+        self.model = load_model(default_model_path() if model is None else model,
+                                device=self.device, dtype=self.dtype)
         if not hasattr(self.model, "atomic_energies_fn"):
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} does not predict energies (no atomic_energies_fn); "
@@ -92,58 +88,21 @@ class MACEAccelCalculator(Calculator):
         self.compute_stress = bool(compute_stress)
         self.min_distance = min_distance
 
-        requested = backend if backend != "auto" else (
-            "cuda" if self.device.type == "cuda" else "reference")
         if is_accelerated(self.model):
-            self.report = self._adopt_accelerated(requested, verify, fallback)
-        else:
-            self.report = accelerate(self.model, backend=requested, verify=verify,
-                                     fallback=fallback)
+            # saved accelerated (maybe with another backend or options): patch it afresh with
+            # the options asked for here; the originals are inside, so nothing is lost
+            restored = revert(self.model)
+            log.info("mace-accel: the model was saved accelerated; re-patched %d module(s) "
+                     "with the options asked for", restored)
+        self.report: PatchReport = accelerate(self.model, options=requested)
+        self.options = self.report.options
         self.backend = self.report.backend
         if self.backend != "cuda":
             log.warning("mace-accel: running the %r backend (plain torch) on %s; the fused CUDA "
-                        "kernels need device='cuda' on a machine with an NVIDIA GPU",
+                        "kernels need a machine with an NVIDIA GPU (device='cuda' or 'auto')",
                         self.backend, self.device)
         else:
             log.info("mace-accel: running the 'cuda' backend on %s", self.device)
-
-    # -- setup ----------------------------------------------------------------------------------
-    def _adopt_accelerated(self, requested: str, verify: bool, fallback: str) -> PatchReport:
-        """Keep the fused modules of a model saved accelerated; make sure they can run here."""
-        fused = [(path, module, patch) for path, module, patch in find_blocks(self.model)
-                 if patch.is_applied(module)]
-        stored = sorted({module.conv_tp.backend for _, module, _ in fused})
-        if "cuda" in stored:
-            reason = cuda_unavailable_reason(self.device)
-            if reason is not None:
-                if fallback == "error":
-                    raise BackendUnavailableError(
-                        f"the model was saved accelerated with the CUDA backend, which cannot run "
-                        f"here: {reason}. Use fallback='warn' to run its reference backend")
-                warnings.warn(f"mace-accel: the model was saved with the CUDA backend, which "
-                              f"cannot run here ({reason}); using the reference backend",
-                              RuntimeWarning, stacklevel=3)
-                for _, module, _ in fused:
-                    module.conv_tp.backend = "reference"
-        active = sorted({module.conv_tp.backend for _, module, _ in fused})
-        if active != [requested]:
-            log.warning("mace-accel: the model was saved accelerated with backend %s; keeping it "
-                        "(requested %r). To change it, mace_accel.revert(model) and load again",
-                        "/".join(active), requested)
-        records = [PatchRecord(path=path, block=type(module).__name__, patch=patch.name,
-                               spec=module.conv_tp.spec, backend=module.conv_tp.backend)
-                   for path, module, patch in fused]
-        report = PatchReport(backend="/".join(active), requested_backend=requested,
-                             records=records)
-        if verify:
-            report.verification = verify_against_unpatched(self.model)
-            report.tolerance = model_tolerance(self.info.dtype)
-            bad = {k: v for k, v in report.verification.items() if not v <= report.tolerance}
-            if bad:
-                raise VerificationError(
-                    f"the accelerated checkpoint disagrees with its unpatched modules: {bad} "
-                    f"exceeds the relative tolerance {report.tolerance:.0e}.\n{report}")
-        return report
 
     # -- ASE interface ----------------------------------------------------------------------------
     def calculate(self, atoms=None, properties: Sequence[str] = ("energy",),
@@ -191,3 +150,35 @@ def has_stress(atoms) -> bool:
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(device="cpu", dtype=torch.float64).numpy()
+
+
+def mace_mp(model: Union[str, Path, None] = "medium", device: str = "auto",
+            default_dtype: str = "float32", **kwargs) -> MACEAccelCalculator:
+    """A :class:`MACEAccelCalculator` with a MACE-MP foundation model (89 elements).
+
+    Args:
+        model: a MACE-MP name of mace's table (``"small"``, ``"medium"``, ``"large"``,
+            ``"medium-mpa-0"``, ...), an ``https://`` URL, or a local path; None means mace's own
+            default. Names, URLs and the download cache are mace's own.
+        device, default_dtype, **kwargs: as :class:`MACEAccelCalculator`.
+    """
+    from mace_accel.models.foundations import mace_mp_file
+
+    return MACEAccelCalculator(model=mace_mp_file(model), device=device,
+                               default_dtype=default_dtype, **kwargs)
+
+
+def mace_off(model: Union[str, Path, None] = "medium", device: str = "auto",
+             default_dtype: str = "float64", **kwargs) -> MACEAccelCalculator:
+    """A :class:`MACEAccelCalculator` with a MACE-OFF23 organic force field (ASL licence).
+
+    Args:
+        model: ``"small"``, ``"medium"``, ``"large"`` (mace's table), an ``https://`` URL, or a
+            local path.
+        default_dtype: ``"float64"`` by default, as mace's ``mace_off``.
+        device, **kwargs: as :class:`MACEAccelCalculator`.
+    """
+    from mace_accel.models.foundations import mace_off_file
+
+    return MACEAccelCalculator(model=mace_off_file(model), device=device,
+                               default_dtype=default_dtype, **kwargs)

@@ -23,7 +23,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
-from .errors import InputError, MaceAccelError
+from mace_accel.errors import InputError, MaceAccelError
+from mace_accel.options import BACKENDS, DTYPE_NAMES
 
 EXIT_OK, EXIT_OS_ERROR, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -45,9 +46,9 @@ def _check_output(src: Path, dst: Path, force: bool) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .accelerate import accelerate
-    from .checkpoint import load_model, save_model
-    from .runs import check_device
+    from mace_accel.models.checkpoint import load_model, save_model
+    from mace_accel.runs.tasks import check_device
+    from mace_accel.surgery import accelerate
 
     src, dst = Path(args.input), Path(args.output)
     _check_output(src, dst, args.force)
@@ -62,8 +63,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
-    from .accelerate import revert
-    from .checkpoint import load_model, save_model
+    from mace_accel.models.checkpoint import load_model, save_model
+    from mace_accel.surgery import revert
 
     src, dst = Path(args.input), Path(args.output)
     _check_output(src, dst, args.force)
@@ -76,28 +77,8 @@ def cmd_revert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def model_plan(model: Any) -> Dict[str, Any]:
-    """The model's summary and what ``accelerate`` would do to it, without changing it.
-
-    Returns:
-        ``{"model", "elements", "atomic_numbers", "r_max", "heads", "dtype", "parameters",
-        "accelerated", "blocks"}``; ``blocks`` is :func:`mace_accel.accelerate.plan`'s list.
-    """
-    from .accelerate import plan
-    from .batch import model_info
-
-    info = model_info(model)
-    blocks = plan(model)
-    return {
-        "model": type(model).__name__, "elements": info.symbols,
-        "atomic_numbers": list(info.atomic_numbers), "r_max": info.r_max,
-        "heads": list(info.heads), "dtype": str(info.dtype).replace("torch.", ""),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "accelerated": any(b["status"] == "accelerated" for b in blocks), "blocks": blocks,
-    }
-
-
 def format_plan(plan: Dict[str, Any], source: str) -> str:
+    """``mace-accel info``'s text: the model, then per module each part fused or left."""
     lines = [f"model:       {plan['model']} ({source})",
              f"elements:    {' '.join(plan['elements'])} ({len(plan['elements'])})",
              f"r_max:       {plan['r_max']:g} Å",
@@ -105,36 +86,36 @@ def format_plan(plan: Dict[str, Any], source: str) -> str:
              f"dtype:       {plan['dtype']}",
              f"parameters:  {plan['parameters']:,}",
              f"accelerated: {'yes' if plan['accelerated'] else 'no'}",
-             f"interaction blocks ({len(plan['blocks'])}):"]
+             f"modules ({len(plan['blocks'])}):"]
+    verb = "fused" if plan["accelerated"] else "would be fused"
     for b in plan["blocks"]:
-        lines.append(f"  {b['path']}: {b['block']}")
-        if b["irreps_in1"] is not None:
-            lines.append(f"    conv_tp: {b['irreps_in1']} x {b['irreps_in2']} -> "
-                         f"{b['irreps_out']}")
-            lines.append(f"             {b['paths']} paths, weight_numel {b['weight_numel']}")
-        status = b["status"]
-        if status == "accelerated":
-            status += f" (backend {b['backend']!r})"
-        elif status == "left":
-            status += f": {b['reason']}"
-        lines.append(f"    {status}")
+        lines.append(f"  {b['path'] or '(model)'}: {b['block']}")
+        if b["tensor_product"] is not None:
+            lines.append(f"    conv_tp: {b['tensor_product']}")
+        if b["skipped"] and not b["parts"]:
+            lines.append(f"    left: {b['skipped']}")
+        for part in b["parts"]:
+            status = verb if part["fused"] else "left"
+            lines.append(f"    {part['part']:<22} {status}: {part['detail']}")
     return "\n".join(lines)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .checkpoint import load_model
+    from mace_accel.models.checkpoint import load_model
 
     path = Path(args.model)
     if not path.is_file():
         raise InputError(f"model file not found: {str(path)!r}")
-    plan = model_plan(load_model(path, device="cpu"))
+    from mace_accel.surgery import describe_model
+
+    plan = describe_model(load_model(path, device="cpu"))
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan, str(path)))
     return EXIT_OK
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .config import parse_override
-    from .runs import dry_run, run
+    from mace_accel.runs.config import parse_override
+    from mace_accel.runs.tasks import dry_run, run
 
     overrides = dict(parse_override(s) for s in args.set or [])
     cwd = Path.cwd()  # paths typed on the command line are relative to where it was typed
@@ -162,7 +143,7 @@ def _register_bench(subparsers: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from mace_accel import __version__
 
     parser = argparse.ArgumentParser(
         prog="mace-accel", description="Fused CUDA tensor products for MACE potentials: convert "
@@ -175,11 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "against the original and save the result (kernels rebuild on load).")
     p.add_argument("input", metavar="IN", help="MACE model file (torch.save of the model)")
     p.add_argument("output", metavar="OUT", help="where to write the accelerated model")
-    p.add_argument("--dtype", choices=("float32", "float64"), default=None,
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="cast the model (default: keep its dtype)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="device to patch and verify on (default: cuda for the cuda backend)")
-    p.add_argument("--backend", choices=("cuda", "reference"), default="cuda",
+    p.add_argument("--backend", choices=BACKENDS, default="cuda",
                    help="fused backend (default: cuda)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the check against the unpatched model")

@@ -1,7 +1,8 @@
-"""Model surgery: one module per MACE block family, plus the registry that drives them.
+"""Model surgery: one patch kind per MACE module family, behind one interface.
 
-``find_blocks(model)`` lists ``(path, module, patch)`` for every module some patch matches;
-:func:`mace_accel.accelerate` applies them, :func:`mace_accel.revert` undoes them.
+``find_blocks(model)`` lists ``(path, module, kind)`` for every module some patch kind applies
+to, in model order; :func:`mace_accel.accelerate` applies them, :func:`mace_accel.revert`
+undoes them. Nothing outside this package knows what a patch swaps.
 """
 
 from __future__ import annotations
@@ -10,22 +11,22 @@ from typing import Iterator, Tuple
 
 import torch
 
-from mace_accel.patches.registry import BlockPatch, PatchRecord
+from mace_accel.patches.registry import PartRecord, PatchKind, PatchRecord
 
 
-def all_patches() -> Tuple[BlockPatch, ...]:
+def all_patches() -> Tuple[PatchKind, ...]:
     from mace_accel.patches.interaction_blocks import PATCHES as interaction
 
     return tuple(interaction)
 
 
-def find_blocks(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module, BlockPatch]]:
-    """Every ``(qualified name, module, patch)`` a registered patch matches, in model order."""
+def find_blocks(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module, PatchKind]]:
+    """Every ``(qualified name, module, patch kind)`` a registered kind applies to."""
     patches = all_patches()
     for path, module in model.named_modules():
         for patch in patches:
-            if patch.matches(module):
+            if patch.applies_to(module):
                 yield path, module, patch
 
 
-__all__ = ["BlockPatch", "PatchRecord", "all_patches", "find_blocks"]
+__all__ = ["PartRecord", "PatchKind", "PatchRecord", "all_patches", "find_blocks"]

@@ -58,10 +58,12 @@ def copy_bandwidth(device) -> float:
 
 def make_backends(problem, dtype, device):
     """name -> module with MACE's fused call (node_feats, edge_attrs, tp_weights, edge_index)."""
-    from mace_accel.patches.conv_tp import FusedConvTP
-    from mace_accel.spec import make_e3nn_conv_tp, spec_from_e3nn
     from mace.modules import wrapper_ops
     from mace.tools.scatter import scatter_sum
+
+    from mace_accel.ops.conv_tp.spec import make_e3nn_conv_tp, spec_from_e3nn
+    from mace_accel.options import AccelOptions
+    from mace_accel.patches.conv_tp import FusedConvTP
 
     tp = make_e3nn_conv_tp(*problem).to(device=device, dtype=dtype)
     backends, status = {}, {}
@@ -71,9 +73,9 @@ def make_backends(problem, dtype, device):
             return scatter_sum(tp(x[ei[0]], y, w), ei[1], dim=0, dim_size=x.shape[0])
 
     backends["e3nn"] = E3nnConv()
-    backends["mace-accel"] = FusedConvTP(tp, spec_from_e3nn(tp), backend="cuda")
-    backends["mace-accel-atomic"] = FusedConvTP(tp, spec_from_e3nn(tp), backend="cuda",
-                                                deterministic=False)
+    backends["mace-accel"] = FusedConvTP(tp, spec_from_e3nn(tp), AccelOptions(backend="cuda"))
+    backends["mace-accel-atomic"] = FusedConvTP(
+        tp, spec_from_e3nn(tp), AccelOptions(backend="cuda", deterministic=False))
     ins, mid = tp.instructions, tp.irreps_out
     instructions = [(i.i_in1, i.i_in2, i.i_out, i.connection_mode, i.has_weight) for i in ins]
     old = torch.get_default_dtype()
@@ -101,11 +103,11 @@ def make_backends(problem, dtype, device):
 
 
 def run(problem_name: str, cells: int, dtypes, repeats: int) -> dict:
-    from mace_accel.catalog import CATALOG
-    from mace_accel.schedule import count_flops_bytes
+    from mace_accel.ops.conv_tp.catalog import CATALOG
+    from mace_accel.ops.conv_tp.schedule import count_flops_bytes
 
     device = torch.device("cuda")
-    problem = CATALOG[problem_name]
+    problem = CATALOG[problem_name].irreps
     n_nodes, edge_index = build_graph(cells, 6.0, device)
     bw = copy_bandwidth(device)
     results = {"problem": problem_name, "n_nodes": n_nodes, "n_edges": int(edge_index.shape[1]),

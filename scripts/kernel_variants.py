@@ -17,10 +17,10 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_conv_kernel import build_graph, time_ms  # noqa: E402
 
 import mace_accel.codegen as codegen  # noqa: E402
-from mace_accel.catalog import CATALOG  # noqa: E402
-from mace_accel.graph import ConvGraph  # noqa: E402
-from mace_accel.runtime import CudaConvPrimitives  # noqa: E402
-from mace_accel.spec import make_spec  # noqa: E402
+from mace_accel.ops.conv_tp.catalog import CATALOG  # noqa: E402
+from mace_accel.ops.conv_tp.cuda import CudaConvPrimitives  # noqa: E402
+from mace_accel.ops.conv_tp.spec import make_spec  # noqa: E402
+from mace_accel.ops.graph import ConvGraph  # noqa: E402
 
 LOOP = "for (int t = 0; t < cnt; ++t) {"
 VARIANTS = {
@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--problem", default="mp-medium-l2")
     parser.add_argument("--cells", type=int, default=12)
     args = parser.parse_args()
-    spec = make_spec(*CATALOG[args.problem])
+    spec = make_spec(*CATALOG[args.problem].irreps)
     n, ei = build_graph(args.cells, 6.0, "cuda")
     render_f, render_b = codegen.render_forward, codegen.render_backward
     print(f"{args.problem}: {n} nodes, {ei.shape[1]} edges")

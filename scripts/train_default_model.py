@@ -244,8 +244,8 @@ def load_model(path: Path):
 
 def errors_on(model, structures: List) -> Dict[str, float]:
     """RMSEs of energy per atom (meV/atom), forces (meV/Å) and stress (meV/Å^3) vs EMT."""
-    from mace_accel.accelerate import evaluate
-    from mace_accel.batch import atoms_to_batch, model_info
+    from mace_accel.models.batch import atoms_to_batch, model_info
+    from mace_accel.surgery import evaluate
 
     info = model_info(model)
     de, df, ds = [], [], []

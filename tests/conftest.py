@@ -29,7 +29,7 @@ def tiny_model():
     mace trains, so its constants (CG/U matrices) are exact in that dtype: a float64 model built
     under a float32 default is only equivariant to ~1e-10.
     """
-    from mace_accel.models import small_test_model
+    from mace_accel.models.architectures import small_test_model
 
     cache = {}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mace_accel.graph import ConvGraph
+from mace_accel.ops.graph import ConvGraph
 
 
 def random_problem(spec, n_nodes: int, n_edges: int, dtype: torch.dtype, device, seed: int = 0,

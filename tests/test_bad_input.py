@@ -10,12 +10,17 @@ import torch
 from ase import Atoms
 from ase.build import bulk
 
-from mace_accel.batch import ModelInfo
 from mace_accel.calculator import MACEAccelCalculator
-from mace_accel.checkpoint import load_model, save_model
-from mace_accel.errors import (BackendUnavailableError, CheckpointError, ConfigError,
-                               InputError, UnsupportedModelError)
-from mace_accel.validation import validate_atoms, validate_head
+from mace_accel.errors import (
+    BackendUnavailableError,
+    CheckpointError,
+    ConfigError,
+    InputError,
+    UnsupportedModelError,
+)
+from mace_accel.models.batch import ModelInfo
+from mace_accel.models.checkpoint import load_model, save_model
+from mace_accel.models.validation import validate_atoms, validate_head
 
 INFO = ModelInfo(atomic_numbers=(1, 6, 8, 29), r_max=4.0, heads=("Default",),
                  dtype=torch.float64)
@@ -161,8 +166,8 @@ def test_non_mace_module(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
 def test_cuda_requested_without_gpu(model_file):
-    expected = ("device 'cuda' requested but no CUDA GPU is visible; pass device='cpu' to run "
-                "the reference path")
+    expected = ("device 'cuda' requested but no CUDA GPU is visible; pass device='cpu' (or "
+                "'auto') to run the reference path")
     with pytest.raises(BackendUnavailableError) as err:
         MACEAccelCalculator(model_file, device="cuda")
     assert str(err.value) == expected

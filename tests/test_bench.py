@@ -11,20 +11,31 @@ import numpy as np
 import pytest
 import torch
 
-from mace_accel.batch import ModelInfo
 from mace_accel.bench import backends as bench_backends
-from mace_accel.bench.backends import (REFERENCE_NAME, ModelSource, prepare_backend,
-                                       preserve_default_dtype)
+from mace_accel.bench.backends import (
+    REFERENCE_NAME,
+    ModelSource,
+    prepare_backend,
+    preserve_default_dtype,
+)
 from mace_accel.bench.cli import add_bench_parser, config_from_args, run_from_args
-from mace_accel.bench.maxsize import (CONVERGED, NOTHING_FITS, TIME_LIMIT, UPPER_BOUND,
-                                      find_max_size)
-from mace_accel.bench.report import (JSON_NAME, RECORD_FIELDS, SCHEMA, SCHEMA_VERSION,
-                                     load_json, render_table, write_outputs, write_plots)
+from mace_accel.bench.maxsize import CONVERGED, NOTHING_FITS, TIME_LIMIT, UPPER_BOUND, find_max_size
+from mace_accel.bench.report import (
+    JSON_NAME,
+    RECORD_FIELDS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    load_json,
+    render_table,
+    write_outputs,
+    write_plots,
+)
 from mace_accel.bench.runner import BenchConfig, CaseRecord, compute_speedups, run_bench
 from mace_accel.bench.systems import build_system, cells_for_atoms, make_batch
 from mace_accel.bench.timing import Deadline, is_out_of_memory, time_calls
 from mace_accel.errors import ConfigError, InputError
-from mace_accel.models import OFF_ELEMENTS, small_test_model
+from mace_accel.models.architectures import OFF_ELEMENTS, small_test_model
+from mace_accel.models.batch import ModelInfo
 
 
 @pytest.fixture(autouse=True)

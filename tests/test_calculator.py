@@ -12,7 +12,7 @@ from ase.build import bulk
 from ase.calculators.calculator import PropertyNotImplementedError
 
 from mace_accel.calculator import MACEAccelCalculator
-from mace_accel.checkpoint import save_model
+from mace_accel.models.checkpoint import save_model
 from mace_accel.tolerances import EQUIVARIANCE_TOL, MODEL_TOL
 
 TOL = MODEL_TOL[torch.float64]

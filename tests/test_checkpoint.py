@@ -13,8 +13,8 @@ import torch
 
 from mace_accel import accelerate, is_accelerated
 from mace_accel.calculator import MACEAccelCalculator
-from mace_accel.checkpoint import load_model, save_model, upgrade_legacy_model
 from mace_accel.errors import CheckpointError, InputError
+from mace_accel.models.checkpoint import load_model, save_model, upgrade_legacy_model
 from mace_accel.tolerances import MODEL_TOL
 
 TOL = MODEL_TOL[torch.float64]
@@ -121,7 +121,7 @@ def _agnesi_zbl_model() -> torch.nn.Module:
 
 
 def test_legacy_atomic_numbers_list_breaks_mace_forward(tmp_path, cu_atoms):
-    from mace_accel.batch import atoms_to_batch, model_info
+    from mace_accel.models.batch import atoms_to_batch, model_info
 
     model = _agnesi_zbl_model()
     intact_path = save_model(model, tmp_path / "intact.model")
@@ -186,7 +186,7 @@ def test_accelerated_checkpoint_is_not_repatched(tiny_model, tmp_path, cu_atoms)
 
 # -- foundation helpers ---------------------------------------------------------------------------
 def test_foundations_accept_a_local_path(tiny_model, tmp_path, cu_atoms):
-    from mace_accel.foundations import mace_mp, mace_off
+    from mace_accel.calculator import mace_mp, mace_off
 
     path = save_model(tiny_model(), tmp_path / "local.model")
     calc_mp = mace_mp(model=str(path), device="cpu", default_dtype="float64")
@@ -196,7 +196,7 @@ def test_foundations_accept_a_local_path(tiny_model, tmp_path, cu_atoms):
 
 
 def test_foundations_unknown_name_and_missing_file(tmp_path):
-    from mace_accel.foundations import mace_mp, mace_off
+    from mace_accel.calculator import mace_mp, mace_off
 
     with pytest.raises(InputError, match="medium-mpa-0"):
         mace_mp(model="huge", device="cpu")
@@ -208,7 +208,8 @@ def test_foundations_unknown_name_and_missing_file(tmp_path):
 
 def test_foundations_download_failure_names_the_url(tmp_path, monkeypatch):
     from mace.calculators import foundations_models as fm
-    from mace_accel.foundations import mace_mp, mace_off
+
+    from mace_accel.calculator import mace_mp, mace_off
 
     def offline(*args, **kwargs):
         raise urllib.error.URLError("network is unreachable")

@@ -20,11 +20,11 @@ import torch
 import yaml
 
 from mace_accel import cli
-from mace_accel.accelerate import evaluate, is_accelerated
-from mace_accel.batch import atoms_to_batch, model_info, random_structure
-from mace_accel.models import small_test_model
+from mace_accel.models.architectures import small_test_model
+from mace_accel.models.batch import atoms_to_batch, model_info, random_structure
+from mace_accel.ops.conv_tp.spec import spec_from_e3nn
 from mace_accel.patches.conv_tp import FusedConvTP
-from mace_accel.spec import spec_from_e3nn
+from mace_accel.surgery import evaluate, is_accelerated
 from mace_accel.tolerances import rel_norm_error
 
 BLOCK = "RealAgnosticResidualInteractionBlock"
@@ -94,7 +94,8 @@ def test_convert_prints_the_report(plain_model, tmp_path, capsys):
     out = tmp_path / "fast.model"
     code, stdout, _ = run_cli(capsys, "convert", plain_model[0], out, *CPU, "--no-verify")
     assert code == 0
-    assert "2 of 2 blocks patched" in stdout and f"saved the accelerated model to {out}" in stdout
+    assert "modules patched" in stdout and f"saved the accelerated model to {out}" in stdout
+    assert stdout.count("conv                   fused: TPSpec(") == 2
     assert "verified" not in stdout  # --no-verify
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fast.model"]  # no temp files left
 
@@ -230,14 +231,11 @@ def test_info_text(plain_model, capsys):
     assert code == 0
     n_params = sum(p.numel() for p in model.parameters())
     for fragment in ("ScaleShiftMACE", "Ni Cu (2)", "r_max:       4 Å", "heads:       Default",
-                     "float64", f"{n_params:,}", "accelerated: no", "interaction blocks (2)",
-                     f"interactions.1: {BLOCK}"):
+                     "float64", f"{n_params:,}", "accelerated: no", f"interactions.1: {BLOCK}"):
         assert fragment in out, fragment
     for spec in _expected_blocks(model):
-        assert (f"conv_tp: {spec.irreps_str('in1')} x {spec.irreps_str('in2')} -> "
-                f"{spec.irreps_str('out')}") in out
-        assert f"{len(spec.paths)} paths, weight_numel {spec.weight_numel}" in out
-    assert out.count("would be patched") == 2
+        assert f"conv_tp: {spec.describe()}" in out
+        assert f"conv                   would be fused: {spec.describe()}" in out
 
 
 def test_info_json_and_does_not_modify(plain_model, tmp_path, capsys):
@@ -249,16 +247,18 @@ def test_info_json_and_does_not_modify(plain_model, tmp_path, capsys):
     assert plan["model"] == "ScaleShiftMACE" and plan["elements"] == ["Ni", "Cu"]
     assert plan["r_max"] == 4.0 and plan["heads"] == ["Default"] and plan["dtype"] == "float64"
     assert plan["parameters"] == sum(p.numel() for p in model.parameters())
-    for block, spec in zip(plan["blocks"], _expected_blocks(model)):
-        assert block["irreps_in1"] == spec.irreps_str("in1")
-        assert block["paths"] == len(spec.paths) and block["weight_numel"] == spec.weight_numel
-        assert block["status"] == "would be patched" and block["reason"] is None
+    interactions = [b for b in plan["blocks"] if b["kind"] == "interaction_block"]
+    assert len(interactions) == 2
+    for block, spec in zip(interactions, _expected_blocks(model)):
+        assert block["tensor_product"] == spec.describe() and block["skipped"] is None
+        conv = next(p for p in block["parts"] if p["part"] == "conv")
+        assert conv == {"part": "conv", "fused": True, "detail": spec.describe()}
 
 
 def test_info_accelerated_and_skipped_blocks(fast_model, tmp_path, capsys):
     code, out, _ = run_cli(capsys, "info", fast_model)
     assert code == 0 and "accelerated: yes" in out
-    assert out.count("accelerated (backend 'reference')") == 2
+    assert out.count("conv                   fused: TPSpec(") == 2
 
     # a block already fused by another backend is reported with the reason it would be left
     model = small_test_model(BLOCK, elements=(28, 29), seed=3)
@@ -266,8 +266,10 @@ def test_info_accelerated_and_skipped_blocks(fast_model, tmp_path, capsys):
     odd = tmp_path / "odd.model"
     torch.save(model, odd)
     plan = json.loads(run_cli(capsys, "info", odd, "--json")[1])
-    assert [b["status"] for b in plan["blocks"]] == ["left", "would be patched"]
-    assert "already fused by another backend" in plan["blocks"][0]["reason"]
+    convs = [next(p for p in b["parts"] if p["part"] == "conv") for b in plan["blocks"]
+             if b["kind"] == "interaction_block"]
+    assert [c["fused"] for c in convs] == [False, True]
+    assert "already fused by another backend" in convs[0]["detail"]
 
 
 def test_info_missing_file(tmp_path, capsys):

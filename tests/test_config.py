@@ -8,9 +8,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mace_accel.config import (GeomOptOptions, MDOptions, RunConfig, SinglePointOptions,
-                               apply_overrides, load_run_config, parse_override)
 from mace_accel.errors import ConfigError, MaceAccelError
+from mace_accel.runs.config import (
+    GeomOptOptions,
+    MDOptions,
+    RunConfig,
+    SinglePointOptions,
+    apply_overrides,
+    load_run_config,
+    parse_override,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from mace_accel import ops
-from mace_accel.catalog import CATALOG
-from mace_accel.errors import KernelError
-from mace_accel.spec import make_e3nn_conv_tp, spec_from_e3nn
-from mace_accel.tolerances import PASS_TOL, rel_linf_error, rel_norm_error
-
 from gpu_helpers import random_problem
+
+from mace_accel.errors import KernelError
+from mace_accel.ops.conv_tp import autograd as ops
+from mace_accel.ops.conv_tp.catalog import CATALOG
+from mace_accel.ops.conv_tp.spec import make_e3nn_conv_tp, spec_from_e3nn
+from mace_accel.tolerances import PASS_TOL, rel_linf_error, rel_norm_error
 
 pytestmark = pytest.mark.gpu
 DTYPES = (torch.float32, torch.float64)
@@ -28,7 +27,7 @@ def specs():
 
 
 def _prims(spec, dtype):
-    from mace_accel.runtime import CudaConvPrimitives
+    from mace_accel.ops.conv_tp.cuda import CudaConvPrimitives
 
     return CudaConvPrimitives(spec, dtype, torch.device("cuda"))
 
@@ -102,8 +101,8 @@ def test_unsorted_edges_and_int32_and_noncontiguous(specs):
     from mace_accel.patches.conv_tp import FusedConvTP
 
     tp = make_e3nn_conv_tp(*CATALOG["mp-medium-l2"]).to("cuda", torch.float64)
-    fused = FusedConvTP(tp, spec_from_e3nn(tp), backend="cuda")
-    ref = FusedConvTP(tp, spec_from_e3nn(tp), backend="reference")
+    fused = FusedConvTP(tp, spec_from_e3nn(tp), AccelOptions(backend="cuda"))
+    ref = FusedConvTP(tp, spec_from_e3nn(tp), AccelOptions(backend="reference"))
     graph, x, y, w = random_problem(fused.spec, N_NODES, N_EDGES, torch.float64, "cuda",
                                     seed=5, sorted_by_sender=False)
     edge_index = torch.stack([graph.sender, graph.receiver]).to(torch.int32)
@@ -165,7 +164,7 @@ def test_cuda_graph_capture(specs):
 @pytest.mark.parametrize("name", ["mp-medium-l2", "off-large-l2", "odd-mul"])
 def test_atomic_backward_matches_reference(specs, name, dtype):
     """deterministic=False: d(node_feats) through float atomics, same numbers within tolerance."""
-    from mace_accel.runtime import CudaConvPrimitives
+    from mace_accel.ops.conv_tp.cuda import CudaConvPrimitives
 
     spec = specs[name]
     graph, x, y, w = random_problem(spec, N_NODES, N_EDGES, dtype, "cuda", seed=7,

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import mace_accel
-from mace_accel.accelerate import evaluate, unpatched
-from mace_accel.batch import atoms_to_batch, model_info
-from mace_accel.models import build_architecture
+from mace_accel.models.architectures import build_architecture
+from mace_accel.models.batch import atoms_to_batch, model_info
+from mace_accel.surgery import evaluate, unpatched
 from mace_accel.tolerances import MODEL_TOL, rel_norm_error
 
 pytestmark = pytest.mark.gpu

@@ -12,15 +12,10 @@ import subprocess
 
 import pytest
 
-from mace_accel.catalog import UNIQUE
-from mace_accel.codegen import (all_backward_needs, render_backward, render_forward,
-                                render_sender_sum)
-from mace_accel.schedule import DeviceLimits, plan_kernels
-from mace_accel.spec import make_spec
+from mace_accel.ops.sources import catalog_sources
 
 NVCC = shutil.which("nvcc") or (
     "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
-H100 = DeviceLimits(arch="sm_90", max_threads_per_block=1024, max_shared_per_block=48 * 1024)
 
 if NVCC is None:
     if os.environ.get("CI"):
@@ -28,24 +23,7 @@ if NVCC is None:
     pytest.skip("nvcc not found", allow_module_level=True)
 
 
-def _sources():
-    for name, problem in UNIQUE.items():
-        spec = make_spec(*problem)
-        for dtype in ("float32", "float64"):
-            for plan in plan_kernels(spec, dtype, H100).launches:
-                tag = f"{name}-{dtype}-g{plan.group}"
-                yield f"{tag}-fwd", render_forward(plan)
-                yield f"{tag}-sender-sum", render_sender_sum(plan)
-                # every gradient selection on one problem; elsewhere those MACE uses
-                selections = all_backward_needs() if name == "mp-medium-l2" else [
-                    (True, True, True), (False, True, True)]
-                for needs in selections:
-                    yield f"{tag}-bwd{''.join(str(int(n)) for n in needs)}", \
-                        render_backward(plan, needs)
-                yield f"{tag}-bwd111-atomic", render_backward(plan, (True, True, True), atomic=True)
-
-
-SOURCES = dict(_sources())
+SOURCES = dict(catalog_sources())
 
 
 @pytest.mark.parametrize("name", sorted(SOURCES))

@@ -1,7 +1,7 @@
-"""The autograd composition of mace_accel.ops (what the CUDA backend runs) on reference primitives.
+"""The autograd composition of the conv custom ops (what the CUDA backend runs) on the reference.
 
-``ops.conv_tp(ReferencePrimitives(spec), ...)`` differentiates through the explicit backward
-primitive and composes double backward from it; plain autograd through ``reference.conv_tp``
+``ops.conv_tp(key, graph, ..., backend="reference")`` differentiates through the explicit
+backward op and composes double backward from it; plain autograd through ``reference.conv_tp``
 (einsum + index_add) is the independent oracle.
 """
 
@@ -11,24 +11,23 @@ import pytest
 import torch
 from torch.autograd.gradcheck import GradcheckError
 
-from mace_accel import ops, reference
-from mace_accel.graph import graph_from_edge_index
-from mace_accel.spec import make_spec
+from mace_accel.ops.conv_tp import autograd as ops
+from mace_accel.ops.conv_tp import reference
+from mace_accel.ops.conv_tp.catalog import CATALOG
+from mace_accel.ops.conv_tp.spec import make_spec
+from mace_accel.ops.graph import graph_from_edge_index
 from mace_accel.tolerances import PASS_TOL, rel_norm_error
 
 F64 = torch.float64
 TOL = PASS_TOL[F64]
 
-CASES = {
-    "mace-L2": ("7x0e+3x1o+2x2e", "1x0e+1x1o+1x2e", "7x0e+7x1o+7x2e"),
-    "mixed-parity-L3": ("3x0e+2x1e+2x1o", "1x0e+1x1o+1x2e+1x3o", "3x0e+3x0o+3x1o+3x1e+3x3o"),
-}
+CASES = ("small-mace-l2", "small-mixed-parity-l3")
 _SPECS: dict = {}
 
 
 def spec_of(case: str):
     if case not in _SPECS:
-        _SPECS[case] = make_spec(*CASES[case])
+        _SPECS[case] = make_spec(*CATALOG[case].irreps)
     return _SPECS[case]
 
 
@@ -45,8 +44,8 @@ def problem(spec, n_nodes: int = 6, n_edges: int = 17, seed: int = 0):
 
 
 def fused(spec, graph):
-    prims = ops.ReferencePrimitives(spec)
-    return lambda x, y, w: ops.conv_tp(prims, graph, x, y, w)
+    key = ops.register_spec(spec)
+    return lambda x, y, w: ops.conv_tp(key, graph, x, y, w, backend="reference")
 
 
 def plain(spec, graph):
@@ -126,7 +125,7 @@ def test_forces_style_double_backward():
 
     Here edge_attrs play the positions' role: d/dw of |dE/dy|^2 is what training differentiates.
     """
-    spec = spec_of("mace-L2")
+    spec = spec_of("small-mace-l2")
     x, y, w, _, edge_index = problem(spec, seed=4)
     graph = graph_from_edge_index(edge_index, x.shape[0])
     readout = torch.randn(spec.dim_out, dtype=F64, generator=torch.Generator().manual_seed(5))
@@ -142,7 +141,7 @@ def test_forces_style_double_backward():
 
 
 def test_gradcheck_and_gradgradcheck():
-    spec = make_spec("2x0e+1x1o", "1x0e+1x1o", "2x0e+2x1o")
+    spec = spec_of("tiny-gradcheck")
     x, y, w, _, edge_index = problem(spec, n_nodes=3, n_edges=5, seed=6)
     graph = graph_from_edge_index(edge_index, x.shape[0])
     conv = fused(spec, graph)
@@ -151,18 +150,18 @@ def test_gradcheck_and_gradgradcheck():
     assert torch.autograd.gradgradcheck(conv, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
-def test_gradcheck_catches_a_wrong_backward():
+def test_gradcheck_catches_a_wrong_backward(monkeypatch):
     """The oracle has teeth: a backward primitive off by a factor fails gradcheck."""
-    spec = make_spec("2x0e+1x1o", "1x0e+1x1o", "2x0e+2x1o")
+    spec = spec_of("tiny-gradcheck")
     x, y, w, _, edge_index = problem(spec, n_nodes=3, n_edges=5, seed=6)
     graph = graph_from_edge_index(edge_index, x.shape[0])
+    exact = reference.conv_tp_backward
 
-    class Broken(ops.ReferencePrimitives):
-        def backward(self, graph, x, y, w, g, needs):
-            gx, gy, gw = super().backward(graph, x, y, w, g, needs)
-            return gx, (None if gy is None else 1.01 * gy), gw
+    def broken(*args, **kwargs):
+        gx, gy, gw = exact(*args, **kwargs)
+        return gx, (None if gy is None else 1.01 * gy), gw
 
-    prims = Broken(spec)
+    monkeypatch.setattr(reference, "conv_tp_backward", broken)
     with pytest.raises(GradcheckError):
-        torch.autograd.gradcheck(lambda a, b, c: ops.conv_tp(prims, graph, a, b, c),
-                                 tuple(leaves(x, y, w)), eps=1e-6, atol=1e-8, rtol=1e-6)
+        torch.autograd.gradcheck(fused(spec, graph), tuple(leaves(x, y, w)), eps=1e-6,
+                                 atol=1e-8, rtol=1e-6)

@@ -11,13 +11,14 @@ import pytest
 import torch
 import yaml
 
-from mace_accel import cli, runs
-from mace_accel.accelerate import evaluate
-from mace_accel.batch import atoms_to_batch, model_info
-from mace_accel.config import load_run_config
+from mace_accel import cli
 from mace_accel.errors import BackendUnavailableError, ConfigError
-from mace_accel.models import small_test_model
-from mace_accel.progress import ProgressBar
+from mace_accel.models.architectures import small_test_model
+from mace_accel.models.batch import atoms_to_batch, model_info
+from mace_accel.runs import tasks as runs
+from mace_accel.runs.config import load_run_config
+from mace_accel.runs.progress import ProgressBar
+from mace_accel.surgery import evaluate
 from mace_accel.tolerances import rel_norm_error
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

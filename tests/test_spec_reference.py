@@ -11,23 +11,20 @@ import contextlib
 import pytest
 import torch
 
-from mace_accel import reference
 from mace_accel._e3nn_compat import o3
 from mace_accel.errors import UnsupportedModelError
+from mace_accel.ops.conv_tp import reference
+from mace_accel.ops.conv_tp.catalog import select
+from mace_accel.ops.conv_tp.spec import cg_nonzeros, make_e3nn_conv_tp, spec_from_e3nn
+from mace_accel.options import AccelOptions
 from mace_accel.patches.conv_tp import FusedConvTP
-from mace_accel.spec import cg_nonzeros, make_e3nn_conv_tp, spec_from_e3nn
 from mace_accel.tolerances import EQUIVARIANCE_TOL, PASS_TOL, rel_norm_error
 
 F64 = torch.float64
 TOL = PASS_TOL[F64]
 
-# (node_feats irreps, edge_attrs irreps, MACE target irreps)
-CASES = {
-    "odd-mul-L3-edges": ("17x0e+5x1o+3x2e", "1x0e+1x1o+1x2e+1x3o", "17x0e+17x1o+17x2e+17x3o"),
-    "mixed-parity": ("4x0e+3x0o+2x1e+2x1o", "1x0e+1x1o+1x2e", "4x0e+4x0o+4x1o+4x1e+4x2e+4x2o"),
-    "L3-node-feats": ("3x0e+2x1o+2x3o", "1x0e+1x1o+1x2e+1x3o", "3x0e+3x1o+3x2e+3x3o+3x3e"),
-    "scalar-first-layer": ("8x0e", "1x0e+1x1o+1x2e", "8x0e+8x1o+8x2e"),
-}
+# the catalog's small problems (node_feats, edge_attrs, MACE target irreps)
+CASES = {p.name: p.irreps for p in select("cpu")}
 
 
 @contextlib.contextmanager
@@ -109,7 +106,7 @@ def test_spec_mirrors_e3nn_instructions(case):
 
 
 def test_spec_is_hashable_and_keyed():
-    case = "mixed-parity"
+    case = "small-mixed-parity"
     _, spec = conv_tp_problem(case)
     with default_dtype(F64):
         again = spec_from_e3nn(make_e3nn_conv_tp(*CASES[case]))  # a second, independent build
@@ -140,7 +137,7 @@ def test_spec_cg_of_float64_model_is_exact(case):
 
 def test_spec_cg_of_float32_built_model_follows_its_buffers():
     """A float32-built TP keeps float32-rounded 3j buffers: the spec must use those values."""
-    tp, spec = conv_tp_problem("odd-mul-L3-edges", built_in=torch.float32)
+    tp, spec = conv_tp_problem("small-odd-mul-l3-edges", built_in=torch.float32)
     w3j = {n.rsplit(".", 1)[-1]: b for n, b in tp.named_buffers() if "_w3j_" in n}
     assert w3j, "e3nn no longer stores its 3j symbols as buffers; revisit spec_from_e3nn"
     for path in spec.paths:
@@ -233,7 +230,7 @@ def test_conv_is_equivariant(case, parity):
         assert rel_norm_error(rotated_in, plain @ proper.T) > 1e-3
 
 
-@pytest.mark.parametrize("case", ["odd-mul-L3-edges", "mixed-parity"])
+@pytest.mark.parametrize("case", ["small-odd-mul-l3-edges", "small-mixed-parity"])
 def test_conv_is_linear_in_each_input(case):
     _, spec = conv_tp_problem(case)
     x, y, w, sender, receiver = random_inputs(spec, seed=4)
@@ -250,7 +247,7 @@ def test_conv_is_linear_in_each_input(case):
 
 
 def test_empty_edge_set():
-    tp, spec = conv_tp_problem("mixed-parity")
+    tp, spec = conv_tp_problem("small-mixed-parity")
     x, y, w, sender, receiver = random_inputs(spec, n_edges=0)
     assert y.shape == (0, spec.dim_in2) and sender.shape == (0,)
     out = reference.conv_tp(spec, x, y, w, sender, receiver, x.shape[0])
@@ -260,12 +257,12 @@ def test_empty_edge_set():
                                             receiver)
     assert torch.all(gx == 0) and gx.shape == x.shape
     assert gy.shape == (0, spec.dim_in2) and gw.shape == (0, spec.weight_numel)
-    fused = FusedConvTP(tp, spec, backend="reference")
+    fused = FusedConvTP(tp, spec, AccelOptions(backend="reference"))
     assert torch.equal(fused(x, y, w, torch.stack([sender, receiver])), out)
 
 
 def test_int32_edge_index_gives_the_same_result():
-    tp, spec = conv_tp_problem("odd-mul-L3-edges")
+    tp, spec = conv_tp_problem("small-odd-mul-l3-edges")
     x, y, w, sender, receiver = random_inputs(spec, seed=6)
     s32, r32 = sender.to(torch.int32), receiver.to(torch.int32)
     n = x.shape[0]
@@ -275,7 +272,7 @@ def test_int32_edge_index_gives_the_same_result():
     for a, b in zip(reference.conv_tp_backward(spec, x, y, w, g, s32, r32),
                     reference.conv_tp_backward(spec, x, y, w, g, sender, receiver)):
         assert torch.equal(a, b)
-    fused = FusedConvTP(tp, spec, backend="reference")
+    fused = FusedConvTP(tp, spec, AccelOptions(backend="reference"))
     out32 = fused(x, y, w, torch.stack([s32, r32]))
     assert torch.equal(out32, fused(x, y, w, torch.stack([sender, receiver])))
     assert rel_norm_error(out32, e3nn_conv(tp, x, y, w, sender, receiver, n)) <= TOL["forward"]

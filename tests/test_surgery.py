@@ -19,12 +19,11 @@ import warnings
 import pytest
 import torch
 
-from mace_accel.accelerate import (
-    PatchReport, accelerate, evaluate, is_accelerated, revert, unpatched)
-from mace_accel.batch import atoms_to_batch, model_info, random_structure
 from mace_accel.errors import BackendUnavailableError, UnsupportedModelError
+from mace_accel.models.batch import atoms_to_batch, model_info, random_structure
 from mace_accel.patches.conv_tp import FusedConvTP
 from mace_accel.patches.interaction_blocks import INTERACTION_BLOCK_CLASSES
+from mace_accel.surgery import PatchReport, accelerate, evaluate, is_accelerated, revert, unpatched
 from mace_accel.tolerances import MODEL_TOL, rel_norm_error
 
 I, R, D, DR, A, NL = (

@@ -9,12 +9,12 @@ from one source), :mod:`.timing` (CUDA-event / perf_counter timing, peak memory)
 
 from __future__ import annotations
 
-__all__ = ["add_bench_parser", "main"]
+__all__ = ["add_bench_parser"]
 
 
 def __getattr__(name: str):
     if name in __all__:
-        from . import cli
+        from mace_accel.bench import cli
 
         return getattr(cli, name)
     raise AttributeError(f"module 'mace_accel.bench' has no attribute {name!r}")

@@ -1,8 +1,8 @@
-"""``python -m mace_accel.bench``: the same as ``mace-accel bench``."""
+"""``python -m mace_accel.bench [options]``: the same as ``mace-accel bench [options]``."""
 
 import sys
 
-from .cli import main
+from mace_accel.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", *sys.argv[1:]]))

@@ -27,9 +27,9 @@ from typing import Callable, Dict, Iterator, Optional, Tuple, TypeVar
 
 import torch
 
-from ..errors import BackendUnavailableError, ConfigError
-from .choices import BACKENDS
-from .timing import is_out_of_memory
+from mace_accel.bench.choices import BACKENDS
+from mace_accel.bench.timing import is_out_of_memory
+from mace_accel.errors import BackendUnavailableError, ConfigError
 
 REFERENCE_NAME = "mace-accel(reference)"
 # importable modules each backend needs, and the module prefix its converted layers come from
@@ -127,7 +127,7 @@ def _modules_from(model: torch.nn.Module, prefix: str) -> int:
 def _convert_with_mace(backend: str, source: torch.nn.Module,
                        device: torch.device | str) -> torch.nn.Module:
     """Run mace's e3nn -> cueq/oeq converter and check that it really converted."""
-    from .._e3nn_compat import import_mace
+    from mace_accel._e3nn_compat import import_mace
 
     import_mace()
     converter = importlib.import_module(f"mace.cli.convert_e3nn_{backend}")
@@ -168,7 +168,7 @@ def cuda_or_reference(build: Callable[[str], T], allow_reference: bool
 
 
 def _prepare_mace_accel(source: torch.nn.Module, allow_reference: bool) -> PreparedBackend:
-    from ..accelerate import accelerate
+    from mace_accel.surgery import accelerate
 
     def build(backend: str):
         model = copy.deepcopy(source)
@@ -234,7 +234,7 @@ def resolve_model_source(spec: str) -> ModelSource:
     Architectures get random (seeded) weights; a path is loaded with
     :func:`mace_accel.checkpoint.load_model`. Checked here so a typo fails before any work.
     """
-    from ..models import ARCHITECTURES, build_architecture
+    from mace_accel.models.architectures import ARCHITECTURES, build_architecture
 
     if spec in ARCHITECTURES:
         cache: Dict[str, torch.nn.Module] = {}
@@ -252,7 +252,7 @@ def resolve_model_source(spec: str) -> ModelSource:
                           f"({', '.join(sorted(ARCHITECTURES))}) nor an existing model file")
 
     def load_checkpoint(dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-        from ..checkpoint import load_model
+        from mace_accel.models.checkpoint import load_model
 
         return load_model(str(path), device, dtype).eval()
 

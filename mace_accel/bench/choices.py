@@ -6,6 +6,8 @@ modules that need it), so ``mace-accel --help`` does not pay for the benchmark's
 
 from __future__ import annotations
 
+from mace_accel.options import DTYPE_NAMES
+
 BACKENDS = ("e3nn", "cueq", "oeq", "mace-accel")
-DTYPES = ("float32", "float64")
+DTYPES = DTYPE_NAMES
 SYSTEM_KINDS = ("auto", "fcc", "molecular")

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Sequence
 
-from ..errors import MaceAccelError
-from .choices import BACKENDS, DTYPES, SYSTEM_KINDS
+from mace_accel.bench.choices import BACKENDS, DTYPES, SYSTEM_KINDS
+from mace_accel.errors import MaceAccelError
 
 if TYPE_CHECKING:
-    from .runner import BenchConfig
+    from mace_accel.bench.runner import BenchConfig
 
 # torch and the modules that need it are imported inside the functions that run the benchmark:
 # building the parser (``mace-accel --help``) must stay cheap.
@@ -125,7 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Validate the parsed options (raises :class:`~mace_accel.errors.ConfigError` with the fix)."""
-    from .runner import BenchConfig
+    from mace_accel.bench.runner import BenchConfig
 
     return BenchConfig(
         models=args.models, dtypes=args.dtypes, sizes=args.sizes, backends=args.backends,
@@ -142,10 +142,16 @@ def run_from_args(args: argparse.Namespace) -> int:
     failed (its error is in the table and JSON)."""
     import torch
 
-    from .backends import resolve_model_source
-    from .report import (JSON_NAME, environment, load_json, render_summary, write_json,
-                         write_outputs)
-    from .runner import run_bench
+    from mace_accel.bench.backends import resolve_model_source
+    from mace_accel.bench.report import (
+        JSON_NAME,
+        environment,
+        load_json,
+        render_summary,
+        write_json,
+        write_outputs,
+    )
+    from mace_accel.bench.runner import run_bench
 
     if args.summarize is not None:
         try:
@@ -188,11 +194,3 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     add_arguments(parser)
     parser.set_defaults(func=run_from_args)
     return parser
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m mace_accel.bench [options]``: the same as ``mace-accel bench [options]``
-    (through the main CLI, for its error and warning handling)."""
-    from ..cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])

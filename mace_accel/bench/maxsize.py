@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, List, Optional
 
-from .timing import Deadline, is_out_of_memory
+from mace_accel.bench.timing import Deadline, is_out_of_memory
 
 CONVERGED = "converged"
 UPPER_BOUND = "upper bound reached"

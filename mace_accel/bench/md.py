@@ -17,9 +17,17 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .backends import (BACKENDS, OK, cuda_or_reference, failure_status, mace_device,
-                       missing_requirement, preserve_default_dtype)
-from .timing import free_memory
+from mace_accel.bench.backends import (
+    BACKENDS,
+    OK,
+    cuda_or_reference,
+    failure_status,
+    mace_device,
+    missing_requirement,
+    preserve_default_dtype,
+)
+from mace_accel.bench.timing import free_memory
+from mace_accel.errors import ConfigError
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
 
@@ -43,7 +51,7 @@ class MDRecord:
 
 
 def _mace_calculator(backend: str, model: torch.nn.Module, device: str, dtype: torch.dtype):
-    from .._e3nn_compat import import_mace
+    from mace_accel._e3nn_compat import import_mace
 
     import_mace()
     from mace.calculators import MACECalculator
@@ -54,7 +62,7 @@ def _mace_calculator(backend: str, model: torch.nn.Module, device: str, dtype: t
 
 
 def _accel_calculator(backend: str, model: torch.nn.Module, device: str, dtype: torch.dtype):
-    from ..calculator import MACEAccelCalculator
+    from mace_accel.calculator import MACEAccelCalculator
 
     return MACEAccelCalculator(model=copy.deepcopy(model), device=device,
                                default_dtype=DTYPE_NAMES[dtype], backend=backend,
@@ -101,7 +109,7 @@ def run_md(backend: str, model: torch.nn.Module, atoms, device: torch.device | s
         an :class:`MDRecord`; failures are in its ``status``, never raised.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+        raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     record = MDRecord(label, DTYPE_NAMES[dtype], backend, OK, len(atoms), steps, warmup_steps,
                       timestep_fs)

@@ -21,8 +21,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..batch import ModelInfo
-from .timing import synchronize
+from mace_accel.bench.timing import synchronize
+from mace_accel.models.batch import ModelInfo
 
 HOOKED = {
     "conv_tp_weights": "radial MLP",
@@ -241,7 +241,7 @@ def time_host_graph(atoms, info: ModelInfo, dtype: torch.dtype,
     """
     from mace.data.neighborhood import get_neighborhood
 
-    from .systems import make_batch, BenchSystem
+    from mace_accel.bench.systems import BenchSystem, make_batch
 
     t0 = time.perf_counter()
     get_neighborhood(np.asarray(atoms.positions, dtype=np.float64), cutoff=info.r_max,

@@ -57,14 +57,13 @@ import datetime
 import importlib.metadata
 import json
 import math
-import os
 import platform
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .runner import BenchResult, CaseRecord
+from mace_accel.bench.runner import BenchResult, CaseRecord
 
 SCHEMA = "mace-accel-bench"
 SCHEMA_VERSION = 1
@@ -124,18 +123,17 @@ def result_to_dict(result: BenchResult) -> dict:
 
 def write_json(result: BenchResult, path: Path) -> Path:
     """Write atomically (a killed run leaves the previous complete file)."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(result_to_dict(result), indent=1, allow_nan=False))
-    os.replace(tmp, path)
-    return path
+    from mace_accel.files import atomic_write_text
+
+    return atomic_write_text(path, json.dumps(result_to_dict(result), indent=1,
+                                              allow_nan=False))
 
 
 def load_json(path: Path) -> BenchResult:
     """Read a ``bench.json`` back (for ``--summarize``); checks the schema and its version."""
-    from ..errors import InputError
-    from .md import MDRecord
-    from .runner import MaxSizeRecord
+    from mace_accel.bench.md import MDRecord
+    from mace_accel.bench.runner import MaxSizeRecord
+    from mace_accel.errors import InputError
 
     try:
         doc = json.loads(Path(path).read_text())

@@ -15,16 +15,30 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..accelerate import evaluate
-from ..batch import ModelInfo, model_info
-from ..errors import ConfigError
-from ..tolerances import model_tolerance, rel_linf_error, rel_norm_error
-from . import choices
-from .backends import (BACKENDS, OK, OUT_OF_MEMORY, ModelSource, PreparedBackend, expected_name,
-                       failure_status, prepare_backend)
-from .maxsize import MaxSizeResult, find_max_size
-from .systems import SYSTEM_KINDS, BenchSystem, build_system, cells_for_atoms, make_batch
-from .timing import Deadline, as_device, free_memory, time_calls, track_peak_memory
+from mace_accel.bench import choices
+from mace_accel.bench.backends import (
+    BACKENDS,
+    OK,
+    OUT_OF_MEMORY,
+    ModelSource,
+    PreparedBackend,
+    expected_name,
+    failure_status,
+    prepare_backend,
+)
+from mace_accel.bench.maxsize import MaxSizeResult, find_max_size
+from mace_accel.bench.systems import (
+    SYSTEM_KINDS,
+    BenchSystem,
+    build_system,
+    cells_for_atoms,
+    make_batch,
+)
+from mace_accel.bench.timing import Deadline, as_device, free_memory, time_calls, track_peak_memory
+from mace_accel.errors import ConfigError
+from mace_accel.models.batch import ModelInfo, model_info
+from mace_accel.surgery import evaluate
+from mace_accel.tolerances import model_tolerance, rel_linf_error, rel_norm_error
 
 DTYPES = {name: getattr(torch, name) for name in choices.DTYPES}  # name -> torch.dtype
 SKIPPED_TIME = "skipped: time limit reached"
@@ -386,7 +400,7 @@ class BenchRunner:
         record.within_tolerance = all(e <= model_tolerance(dtype) for e in errors)
 
     def _profile(self, model: torch.nn.Module, case: _Case) -> dict:
-        from .profile import profile_call, render_profile, time_host_graph
+        from mace_accel.bench.profile import profile_call, render_profile, time_host_graph
 
         info = model_info(model)
         if case.host is None:
@@ -440,7 +454,7 @@ class BenchRunner:
 
     def _run_md(self, model: torch.nn.Module, info: ModelInfo, label: str, dtype_name: str,
                 systems: Dict[int, BenchSystem]) -> None:
-        from .md import MDRecord, run_md
+        from mace_accel.bench.md import MDRecord, run_md
 
         cfg = self.config
         for size in cfg.md_sizes:

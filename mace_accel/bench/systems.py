@@ -21,9 +21,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..batch import ModelInfo, atoms_to_batch
-from ..errors import InputError
-from .choices import SYSTEM_KINDS
+from mace_accel.bench.choices import SYSTEM_KINDS
+from mace_accel.errors import InputError
+from mace_accel.models.batch import ModelInfo, atoms_to_batch
 
 FCC_A = 3.61  # Å, fcc Cu
 FCC_ELEMENTS = (29, 28)  # Cu, Ni

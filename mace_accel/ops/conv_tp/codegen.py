@@ -1,4 +1,4 @@
-"""KernelPlan -> CUDA C++ source, through the jinja2 templates in ``kernels/``.
+"""KernelPlan -> CUDA C++ source, through the jinja2 templates in ``kernels/conv_tp/``.
 
 All decisions are made here in Python (which products to sum, which registers to keep); the
 template only loops and prints. CG coefficients (times path weight) are printed as exact
@@ -7,34 +7,12 @@ hexadecimal float literals, so float64 kernels use the very bits of the spec.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from .schedule import KernelPlan, PathPlan, SegmentPlan
+from mace_accel.ops.conv_tp.schedule import KernelPlan, PathPlan, SegmentPlan
+from mace_accel.ops.templates import literal, render
 
 Needs = Tuple[bool, bool, bool]
-
-
-def kernels_dir() -> Path:
-    """Folder of the CUDA templates (the ``mace_accel.kernels`` package)."""
-    from . import kernels  # type: ignore[attr-defined]
-
-    return Path(kernels.__file__).resolve().parent
-
-
-@functools.lru_cache(maxsize=1)
-def _environment():
-    import jinja2
-
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(kernels_dir())), undefined=jinja2.StrictUndefined,
-        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-
-
-def literal(value: float) -> str:
-    """Exact C++ literal of a float64 value (hex float), cast to the kernel's ``real``."""
-    return f"((real){float(value).hex()})"
 
 
 def _sum(products: Sequence[str]) -> str:
@@ -190,8 +168,8 @@ def render_forward(plan: KernelPlan) -> str:
         segments.append(dict(warp_begin=seg.warp_begin, warp_end=seg.warp_end, mul=seg.mul,
                              x_offset=seg.x_offset, x_dim=seg.x_dim, accumulators=accs,
                              fwd_body=body, fwd_store=store))
-    return _environment().get_template("conv_tp.cu.j2").render(
-        kind="fwd", plan=plan, name=name, segments=segments, real=_real(plan), needs=None)
+    return render("conv_tp/forward.cu.j2", plan=plan, name=name, segments=segments,
+                  real=_real(plan))
 
 
 def backward_name(plan: KernelPlan, needs: Needs, atomic: bool = False) -> str:
@@ -211,9 +189,8 @@ def render_backward(plan: KernelPlan, needs: Needs, atomic: bool = False) -> str
         parts["gy_reduce"] = _gy_reduce(parts.pop("cols"), plan.dim_in2) if needs[1] else []
         segments.append(dict(warp_begin=seg.warp_begin, warp_end=seg.warp_end, mul=seg.mul,
                              x_offset=seg.x_offset, x_dim=seg.x_dim, **parts))
-    return _environment().get_template("conv_tp.cu.j2").render(
-        kind="bwd", plan=plan, name=backward_name(plan, needs, atomic), segments=segments,
-        real=_real(plan), needs=needs, atomic=atomic)
+    return render("conv_tp/backward.cu.j2", plan=plan, name=backward_name(plan, needs, atomic),
+                  segments=segments, real=_real(plan), needs=needs, atomic=atomic)
 
 
 SENDER_SUM = "mace_conv_sender_sum"
@@ -221,8 +198,7 @@ SENDER_SUM = "mace_conv_sender_sum"
 
 def render_sender_sum(plan: KernelPlan) -> str:
     """CUDA source of the deterministic per-sender sum of d(node_feats) edge messages."""
-    return _environment().get_template("conv_tp.cu.j2").render(
-        kind="sender_sum", plan=plan, name=SENDER_SUM, segments=[], real=_real(plan), needs=None)
+    return render("conv_tp/sender_sum.cu.j2", plan=plan, name=SENDER_SUM, real=_real(plan))
 
 
 def _real(plan: KernelPlan) -> str:
@@ -235,5 +211,28 @@ def all_backward_needs() -> List[Needs]:
             if a or b or c]
 
 
-__all__ = ["SENDER_SUM", "all_backward_needs", "backward_name", "forward_name", "kernels_dir",
-           "literal", "render_backward", "render_forward", "render_sender_sum"]
+__all__ = ["SENDER_SUM", "all_backward_needs", "backward_name", "catalog_sources", "forward_name",
+           "render_backward", "render_forward", "render_sender_sum"]
+
+
+def catalog_sources(limits, problems=None):
+    """``(name, source)`` of every kernel the catalog's problems generate (all launches, both
+    dtypes; every gradient selection for ``mp-medium-l2``, the ones MACE uses elsewhere)."""
+    from mace_accel.ops.conv_tp.catalog import select, unique
+    from mace_accel.ops.conv_tp.schedule import plan_kernels
+    from mace_accel.ops.conv_tp.spec import make_spec
+
+    for problem in problems if problems is not None else unique(select()):
+        spec = make_spec(*problem.irreps)
+        for dtype in ("float32", "float64"):
+            for plan in plan_kernels(spec, dtype, limits).launches:
+                tag = f"conv_tp/{problem.name}-{dtype}-g{plan.group}"
+                yield f"{tag}-fwd", render_forward(plan)
+                yield f"{tag}-sender-sum", render_sender_sum(plan)
+                selections = all_backward_needs() if problem.name == "mp-medium-l2" else [
+                    (True, True, True), (False, True, True)]
+                for needs in selections:
+                    yield (f"{tag}-bwd{''.join(str(int(n)) for n in needs)}",
+                           render_backward(plan, needs))
+                yield f"{tag}-bwd111-atomic", render_backward(plan, (True, True, True),
+                                                               atomic=True)

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from .errors import InputError
+from mace_accel.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import dataclasses
 import hashlib
 from typing import Any, Tuple
 
-from .errors import UnsupportedModelError
+from mace_accel.errors import UnsupportedModelError
 
 DTYPES = ("float32", "float64")
 
@@ -161,7 +161,7 @@ def cg_nonzeros(l1: int, l2: int, l3: int, tol: float = 1e-14,
     """
     import torch
 
-    from ._e3nn_compat import o3
+    from mace_accel._e3nn_compat import o3
 
     if w3j is None:
         w3j = o3().wigner_3j(l1, l2, l3, dtype=torch.float64)
@@ -226,7 +226,7 @@ def make_spec(irreps_in1: str, irreps_in2: str, irreps_target: str) -> TPSpec:
 
 def make_e3nn_conv_tp(irreps_in1: str, irreps_in2: str, irreps_target: str) -> Any:
     """An e3nn ``TensorProduct`` configured exactly like MACE's ``conv_tp``."""
-    from ._e3nn_compat import o3 as e3nn_o3
+    from mace_accel._e3nn_compat import o3 as e3nn_o3
 
     o3 = e3nn_o3()
     from mace.modules.irreps_tools import tp_out_irreps_with_instructions

@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .batch import ModelInfo
-from .errors import InputError
+from mace_accel.errors import InputError
+from mace_accel.models.batch import ModelInfo
 
 _AXES = "abc"
 # relative volume |det(cell)| / (|a||b||c|) below which a periodic cell counts as degenerate

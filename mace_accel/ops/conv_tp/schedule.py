@@ -6,9 +6,11 @@ Mapping (both kernels, one thread block per node):
       that starts from segment ``i`` (``uvu``: the channel index is shared by in1, weight and out);
     * forward: block ``n`` walks the edges of receiver ``n`` and keeps its outputs in registers,
       so no per-edge message touches memory and no atomics are needed;
-    * backward: block ``s`` walks the edges of sender ``s``; ``d node_feats`` stays in registers,
-      ``d tp_weights`` is written per edge, ``d edge_attrs`` is reduced over the block per edge
-      (warp shuffles, then a fixed-order sum over warps: deterministic).
+    * backward: block ``n`` walks the edges of receiver ``n`` too (its output-gradient row is
+      read once); ``d tp_weights`` is written per edge, ``d edge_attrs`` is reduced over the
+      block per edge (warp shuffles, then a fixed-order sum over warps), ``d node_feats`` is
+      written as one message per edge and summed per sender by a second kernel in edge order
+      (deterministic), or added into the sender rows with atomics (``deterministic=False``).
 
 The device limits are passed in (read from the tensor's device by the runtime), never assumed.
 CG coefficients are multiplied by the path weight in float64 here and printed as exact hex
@@ -20,20 +22,9 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Tuple
 
-from .errors import KernelError
-from .spec import DTYPES, TPSpec
-
-WARP = 32
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceLimits:
-    """What the schedule needs to know about the target GPU."""
-
-    arch: str = "sm_90"                 # e.g. "sm_90" (compute capability 9.0)
-    max_threads_per_block: int = 1024
-    max_shared_per_block: int = 48 * 1024  # static shared memory limit without opt-in
-    warp_size: int = WARP
+from mace_accel.errors import KernelError
+from mace_accel.ops.conv_tp.spec import DTYPES, TPSpec
+from mace_accel.ops.limits import WARP, DeviceLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +120,8 @@ class ConvPlan:
     spec_key: str
     dtype: str
     launches: Tuple[KernelPlan, ...]
+    sender_sum_threads: int  # threads of the per-sender sum of d(node_feats): one per column
+
 
 
 def _largest_tile(bytes_for_tile, budget: int, candidates=(32, 16, 8, 4, 2, 1)) -> int:
@@ -154,7 +147,7 @@ def plan_kernels(spec: TPSpec, dtype: str, limits: DeviceLimits = DeviceLimits()
 
     by_segment: dict = {}
     for p in spec.paths:
-        a, b, c = spec.irreps_in1[p.i_in1], spec.irreps_in2[p.i_in2], spec.irreps_out[p.i_out]
+        b, c = spec.irreps_in2[p.i_in2], spec.irreps_out[p.i_out]
         coef = tuple((i, j, k, v * p.path_weight) for i, j, k, v in p.cg)
         by_segment.setdefault(p.i_in1, []).append(PathPlan(
             y_offset=spec.offsets_in2[p.i_in2], y_dim=b.ir_dim,
@@ -188,7 +181,10 @@ def plan_kernels(spec: TPSpec, dtype: str, limits: DeviceLimits = DeviceLimits()
             lambda t: dataclasses.replace(plan, bwd_tile=t).bwd_shared_bytes(),
             limits.max_shared_per_block, candidates=(16, 8, 4, 2, 1))
         launches.append(dataclasses.replace(plan, fwd_tile=fwd_tile, bwd_tile=bwd_tile))
-    return ConvPlan(spec_key=spec.key(), dtype=dtype, launches=tuple(launches))
+    sender_sum_threads = min(limits.max_threads_per_block,
+                             max(WARP, -(-spec.dim_in1 // WARP) * WARP))
+    return ConvPlan(spec_key=spec.key(), dtype=dtype, launches=tuple(launches),
+                    sender_sum_threads=sender_sum_threads)
 
 
 def _fwd_unroll(dtype: str, segments: List["SegmentPlan"], threads: int) -> int:

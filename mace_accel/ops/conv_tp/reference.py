@@ -19,7 +19,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .spec import Path, TPSpec
+from mace_accel.ops.conv_tp.spec import Path, TPSpec
 
 _CG_CACHE: Dict[Tuple[Tuple, torch.dtype, str], torch.Tensor] = {}
 

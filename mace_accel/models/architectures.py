@@ -8,13 +8,12 @@ current default dtype and then cast, so the global default dtype is never change
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from .errors import ConfigError
+from mace_accel.errors import ConfigError
 
 # 89 elements of MACE-MP-0 (H..Pu without the noble-gas gaps of MPtrj's table are all included)
 MP_ELEMENTS = tuple(list(range(1, 84)) + list(range(89, 95)))
@@ -61,7 +60,7 @@ def build_model(arch: Architecture, dtype: torch.dtype = torch.float64, seed: in
     Random weights are scaled up from MACE's near-identity initialisation so every path
     (including the radial MLP and the higher-L channels) carries signal in tests.
     """
-    from ._e3nn_compat import import_mace, o3
+    from mace_accel._e3nn_compat import import_mace, o3
 
     import_mace()
     from mace import modules
@@ -98,11 +97,6 @@ def build_architecture(name: str, dtype: torch.dtype = torch.float64, seed: int 
     if name not in ARCHITECTURES:
         raise ConfigError(f"unknown architecture {name!r}; choose one of {sorted(ARCHITECTURES)}")
     return build_model(ARCHITECTURES[name], dtype=dtype, seed=seed, device=device)
-
-
-def default_model_path() -> Path:
-    """Path of the small model bundled with the package (see scripts/train_default_model.py)."""
-    return Path(__file__).resolve().parent / "data" / "cu_ni_emt.model"
 
 
 def small_test_model(interaction: str, hidden_irreps: str = "8x0e+8x1o",

@@ -1,4 +1,6 @@
-"""``mace_mp`` / ``mace_off``: the MACE foundation models behind a :class:`MACEAccelCalculator`.
+"""The MACE foundation models' files: ``mace_mp_file`` / ``mace_off_file``.
+
+:func:`mace_accel.mace_mp` and :func:`mace_accel.mace_off` put them behind a calculator.
 
 Model names, URLs and the download cache are mace's own (``mace.calculators.foundations_models``):
 a model mace already downloaded is reused, and new mace releases bring their new names. A local
@@ -13,42 +15,34 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, Dict, Union
 
-from .calculator import MACEAccelCalculator
-from .errors import CheckpointError, InputError
+from mace_accel.errors import CheckpointError, InputError
 
 _DOWNLOAD_TIMEOUT = 120  # seconds per read
 
 
-def mace_mp(model: Union[str, Path, None] = "medium", device: str = "cuda",
-            default_dtype: str = "float32", **kwargs) -> MACEAccelCalculator:
-    """A :class:`MACEAccelCalculator` with a MACE-MP foundation model (89 elements).
+def mace_mp_file(model: Union[str, Path, None] = "medium") -> Path:
+    """The local file of a MACE-MP foundation model (89 elements), downloaded if needed.
 
     Args:
         model: a MACE-MP name of mace's table (``"small"``, ``"medium"``, ``"large"``,
             ``"medium-mpa-0"``, ``"medium-omat-0"``, ...), an ``https://`` URL, or a local path;
             None means mace's own default (``"medium-mpa-0"``).
-        device, default_dtype, **kwargs: as :class:`MACEAccelCalculator`.
     """
-    path = _model_file(model, "medium-mpa-0", "MACE-MP", "mace_mp_urls", _fetch_mace_mp)
-    return MACEAccelCalculator(model=path, device=device, default_dtype=default_dtype, **kwargs)
+    return _model_file(model, "medium-mpa-0", "MACE-MP", "mace_mp_urls", _fetch_mace_mp)
 
 
-def mace_off(model: Union[str, Path, None] = "medium", device: str = "cuda",
-             default_dtype: str = "float64", **kwargs) -> MACEAccelCalculator:
-    """A :class:`MACEAccelCalculator` with a MACE-OFF23 organic force field (ASL licence).
+def mace_off_file(model: Union[str, Path, None] = "medium") -> Path:
+    """The local file of a MACE-OFF23 organic force field (ASL licence), downloaded if needed.
 
     Args:
         model: ``"small"``, ``"medium"``, ``"large"`` (mace's table), an ``https://`` URL, or a
             local path.
-        default_dtype: ``"float64"`` by default, as mace's ``mace_off``.
-        device, **kwargs: as :class:`MACEAccelCalculator`.
     """
-    path = _model_file(model, "medium", "MACE-OFF", "mace_off_urls", _fetch_mace_off)
-    return MACEAccelCalculator(model=path, device=device, default_dtype=default_dtype, **kwargs)
+    return _model_file(model, "medium", "MACE-OFF", "mace_off_urls", _fetch_mace_off)
 
 
 def _foundations_module() -> ModuleType:
-    from ._e3nn_compat import import_mace
+    from mace_accel._e3nn_compat import import_mace
 
     import_mace()
     from mace.calculators import foundations_models
@@ -130,19 +124,15 @@ def _download_error(family: str, name: str, url: str, exc: Exception) -> Checkpo
 
 def _download(url: str, path: Path) -> None:
     """Stream ``url`` to ``path`` atomically (a failed download leaves no file behind)."""
+    from mace_accel.files import atomic_write
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
-    try:
-        with urllib.request.urlopen(url, timeout=_DOWNLOAD_TIMEOUT) as response:
-            if "text/html" in str(response.headers.get("Content-Type", "")):
-                raise OSError("the server answered with an HTML page, not a model file")
-            with open(tmp, "wb") as f:
-                while True:
-                    block = response.read(1 << 20)
-                    if not block:
-                        break
-                    f.write(block)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with urllib.request.urlopen(url, timeout=_DOWNLOAD_TIMEOUT) as response:
+        if "text/html" in str(response.headers.get("Content-Type", "")):
+            raise OSError("the server answered with an HTML page, not a model file")
+        with atomic_write(path, "wb") as f:
+            while True:
+                block = response.read(1 << 20)
+                if not block:
+                    break
+                f.write(block)

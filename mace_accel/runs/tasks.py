@@ -24,15 +24,15 @@ import dataclasses
 import datetime
 import os
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, TextIO
+from typing import Any, Callable, Dict, List, Mapping, Optional, TextIO
 
 import numpy as np
 
-from .config import RunConfig, load_run_config
-from .errors import BackendUnavailableError, ConfigError, InputError
-from .progress import ProgressBar
+from mace_accel.errors import BackendUnavailableError, ConfigError, InputError
+from mace_accel.files import atomic_write, atomic_write_text
+from mace_accel.runs.config import RunConfig, load_run_config
+from mace_accel.runs.progress import ProgressBar
 
 STATS_COLUMNS = ("step", "time_fs", "epot_eV", "ekin_eV", "etot_eV", "temperature_K")
 NPT_STATS_COLUMNS = ("volume_A3", "pressure_bar")
@@ -173,7 +173,7 @@ def check_device(device: str,
             fix); it replaces the Python-API advice of
             :func:`~mace_accel.checkpoint.resolve_device`'s message.
     """
-    from .checkpoint import resolve_device
+    from mace_accel.models.checkpoint import resolve_device
 
     if device == "auto":  # always resolves to something that runs (resolve_auto_device)
         return
@@ -202,7 +202,7 @@ def read_structures(cfg: RunConfig) -> List[Any]:
 
 def make_calculator(cfg: RunConfig, compute_stress: bool):
     """The ASE calculator of a run (loads the model, patches it, verifies it)."""
-    from .calculator import MACEAccelCalculator
+    from mace_accel.calculator import MACEAccelCalculator
 
     path = cfg.model_path
     if not path.is_file():
@@ -225,7 +225,7 @@ def _needs_stress(cfg: RunConfig, frames: List[Any]) -> bool:
 
 def _has_stress(atoms) -> bool:
     """The calculator's own rule for when a structure has a stress."""
-    from .calculator import has_stress
+    from mace_accel.calculator import has_stress
 
     return has_stress(atoms)
 
@@ -287,28 +287,12 @@ def write_frame(handle: TextIO, atoms) -> None:
     handle.flush()
 
 
-@contextlib.contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temp path next to ``path``; rename it onto ``path`` only if the block succeeds."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def _atomic_write_text(path: Path, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
+    atomic_write_text(path, text)
 
 
 def _atomic_write_frames(path: Path, frames: List[Any]) -> None:
-    with atomic_path(path) as tmp, open(tmp, "w") as f:
+    with atomic_write(path, "w") as f:
         for atoms in frames:
             write_frame(f, atoms)
 
@@ -320,7 +304,7 @@ def _yaml_dump(data: Mapping[str, Any]) -> str:
 
 
 def _version() -> str:
-    from . import __version__
+    from mace_accel import __version__
 
     return __version__
 

@@ -10,9 +10,7 @@ dtype); and moves the model to its device. ``save_model`` writes atomically.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
-import tempfile
 import warnings
 import zipfile
 from pathlib import Path
@@ -20,50 +18,15 @@ from typing import List, Optional, Union
 
 import torch
 
-from .errors import (BackendUnavailableError, CheckpointError, InputError,
-                     UnsupportedModelError)
+from mace_accel.errors import CheckpointError, InputError, UnsupportedModelError
+from mace_accel.options import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
-
-# -- small boundary helpers (shared with the calculator) ------------------------------------------
-def resolve_dtype(dtype: Union[torch.dtype, str, None]) -> Optional[torch.dtype]:
-    """``"float32" | "float64" | torch.float32 | torch.float64 | None`` -> torch dtype or None."""
-    if dtype is None or dtype in DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    raise InputError(f"dtype must be one of {sorted(DTYPES)} (or torch.float32/torch.float64), "
-                     f"got {dtype!r}")
-
-
-def resolve_device(device: Union[str, torch.device]) -> torch.device:
-    """Parse ``device`` and check it exists here.
-
-    Raises:
-        InputError: not a device string torch understands, or neither CPU nor CUDA.
-        BackendUnavailableError: a CUDA device was asked for and none (or not that one) is visible.
-    """
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise InputError(f"invalid device {device!r} ({exc}); use 'cpu', 'cuda' or "
-                         "'cuda:N'") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise BackendUnavailableError(
-                f"device {str(device)!r} requested but no CUDA GPU is visible; pass device='cpu' "
-                "to run the reference path")
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise BackendUnavailableError(
-                f"device {str(device)!r} requested but only {count} CUDA GPU(s) are visible "
-                f"(cuda:0..cuda:{count - 1})")
-    elif dev.type != "cpu":
-        raise InputError(f"device {str(device)!r} is not supported; use 'cpu' or 'cuda'")
-    return dev
+def default_model_path() -> Path:
+    """Path of the Cu/Ni model bundled with the package (see scripts/train_default_model.py)."""
+    return Path(__file__).resolve().parent.parent / "data" / "cu_ni_emt.model"
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -114,7 +77,7 @@ def _read_checkpoint(path: Path):
             f"{str(path)!r} is a TorchScript archive (compiled with torch.jit, e.g. a "
             "'*-lammps.pt' or '*_compiled.model' file); mace-accel patches the Python model. Pass "
             "the original .model file that was compiled into it")
-    from ._e3nn_compat import import_mace
+    from mace_accel._e3nn_compat import import_mace
 
     import_mace()  # unpickling a MACE module imports mace, which imports e3nn
     try:
@@ -291,17 +254,20 @@ def _num_basis(bessel_fn: torch.nn.Module) -> Optional[int]:
 
 
 # -- saving ---------------------------------------------------------------------------------------
-def save_model(model: torch.nn.Module, path: Union[str, Path]) -> Path:
+def save_model(model: torch.nn.Module, path: Union[str, Path], *, overwrite: bool = True) -> Path:
     """Write ``model`` to ``path`` atomically (``torch.save`` of the whole module).
 
-    The model is written to a temporary file in the same directory, flushed to disk and renamed
-    over ``path``; if anything fails, the temporary file is removed and ``path`` is left as it
-    was. Accelerated models are saved with their fused modules but never with compiled kernels
-    (they are rebuilt on first use after loading).
+    Written through :func:`mace_accel.files.atomic_write`: a failure leaves ``path`` as it was,
+    and with ``overwrite=False`` an existing ``path`` (also one another process created
+    meanwhile) is never replaced. Accelerated models are saved with their fused modules but
+    never with compiled kernels (they are rebuilt on first use after loading).
 
     Raises:
         InputError: ``model`` is not a module, or the target directory does not exist.
+        FileExistsError: ``overwrite=False`` and ``path`` exists.
     """
+    from mace_accel.files import atomic_write
+
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"save_model expects a torch.nn.Module, got {type(model).__name__}")
     path = Path(path)
@@ -309,17 +275,6 @@ def save_model(model: torch.nn.Module, path: Union[str, Path]) -> Path:
     if not directory.is_dir():
         raise InputError(f"cannot save to {str(path)!r}: directory {str(directory)!r} does not "
                          "exist; create it first")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(model, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_write(path, "wb", overwrite=overwrite) as f:
+        torch.save(model, f)
     return path

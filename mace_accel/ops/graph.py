@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .errors import InputError
+from mace_accel.errors import InputError
 
 
 @dataclasses.dataclass
@@ -43,7 +43,8 @@ class ConvGraph:
             self._derived[key] = getattr(self, which).to(torch.int32)
         return self._derived[key]
 
-    def csr(self, by: str, index_dtype: torch.dtype = torch.int32) -> Tuple[torch.Tensor, torch.Tensor]:
+    def csr(self, by: str,
+            index_dtype: torch.dtype = torch.int32) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(row_ptr [n_nodes+1], perm [E])`` grouping edges by ``"receiver"`` or ``"sender"``.
 
         ``perm[row_ptr[n]:row_ptr[n+1]]`` are the edges of node ``n`` in their original order.
@@ -57,6 +58,38 @@ class ConvGraph:
             row_ptr = torch.cumsum(counts, 0)
             self._derived[key] = (row_ptr.to(index_dtype), perm.to(index_dtype))
         return self._derived[key]
+
+
+    def tensors(self, backend: str) -> List[torch.Tensor]:
+        """The graph as the custom ops take it: what ``backend``'s kernels index with.
+
+        ``reference``: ``[sender, receiver]`` (int64); ``cuda``: :class:`KernelGraph`'s fields
+        (int32 sender and the receiver and sender CSRs).
+        """
+        if backend == "reference":
+            return [self.sender, self.receiver]
+        recv_ptr, recv_perm = self.csr("receiver")
+        send_ptr, send_perm = self.csr("sender")
+        return [self.index32("sender"), recv_ptr, recv_perm, send_ptr, send_perm]
+
+
+class KernelGraph(NamedTuple):
+    """The int32 edge orderings the CUDA kernels walk (see :meth:`ConvGraph.tensors`).
+
+    Attributes:
+        sender: ``[E]`` sender of each edge. recv_ptr ``[N+1]`` / recv_perm ``[E]``: edges
+        grouped by receiver; send_ptr / send_perm: grouped by sender (edge order kept).
+    """
+
+    sender: torch.Tensor
+    recv_ptr: torch.Tensor
+    recv_perm: torch.Tensor
+    send_ptr: torch.Tensor
+    send_perm: torch.Tensor
+
+    @property
+    def n_edges(self) -> int:
+        return int(self.sender.shape[0])
 
 
 _LAST: Optional[Tuple[weakref.ref, int, int, ConvGraph]] = None

@@ -29,7 +29,7 @@ import typing
 from pathlib import Path
 from typing import Any, ClassVar, Dict, Literal, Mapping, Optional, Tuple
 
-from .errors import ConfigError
+from mace_accel.errors import ConfigError
 
 TASKS = ("singlepoint", "geomopt", "md")
 SINGLEPOINT_PROPERTIES = ("energy", "free_energy", "forces", "stress", "energies")
@@ -275,7 +275,7 @@ class RunConfig(_Section):
         """``model``, or the bundled default model."""
         if self.model is not None:
             return self.model
-        from .models import default_model_path
+        from mace_accel.models.checkpoint import default_model_path
 
         return default_model_path()
 

@@ -1,0 +1,47 @@
+"""Process-wide table of the problems the custom ops solve, keyed by a short string.
+
+``torch.library`` ops take tensors and plain values only, so a fused module registers its frozen
+spec here and passes the key; the op looks the spec up (and caches its compiled kernels per
+dtype, device and options). Specs are immutable and keyed by their content hash, so registering
+the same spec twice (another model, an unpickled copy) finds the same entry.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, Tuple
+
+from mace_accel.errors import KernelError
+
+_SPECS: Dict[str, Any] = {}
+_CACHE: Dict[Tuple, Any] = {}
+_LOCK = threading.Lock()
+
+
+def register(family: str, spec: Any) -> str:
+    """Register ``spec`` (a frozen dataclass with ``key()``) under ``family``; returns its key."""
+    key = f"{family}:{spec.key()}"
+    if key not in _SPECS:
+        with _LOCK:
+            _SPECS.setdefault(key, spec)
+    return key
+
+
+def lookup(key: str) -> Any:
+    """The spec registered under ``key``."""
+    try:
+        return _SPECS[key]
+    except KeyError:
+        raise KernelError(f"no fused problem is registered under {key!r}; the op must be called "
+                          "through its mace-accel module (which registers its spec)") from None
+
+
+def cached(cache_key: Tuple, build: Callable[[], Any]) -> Any:
+    """``build()`` once per ``cache_key`` (compiled kernels per spec, dtype, device, options)."""
+    value = _CACHE.get(cache_key)
+    if value is None:
+        with _LOCK:
+            value = _CACHE.get(cache_key)
+            if value is None:
+                value = _CACHE[cache_key] = build()
+    return value

@@ -1,0 +1,153 @@
+"""Run-time side of the CUDA backend, shared by every op family: lazy cupy import, NVRTC compile
+with caches, launch on torch's stream.
+
+* cupy is imported on first use only (never at import of mace_accel).
+* Compiled cubins are cached in memory and on disk, keyed by a hash of (source, options, arch,
+  NVRTC version), so a second process does not recompile. The disk cache lives in
+  ``$MACE_ACCEL_CACHE_DIR`` or ``~/.cache/mace_accel/kernels``; writes are atomic.
+* Kernels run on ``torch.cuda.current_stream(device)`` of the input's device, take raw device
+  pointers and allocate nothing themselves, so they work inside ``torch.cuda.graph`` capture
+  (after a first eager call has compiled and loaded them).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from mace_accel.errors import KernelError
+from mace_accel.ops.limits import DeviceLimits
+
+NVRTC_OPTIONS = ("-std=c++17",)
+INT32_MAX = 2**31 - 1
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_unavailable_reason() -> Optional[str]:
+    """Why cupy (our NVRTC front end) cannot be used, or None. Imports cupy lazily."""
+    try:
+        import cupy  # noqa: F401
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as exc:  # ImportError, or a CUDA library missing at load time
+        return (f"cupy/NVRTC could not be loaded ({type(exc).__name__}: {exc}); install the "
+                "extra matching your CUDA: pip install 'mace-accel[cuda12]' or "
+                "'mace-accel[cuda13]'")
+    return None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MACE_ACCEL_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "mace_accel" / "kernels"
+
+
+def device_limits(device: torch.device) -> DeviceLimits:
+    """Read the schedule's limits off ``device`` (compute capability, block and smem limits)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index(device)) as dev:
+        attrs = dev.attributes
+        major, minor = dev.compute_capability[:-1], dev.compute_capability[-1]
+    return DeviceLimits(arch=f"sm_{major}{minor}",
+                        max_threads_per_block=int(attrs["MaxThreadsPerBlock"]),
+                        max_shared_per_block=int(attrs["MaxSharedMemoryPerBlock"]),
+                        warp_size=int(attrs["WarpSize"]))
+
+
+def device_index(device: torch.device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+_MEMORY_CACHE: Dict[str, bytes] = {}
+_LOCK = threading.Lock()
+
+
+def compile_cubin(source: str, arch: str, options: Tuple[str, ...] = NVRTC_OPTIONS) -> bytes:
+    """Compile ``source`` for ``arch`` (e.g. ``"sm_90"``) with NVRTC; cached in memory and disk.
+
+    Raises:
+        KernelError: NVRTC rejected the source (the log is in the message).
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    key = hashlib.sha256("\0".join((source, arch, *options, str(nvrtc.getVersion())))
+                         .encode()).hexdigest()
+    with _LOCK:
+        if key in _MEMORY_CACHE:
+            return _MEMORY_CACHE[key]
+    path = cache_dir() / f"{key}.cubin"
+    if path.is_file():
+        cubin = path.read_bytes()
+    else:
+        prog = nvrtc.createProgram(source, "mace_accel_kernel.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *options])
+        except Exception as exc:
+            log = nvrtc.getProgramLog(prog)
+            raise KernelError(f"NVRTC failed to compile a generated kernel for {arch}: {exc}\n"
+                              f"{log}") from exc
+        cubin = nvrtc.getCUBIN(prog)
+        nvrtc.destroyProgram(prog)
+        _write_atomic(path, cubin)
+    with _LOCK:
+        _MEMORY_CACHE[key] = cubin
+    return cubin
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    from mace_accel.files import atomic_write_bytes
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, data)
+    except OSError:
+        pass  # a read-only home only costs a recompile in the next process
+
+
+class Kernel:
+    """A loaded CUDA function on one device."""
+
+    def __init__(self, source: str, name: str, device: torch.device, arch: str) -> None:
+        import cupy
+
+        self.name = name
+        self.device_index = device_index(device)
+        cubin = compile_cubin(source, arch)
+        with cupy.cuda.Device(self.device_index):
+            self._module = cupy.cuda.function.Module()
+            self._module.load(cubin)
+            self._function = self._module.get_function(name)
+
+    def launch(self, grid: int, block: int, args: tuple) -> None:
+        import cupy
+
+        stream = _cupy_stream(torch.cuda.current_stream(self.device_index).cuda_stream,
+                              self.device_index)
+        with cupy.cuda.Device(self.device_index):
+            self._function((grid,), (block,), args, stream=stream)
+
+
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(handle: int, index: int):
+    """cupy's wrapper of torch's stream ``handle`` (made once per stream, not per launch)."""
+    import cupy
+
+    return cupy.cuda.ExternalStream(handle, index)
+
+
+def ptr(t: Optional[torch.Tensor]) -> np.uint64:
+    """A tensor's device pointer as a kernel argument (0 for an absent output)."""
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def i32(v: int) -> np.int32:
+    return np.int32(v)

@@ -1,0 +1,30 @@
+"""Every generated kernel source of every op family's catalog, by name.
+
+One list for the three places that need it: the nvcc compile test (CI compiles each for sm_90 and
+fails on errors, spills or stack frames), the pinned-source test (a hash per kernel, so a change
+to generated code is deliberate), and ``scripts/pin_kernels.py`` (which rewrites the pins).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, Iterator, Tuple
+
+from mace_accel.ops.limits import DeviceLimits
+
+# the GPU the pins and the CI compile are made for (H100/H200); the runtime reads the real one
+PIN_LIMITS = DeviceLimits(arch="sm_90", max_threads_per_block=1024,
+                          max_shared_per_block=48 * 1024)
+
+
+def catalog_sources(limits: DeviceLimits = PIN_LIMITS) -> Iterator[Tuple[str, str]]:
+    """``(family/kernel-name, CUDA source)`` for every family's catalog."""
+    from mace_accel.ops.conv_tp import codegen as conv_tp
+
+    yield from conv_tp.catalog_sources(limits)
+
+
+def source_hashes(limits: DeviceLimits = PIN_LIMITS) -> Dict[str, str]:
+    """``{name: sha256 of the source}`` of :func:`catalog_sources`."""
+    return {name: hashlib.sha256(src.encode()).hexdigest() for name, src in
+            catalog_sources(limits)}

@@ -1,0 +1,297 @@
+"""``accelerate(model)`` / ``revert(model)``: the one entry to model surgery.
+
+Surgery itself lives in :mod:`mace_accel.patches`; this module only walks the patch kinds
+through their interface (``applies_to``, ``describe``, ``apply``, ``revert``, ``is_applied``),
+resolves the backend, and verifies the result against the unpatched model
+(:func:`verify_or_revert`, used by every path that patches a model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from mace_accel.errors import BackendUnavailableError, UnsupportedModelError, VerificationError
+from mace_accel.options import AccelOptions, cuda_unavailable_reason, make_options
+from mace_accel.patches import PatchRecord, find_blocks
+from mace_accel.tolerances import model_tolerance, rel_norm_error
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What :func:`accelerate` did to a model.
+
+    Attributes:
+        backend: the backend now active in the patched blocks.
+        requested_backend: what the caller asked for (differs only after a warned fallback).
+        records: one entry per module found, with each part fused or left (and why).
+        options: the :class:`~mace_accel.options.AccelOptions` used (backend resolved).
+        verification: ``{quantity: relative error}`` of patched vs unpatched, if verified.
+        tolerance: the model-level tolerance the verification used.
+    """
+
+    backend: str
+    requested_backend: str
+    records: List[PatchRecord]
+    options: AccelOptions = dataclasses.field(default_factory=AccelOptions)
+    verification: Dict[str, float] = dataclasses.field(default_factory=dict)
+    tolerance: Optional[float] = None
+
+    @property
+    def patched(self) -> List[PatchRecord]:
+        return [r for r in self.records if r.patched]
+
+    @property
+    def skipped(self) -> List[PatchRecord]:
+        return [r for r in self.records if not r.patched]
+
+    def to_dict(self) -> dict:
+        return {
+            "backend": self.backend,
+            "requested_backend": self.requested_backend,
+            "options": self.options.to_dict(),
+            "blocks": [r.to_dict() for r in self.records],
+            "verification": self.verification,
+            "tolerance": self.tolerance,
+        }
+
+    def __str__(self) -> str:
+        lines = [f"mace-accel: backend {self.backend!r} (deterministic="
+                 f"{self.options.deterministic}), {len(self.patched)} of {len(self.records)} "
+                 "modules patched"]
+        for r in self.records:
+            if r.skipped_reason is not None:
+                lines.append(f"  {r.path or '(model)':<16} {r.block:<46} left: {r.skipped_reason}")
+                continue
+            lines.append(f"  {r.path or '(model)':<16} {r.block}")
+            for p in r.parts:
+                lines.append(f"    {p.part:<22} {'fused' if p.fused else 'left'}: {p.detail}")
+        if self.verification:
+            errs = ", ".join(f"{k} {v:.1e}" for k, v in self.verification.items())
+            lines.append(f"  verified against the unpatched model: {errs} (tolerance "
+                         f"{self.tolerance:.0e})")
+        return "\n".join(lines)
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    if isinstance(model, torch.jit.ScriptModule):
+        raise UnsupportedModelError(
+            "got a TorchScript (compiled) model; mace-accel patches the Python model. Load the "
+            "original .model file with torch.load instead of the compiled one")
+    if not isinstance(model, torch.nn.Module):
+        raise UnsupportedModelError(f"expected a MACE torch.nn.Module, got {type(model).__name__}")
+    if not hasattr(model, "interactions"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is not a MACE model (it has no 'interactions'); "
+            "pass a model loaded from a MACE checkpoint")
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def resolve_backend(options: AccelOptions, device: torch.device,
+                    stacklevel: int = 3) -> AccelOptions:
+    """``options`` with the backend that will run for a model on ``device``.
+
+    ``auto`` becomes ``cuda`` on a GPU and ``reference`` elsewhere; ``cuda`` that cannot run
+    raises :class:`BackendUnavailableError` (``fallback="error"``) or warns and becomes
+    ``reference`` (``fallback="warn"``).
+    """
+    options = options.for_device(device)
+    if options.backend != "cuda":
+        return options
+    reason = cuda_unavailable_reason(device)
+    if reason is None:
+        return options
+    if options.fallback == "error":
+        raise BackendUnavailableError(
+            f"the CUDA backend cannot run: {reason}. Use backend='reference' (plain torch) or "
+            "fallback='warn' to fall back with a warning")
+    warnings.warn(f"mace-accel: CUDA backend unavailable ({reason}); using the reference (plain "
+                  "torch) backend instead", RuntimeWarning, stacklevel=stacklevel)
+    return options.replace(backend="reference")
+
+
+def accelerate(model: torch.nn.Module, backend: Optional[str] = None,
+               verify: Optional[bool] = None, *, options: Optional[AccelOptions] = None,
+               fallback: Optional[str] = None, deterministic: Optional[bool] = None,
+               check_indices: Optional[bool] = None,
+               parts: Optional[Tuple[str, ...]] = None) -> PatchReport:
+    """Patch every fusable part of a loaded MACE model in place.
+
+    Args:
+        model: a loaded MACE model (``MACE``, ``ScaleShiftMACE``, any head count), on the device
+            it will run on.
+        backend: ``"cuda"`` (generated kernels), ``"reference"`` (plain torch, any device) or
+            ``"auto"`` (cuda for a model on a GPU).
+        verify: run a small random structure through the patched and the unpatched model and
+            raise :class:`VerificationError` (leaving the model unpatched) if they disagree
+            beyond the tolerance table.
+        options: all options at once (:class:`~mace_accel.options.AccelOptions`); the keyword
+            arguments given override its fields.
+        fallback, deterministic, check_indices, parts: see
+            :class:`~mace_accel.options.AccelOptions`.
+
+    Returns:
+        a :class:`PatchReport` listing every module found, each part fused or left, and why.
+
+    Raises:
+        ConfigError: an option has an invalid value.
+        BackendUnavailableError: ``backend="cuda"`` cannot run here and ``fallback="error"``.
+        VerificationError: the patched model disagrees with the unpatched one (then unpatched).
+    """
+    opts = make_options(options, backend=backend, verify=verify, fallback=fallback,
+                        deterministic=deterministic, check_indices=check_indices, parts=parts)
+    _check_model(model)
+    requested = opts.backend
+    opts = resolve_backend(opts, model_device(model))
+    records: List[PatchRecord] = []
+    try:
+        for path, module, patch in list(find_blocks(model)):
+            records.append(patch.apply(path, module, opts))
+    except BaseException:
+        revert(model)  # leave nothing half-patched
+        raise
+    if not records:
+        raise UnsupportedModelError(
+            f"found no MACE interaction blocks in {type(model).__name__}; is this a MACE model?")
+    report = PatchReport(backend=opts.backend, requested_backend=requested, records=records,
+                         options=opts)
+    if opts.verify and report.patched:
+        verify_or_revert(model, report)
+    return report
+
+
+def verify_or_revert(model: torch.nn.Module, report: PatchReport) -> PatchReport:
+    """Fill ``report.verification``; on disagreement (or an error) revert ``model`` and raise.
+
+    The one check every path that patches a model goes through (``accelerate``, the
+    calculator, ``convert``).
+
+    Raises:
+        VerificationError: patched and unpatched results differ beyond the tolerance table,
+            or the unpatched model itself gives NaN/inf (then the model is the problem, and the
+            message says so).
+    """
+    try:
+        patched, plain = _evaluate_both(model)
+    except Exception:
+        revert(model)
+        raise
+    report.tolerance = model_tolerance(model_dtype(model))
+    bad_plain = [k for k, v in plain.items() if not torch.isfinite(v).all()]
+    if bad_plain:
+        revert(model)
+        raise VerificationError(
+            f"the model itself (without mace-accel) gives non-finite {', '.join(bad_plain)} on a "
+            "small random structure of its elements; the checkpoint is broken (NaN/inf "
+            "weights?) and mace-accel left it unpatched")
+    report.verification = {k: rel_norm_error(patched[k], plain[k]) for k in plain}
+    bad = {k: v for k, v in report.verification.items() if not v <= report.tolerance}
+    if bad:
+        revert(model)
+        raise VerificationError(
+            f"the accelerated model disagrees with the unpatched one: {bad} exceeds the "
+            f"relative tolerance {report.tolerance:.0e}; the model was left unpatched.\n{report}")
+    return report
+
+
+def plan(model: torch.nn.Module, options: Optional[AccelOptions] = None) -> List[PatchRecord]:
+    """What :func:`accelerate` would do to (or has done to) each module of ``model``; no changes.
+
+    Args:
+        options: the options to plan for (default: :class:`AccelOptions()` with the backend
+            that runs where the model is).
+    """
+    opts = (options or AccelOptions()).for_device(model_device(model))
+    return [patch.describe(path, module, opts) for path, module, patch in find_blocks(model)]
+
+
+def revert(model: torch.nn.Module) -> int:
+    """Undo :func:`accelerate` in place; returns the number of modules restored."""
+    n = 0
+    for _, module, patch in list(find_blocks(model)):
+        if patch.is_applied(module):
+            patch.revert(module)
+            n += 1
+    return n
+
+
+def is_accelerated(model: torch.nn.Module) -> bool:
+    return any(patch.is_applied(m) for _, m, patch in find_blocks(model))
+
+
+@contextlib.contextmanager
+def unpatched(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Temporarily restore the original modules (for side-by-side comparison)."""
+    saved = [(module, patch, patch.revert(module))
+             for _, module, patch in list(find_blocks(model)) if patch.is_applied(module)]
+    try:
+        yield model
+    finally:
+        for module, patch, state in saved:
+            patch.reattach(module, state)
+
+
+def evaluate(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
+             compute_stress: bool) -> Dict[str, torch.Tensor]:
+    """Energy, forces (and stress) of one batch, detached."""
+    out = model(dict(batch), training=False, compute_force=True, compute_stress=compute_stress)
+    keep = ("energy", "forces", "stress") if compute_stress else ("energy", "forces")
+    return {k: out[k].detach() for k in keep if out.get(k) is not None}
+
+
+def _evaluate_both(model: torch.nn.Module,
+                   seed: int = 0) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """Patched and unpatched energy/forces/stress on a small random structure."""
+    from mace_accel.models.batch import atoms_to_batch, model_info, random_structure
+
+    info = model_info(model)
+    atoms = random_structure(info.atomic_numbers, n_atoms=8, r_max=info.r_max, seed=seed)
+    batch = atoms_to_batch(atoms, info, device=model_device(model))
+    stress = type(model).__name__ in ("MACE", "ScaleShiftMACE")
+    patched = evaluate(model, batch, stress)
+    with unpatched(model):
+        plain = evaluate(model, batch, stress)
+    return patched, plain
+
+
+def verify_against_unpatched(model: torch.nn.Module, seed: int = 0) -> Dict[str, float]:
+    """Relative errors of patched vs unpatched energy/forces/stress on a random structure."""
+    patched, plain = _evaluate_both(model, seed)
+    return {k: rel_norm_error(patched[k], plain[k]) for k in plain}
+
+
+def describe_model(model: Any) -> Dict[str, Any]:
+    """The model's summary and, per module, what surgery fuses (or would), changing nothing.
+
+    Returns:
+        ``{"model", "elements", "atomic_numbers", "r_max", "heads", "dtype", "parameters",
+        "accelerated", "blocks"}``; ``blocks`` holds each :class:`PatchRecord` as a dict.
+    """
+    from mace_accel.models.batch import model_info
+    from mace_accel.options import dtype_name
+
+    info = model_info(model)
+    records = plan(model)
+    return {
+        "model": type(model).__name__, "elements": info.symbols,
+        "atomic_numbers": list(info.atomic_numbers), "r_max": info.r_max,
+        "heads": list(info.heads), "dtype": dtype_name(info.dtype),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "accelerated": is_accelerated(model), "blocks": [r.to_dict() for r in records],
+    }

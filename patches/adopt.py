@@ -1,0 +1,88 @@
+"""``FusedModule``: the base of every fused replacement module.
+
+A fused module keeps the original mace/e3nn module inside (``.original``, not a child) and
+*adopts* its parameters, buffers and children under the same names, so the model's
+``state_dict`` keys and values do not change, ``.to()`` / ``.double()`` reach them, and
+``sync_original()`` hands back the very same original object for ``revert``. Compiled kernels are
+never pickled (subclasses keep them in ``_kernels``, emptied on pickling); they are rebuilt on
+first use after loading.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from mace_accel.options import AccelOptions
+
+
+class FusedModule(torch.nn.Module):
+    """Base of the fused replacements: adopts ``original``'s tensors and children.
+
+    Args:
+        original: the mace/e3nn module being replaced.
+        options: the acceleration options (backend, determinism, ...).
+
+    Class attributes:
+        part: the :data:`~mace_accel.options.PARTS` entry this module fuses.
+    """
+
+    part = "conv"
+
+    def __init__(self, original: torch.nn.Module, options: AccelOptions) -> None:
+        super().__init__()
+        object.__setattr__(self, "original", original)  # kept, but not as a child module
+        for name, p in original._parameters.items():
+            self._parameters[name] = p
+        for name, b in original._buffers.items():
+            self._buffers[name] = b
+        self._non_persistent_buffers_set.update(original._non_persistent_buffers_set)
+        for name, m in original._modules.items():
+            self._modules[name] = m
+        self.options = options
+        self._kernels: Dict[Any, Any] = {}
+
+    @property
+    def backend(self) -> str:
+        return self.options.backend
+
+    def describe(self) -> str:
+        """One line: what this module computes (for reports)."""
+        return type(self).__name__
+
+    def extra_repr(self) -> str:
+        return f"{self.describe()}, backend={self.backend!r}"
+
+    # -- state -------------------------------------------------------------------------------
+    def sync_original(self) -> torch.nn.Module:
+        """Write adopted tensors (possibly moved/cast since) back into the original module."""
+        for name in list(self.original._parameters):
+            self.original._parameters[name] = self._parameters[name]
+        for name in list(self.original._buffers):
+            self.original._buffers[name] = self._buffers[name]
+        for name in list(self.original._modules):
+            self.original._modules[name] = self._modules[name]
+        return self.original
+
+    def __getstate__(self) -> Dict[str, Any]:
+        self.sync_original()
+        state = self.__dict__.copy()
+        state["_kernels"] = {}  # binaries never travel; rebuilt on first call
+        # e3nn's generated submodules only pickle through the original's own __getstate__;
+        # re-adopt them on load
+        state["_modules"] = {k: v for k, v in self._modules.items()
+                             if k not in self.original._modules}
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for name, m in self.original._modules.items():
+            self._modules[name] = m
+
+    def _kernel_cache(self, key: Any, build) -> Any:
+        """``self._kernels[key]``, built once by ``build()`` (per dtype and device)."""
+        value = self._kernels.get(key)
+        if value is None:
+            value = self._kernels[key] = build()
+        return value
