@@ -10,7 +10,10 @@ Nothing happens at import time of this module.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
+import sys
 from types import ModuleType
 
 _READY = False
@@ -34,7 +37,30 @@ def o3() -> ModuleType:
     return importlib.import_module("e3nn.o3")
 
 
+# what mace prints on stdout when it is imported (mace/tools/cg.py without cuequivariance);
+# silenced so that stdout carries only our commands' output (``info --json`` must be JSON)
+_MACE_IMPORT_NOTICES = ("cuequivariance or cuequivariance_torch is not available",)
+_MACE_NOTICE_MODULE = "mace.tools.cg"
+
+
 def import_mace() -> ModuleType:
-    """Import ``mace`` (which imports e3nn) after making e3nn's constants loadable."""
+    """Import ``mace`` (which imports e3nn) after making e3nn's constants loadable.
+
+    The first call also imports ``mace.tools.cg`` with stdout captured: mace prints a notice
+    there when cuequivariance is not installed. The known notice is dropped; anything else mace
+    prints is passed on to stderr, and errors propagate unchanged.
+    """
     _allow_e3nn_constants()
-    return importlib.import_module("mace")
+    if _MACE_NOTICE_MODULE in sys.modules:
+        return importlib.import_module("mace")
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            module = importlib.import_module("mace")
+            importlib.import_module(_MACE_NOTICE_MODULE)
+    finally:
+        rest = [line for line in captured.getvalue().splitlines()
+                if line.strip() and not line.startswith(_MACE_IMPORT_NOTICES)]
+        if rest:
+            print("\n".join(rest), file=sys.stderr)
+    return module

@@ -6,73 +6,138 @@
     mace-accel run configs/md_nve.yaml [--set md.steps=100 --set device=cpu] [--dry-run]
     mace-accel bench ...            (when mace_accel.bench is installed)
 
-This module only parses arguments, calls library functions and prints their results. User
-errors (any :class:`~mace_accel.errors.MaceAccelError`) end with one ``error: ...`` line on
-stderr and exit code 2; success is 0; an I/O failure (disk full, permission denied) is 1;
-Ctrl-C is 130.
+This module only parses arguments, calls library functions and prints their results; stdout
+carries only a command's output (``info --json`` is JSON), notes and warnings go to stderr.
+Exit codes: 0 success; 2 a user mistake (any :class:`~mace_accel.errors.MaceAccelError`, and
+OS errors on a path the user gave: permission denied, not a folder, ...), reported as one
+``error: ...`` line on stderr that names the file or key and the fix, never a traceback; 1 any
+other OS failure (disk full, I/O error), also one line; 130 Ctrl-C, with one line saying what
+was left on disk.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
-from mace_accel.errors import InputError, MaceAccelError
+from mace_accel.errors import InputError, Interrupted, MaceAccelError, OutputError
 from mace_accel.options import BACKENDS, DTYPE_NAMES
 
 EXIT_OK, EXIT_OS_ERROR, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+# OS errors that mean "this path is wrong for what you asked", i.e. a user mistake (exit 2)
+_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR,
+                errno.EEXIST, errno.ENOENT, errno.ENAMETOOLONG, errno.ELOOP}
+
+
+# ---------------------------------------------------------------------------------------------
+# checks of the paths a command is given, before any work
+
+
+def check_model_input(path: Path, what: str = "input model") -> None:
+    """``path`` must be an existing file (a folder gets its own message)."""
+    if path.is_dir():
+        raise InputError(f"{what} {str(path)!r} is a folder, not a model file; give the path of "
+                         "the .model file (a whole pickled MACE model)")
+    if not path.is_file():
+        raise InputError(f"{what} not found: {str(path)!r}; check the path")
+
+
+def check_output_file(dst: Path, force: bool, src: Optional[Path] = None) -> None:
+    """Raise :class:`OutputError` unless ``dst`` can be written as a new file (or, with
+    ``force``, replace one). Creates nothing."""
+    if dst.is_dir():
+        example = dst / (src.name if src is not None else "model.model")
+        raise OutputError(f"output {str(dst)!r} is a folder; give a file path such as "
+                          f"{str(example)!r}")
+    if dst.exists() or dst.is_symlink():
+        if not force:
+            same = src is not None and dst.exists() and dst.resolve() == src.resolve()
+            what = "is the input file" if same else "exists"
+            raise OutputError(f"output {str(dst)!r} {what}; choose another path or pass --force "
+                              "to overwrite it")
+    folder = dst.absolute().parent
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputError(f"cannot write {str(dst)!r}: {str(existing)!r} is a file, not a "
+                          "folder; choose another output path")
+    if existing != folder:
+        raise OutputError(f"cannot write {str(dst)!r}: folder {str(folder)!r} does not exist; "
+                          f"create it first (mkdir -p {folder}) or choose another output path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write {str(dst)!r}: no permission to write in folder "
+                          f"{str(folder)!r}; choose another output path or fix its permissions")
+
+
+def _save(model, dst: Path, force: bool) -> None:
+    """``save_model`` with no-clobber unless ``force``: of two writers racing for a new path,
+    the second gets an error instead of silently replacing the first one's file."""
+    from mace_accel.models.checkpoint import save_model
+
+    try:
+        save_model(model, dst, overwrite=force)
+    except OutputError:
+        if force or not dst.exists():
+            raise
+        # checked absent before loading: another process created it meanwhile
+        raise OutputError(f"output {str(dst)!r} was created by another process while this one "
+                          "was converting; it was left as it is and nothing was saved. Choose "
+                          "another path or pass --force to overwrite it") from None
 
 
 # ---------------------------------------------------------------------------------------------
 # commands
 
 
-def _check_output(src: Path, dst: Path, force: bool) -> None:
-    if not src.is_file():
-        raise InputError(f"input model not found: {str(src)!r}")
-    if dst.exists() and not force:
-        same = dst.resolve() == src.resolve()
-        what = "is the input file" if same else "exists"
-        raise InputError(f"output {str(dst)!r} {what}; choose another path or pass --force to "
-                         "overwrite it")
-    if not dst.resolve().parent.is_dir():
-        raise InputError(f"output directory {str(dst.resolve().parent)!r} does not exist")
-
-
 def cmd_convert(args: argparse.Namespace) -> int:
-    from mace_accel.models.checkpoint import load_model, save_model
+    from mace_accel.models.checkpoint import load_model
+    from mace_accel.options import AccelOptions
     from mace_accel.runs.tasks import check_device
     from mace_accel.surgery import accelerate
 
     src, dst = Path(args.input), Path(args.output)
-    _check_output(src, dst, args.force)
+    options = AccelOptions(backend=args.backend, verify=not args.no_verify,
+                           deterministic=not args.nondeterministic)
+    check_model_input(src)
+    check_output_file(dst, args.force, src)
     device = args.device or ("cuda" if args.backend == "cuda" else "cpu")
     check_device(device, fix="without a GPU, convert with --device cpu --backend reference")
-    model = load_model(src, device=device, dtype=args.dtype)
-    report = accelerate(model, backend=args.backend, verify=not args.no_verify)
-    print(report)
-    save_model(model.to("cpu"), dst)  # CPU tensors: the file loads on any machine
+    try:
+        model = load_model(src, device=device, dtype=args.dtype)
+        report = accelerate(model, options=options)
+        print(report)
+        _save(model.to("cpu"), dst, args.force)  # CPU tensors: the file loads on any machine
+    except KeyboardInterrupt:
+        raise Interrupted(f"{dst} was not written") from None
     print(f"saved the accelerated model to {dst}")
     return EXIT_OK
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
-    from mace_accel.models.checkpoint import load_model, save_model
+    from mace_accel.models.checkpoint import load_model
     from mace_accel.surgery import revert
 
     src, dst = Path(args.input), Path(args.output)
-    _check_output(src, dst, args.force)
-    model = load_model(src, device="cpu")
-    n = revert(model)
-    if n == 0:
-        raise InputError(f"{str(src)!r} is not accelerated (no patched blocks); nothing to revert")
-    save_model(model, dst)
+    check_model_input(src)
+    check_output_file(dst, args.force, src)
+    try:
+        model = load_model(src, device="cpu")
+        n = revert(model)
+        if n == 0:
+            raise InputError(f"{str(src)!r} is not accelerated (no patched blocks); nothing to "
+                             "revert")
+        _save(model, dst, args.force)
+    except KeyboardInterrupt:
+        raise Interrupted(f"{dst} was not written") from None
     print(f"restored {n} block(s) to e3nn; saved the plain model to {dst}")
     return EXIT_OK
 
@@ -104,8 +169,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from mace_accel.models.checkpoint import load_model
 
     path = Path(args.model)
-    if not path.is_file():
-        raise InputError(f"model file not found: {str(path)!r}")
+    check_model_input(path, "model file")
     from mace_accel.surgery import describe_model
 
     plan = describe_model(load_model(path, device="cpu"))
@@ -120,9 +184,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     overrides = dict(parse_override(s) for s in args.set or [])
     cwd = Path.cwd()  # paths typed on the command line are relative to where it was typed
     if args.dry_run:
-        print(dry_run(args.config, overrides, overrides_base=cwd))
+        print(dry_run(args.config, overrides, overrides_base=cwd, overwrite=args.overwrite))
         return EXIT_OK
-    print(run(args.config, overrides, overrides_base=cwd))
+    print(run(args.config, overrides, overrides_base=cwd, overwrite=args.overwrite))
     return EXIT_OK
 
 
@@ -162,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device to patch and verify on (default: cuda for the cuda backend)")
     p.add_argument("--backend", choices=BACKENDS, default="cuda",
                    help="fused backend (default: cuda)")
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="allow float atomics in the CUDA backward (faster; repeats may differ "
+                   "in the last bits)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the check against the unpatched model")
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
@@ -188,7 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a key before validation, e.g. --set md.steps=100 "
                    "--set device=cpu (repeatable)")
     p.add_argument("--dry-run", action="store_true",
-                   help="validate and show the run without loading the model or writing files")
+                   help="run every check (run file, model, each frame of the structure, "
+                   "outputs folder) and show the run, without running it or writing files")
+    p.add_argument("--overwrite", action="store_true",
+                   help="if the outputs folder holds an earlier run's files, delete them first "
+                   "(default: refuse the folder; other files are never deleted)")
     p.set_defaults(func=cmd_run)
 
     _register_bench(sub)
@@ -199,30 +270,51 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     print(f"warning: {message}", file=sys.stderr)
 
 
+def quiet_library_warnings() -> None:
+    """Hide the known deprecation noise of torch/e3nn/mace (inside ``catch_warnings``)."""
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"e3nn\.")
+    warnings.filterwarnings("ignore", message=r".*TorchScript type system.*")
+    warnings.filterwarnings("ignore", message=r".*TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD.*")
+    warnings.filterwarnings("ignore", message=r".*weights_only.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r".*torch\.jit\.\w+.? is deprecated.*")
+
+
+def _print_error(text: str) -> None:
+    first, *rest = text.splitlines() or [""]
+    print(f"error: {first}", file=sys.stderr)
+    for line in rest:
+        print(f"  {line}", file=sys.stderr)
+
+
+def _os_error(exc: OSError) -> int:
+    """One line for an OS error; exit 2 if the path given was wrong, 1 if the system failed."""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    path = exc.filename
+    if exc.errno in _PATH_ERRNOS and path is not None:
+        _print_error(f"cannot use {str(path)!r}: {what}; check that the path is right and that "
+                     "you may write there")
+        return EXIT_USER_ERROR
+    _print_error(f"{str(path)!r}: {what}" if path is not None else what)
+    return EXIT_OS_ERROR
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``mace-accel`` console script; returns the exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
     with warnings.catch_warnings():
         # warnings reach a CLI user as one line; library noise from e3nn/torch is hidden
         warnings.showwarning = _show_warning
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"e3nn\.")
-        warnings.filterwarnings("ignore", message=r".*TorchScript type system.*")
-        warnings.filterwarnings("ignore", message=r".*TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD.*")
-        warnings.filterwarnings("ignore", message=r".*torch\.jit\.\w+` is deprecated.*")
+        quiet_library_warnings()
         try:
+            args = build_parser().parse_args(argv)
             return args.func(args)
         except MaceAccelError as exc:
-            first, *rest = str(exc).splitlines() or [type(exc).__name__]
-            print(f"error: {first}", file=sys.stderr)
-            for line in rest:
-                print(f"  {line}", file=sys.stderr)
+            _print_error(str(exc) or type(exc).__name__)
             return EXIT_USER_ERROR
-        except OSError as exc:  # disk full, permission denied, ...: the environment, not a bug
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_OS_ERROR
-        except KeyboardInterrupt:
-            print("error: interrupted; files written so far are kept", file=sys.stderr)
+        except OSError as exc:
+            return _os_error(exc)
+        except KeyboardInterrupt as exc:
+            note = getattr(exc, "note", "") or "nothing was written"
+            print(f"error: interrupted; {note}", file=sys.stderr)
             return EXIT_INTERRUPTED
 
 

@@ -38,3 +38,21 @@ class KernelError(MaceAccelError, RuntimeError):
 
 class VerificationError(MaceAccelError, RuntimeError):
     """The accelerated model disagreed with the unpatched model beyond the tolerance table."""
+
+
+class OutputError(MaceAccelError, OSError):
+    """An output path cannot be written: it is a file where a folder is needed (or the other way
+    round), its folder is missing or not writable, it exists and may not be replaced, or another
+    run holds it."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with a note on what was left on disk (``note``), for the command line to print.
+
+    Not a :class:`MaceAccelError`: an interrupt is not a mistake. It is still a
+    ``KeyboardInterrupt``, so code that handles those keeps working.
+    """
+
+    def __init__(self, note: str = "") -> None:
+        super().__init__(note)
+        self.note = note

@@ -15,9 +15,11 @@ from mace_accel.patches.registry import PartRecord, PatchKind, PatchRecord
 
 
 def all_patches() -> Tuple[PatchKind, ...]:
+    from mace_accel.patches.edge_features import PATCHES as edge_features
     from mace_accel.patches.interaction_blocks import PATCHES as interaction
+    from mace_accel.patches.product_blocks import PATCHES as product
 
-    return tuple(interaction)
+    return tuple(interaction) + tuple(product) + tuple(edge_features)
 
 
 def find_blocks(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module, PatchKind]]:

@@ -44,7 +44,7 @@ class InteractionBlockPatch(SubmodulePatch):
             or type(module).__name__.endswith("InteractionBlock"))
 
     def plan_parts(self, module: torch.nn.Module, options: AccelOptions) -> List[PartPlan]:
-        return [self._plan_conv(module, options)]
+        return [self._plan_conv(module, options), *left_parts(module, LEFT_IN_INTERACTION)]
 
     def _plan_conv(self, module: torch.nn.Module, options: AccelOptions) -> PartPlan:
         if not options.fuses("conv"):
@@ -70,6 +70,25 @@ class InteractionBlockPatch(SubmodulePatch):
     def after_reattach(self, module: torch.nn.Module) -> None:
         if isinstance(module.conv_tp, FusedConvTP):
             module.conv_fusion = True
+
+
+# parts of a block that no fused op replaces yet: (part, child modules, what runs instead)
+LEFT_IN_INTERACTION = (
+    ("radial_mlp", ("conv_tp_weights",),
+     "no fused kernel yet; mace's radial MLP runs as torch GEMMs and writes the per-edge TP "
+     "weights [E, weight_numel] to memory"),
+    ("linears", ("linear_up", "linear"),
+     "no fused kernel yet; e3nn o3.Linear runs as torch ops"),
+    ("skip", ("skip_tp",),
+     "no fused kernel yet; the element-dependent skip tensor product runs as e3nn's"),
+)
+
+
+def left_parts(module: torch.nn.Module, table) -> List[PartPlan]:
+    """A "left" :class:`PartPlan` for each part of ``table`` the block has (a record of what
+    still runs unfused, and why)."""
+    return [PartPlan(part, reason=reason) for part, children, reason in table
+            if any(isinstance(getattr(module, c, None), torch.nn.Module) for c in children)]
 
 
 def conv_skip_reason(module: torch.nn.Module) -> Optional[str]:

@@ -36,10 +36,14 @@ mkdir -p "$OUT"
 if [ -f .gpu-deps/setup.sh ]; then
   # shellcheck disable=SC1091
   source .gpu-deps/setup.sh
+  # setup.sh puts the checkout itself on PYTHONPATH, which would shadow the installed package's
+  # mapping of kernels/ and patches/ (mace_accel.kernels, mace_accel.patches): drop it
+  PYTHONPATH=$(echo "$PYTHONPATH" | tr ':' '\n' | grep -vx "$PWD" | paste -sd: -)
+  export PYTHONPATH
 fi
 install_note="skipped"
 if [ "$install" = 1 ]; then
-  if pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip_install.log" 2>&1; then
+  if python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip_install.log" 2>&1; then
     install_note="ok"
   else
     install_note="FAILED (see $OUT/pip_install.log)"
@@ -76,6 +80,16 @@ if [ "$run_bench" = 1 ]; then
   [ "$kernel_rc" = 0 ] && kernel_line="ok" || kernel_line="exit $kernel_rc (see $OUT/conv_kernel.log)"
 fi
 
+sc_line="not run"
+if [ "$run_bench" = 1 ]; then
+  # the fused symmetric contraction alone vs mace's module (MP-medium/large product blocks)
+  echo "== symmetric contraction benchmark (log $OUT/sc_kernel.log)"
+  timeout 180 python scripts/bench_symmetric_contraction.py --json "$OUT/sc_kernel.json" \
+    > "$OUT/sc_kernel.log" 2>&1
+  sc_rc=$?
+  [ "$sc_rc" = 0 ] && sc_line="ok" || sc_line="exit $sc_rc (see $OUT/sc_kernel.log)"
+fi
+
 bench_line="not run"
 if [ "$run_bench" = 1 ]; then
   if [ "$quick" = 1 ]; then
@@ -105,6 +119,8 @@ echo "GPU tests: $tests_line"
 if [ "$run_bench" = 1 ]; then
   echo "conv kernel: $kernel_line"
   sed -n '/^conv kernel,/,$p' "$OUT/conv_kernel.log" 2>/dev/null
+  echo "symmetric contraction: $sc_line"
+  grep '^symmetric contraction,' "$OUT/sc_kernel.log" 2>/dev/null || tail -n 5 "$OUT/sc_kernel.log"
   echo "benchmark: $bench_line"
   if [ -f "$OUT/bench/bench.json" ]; then
     python -m mace_accel.bench --summarize "$OUT/bench/bench.json" 2>&1 | tail -n 70

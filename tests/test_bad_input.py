@@ -192,3 +192,41 @@ def test_cuda_backend_on_cpu_warns_or_raises(model_file):
     assert calc.backend == "reference" and calc.report.requested_backend == "cuda"
     with pytest.raises(BackendUnavailableError, match="backend='reference'"):
         MACEAccelCalculator(model_file, device="cpu", backend="cuda", fallback="error")
+
+
+def test_accelerate_with_an_unknown_backend_is_a_config_error(tiny_model):
+    from mace_accel import accelerate, is_accelerated
+    from mace_accel.errors import MaceAccelError
+
+    model = tiny_model()
+    with pytest.raises(ConfigError, match="backend must be one of auto, cuda, reference; got "
+                                          "'bogus'") as err:
+        accelerate(model, backend="bogus")
+    assert isinstance(err.value, MaceAccelError) and not is_accelerated(model)
+    with pytest.raises(ConfigError, match="fallback"):
+        accelerate(model, backend="reference", fallback="maybe")
+
+
+def test_calculator_device_auto_is_the_default(model_file):
+    """``device="auto"`` (also the default, as in YAML runs) runs on the CPU without a GPU."""
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    for calc in (MACEAccelCalculator(model_file, default_dtype="float64"),
+                 MACEAccelCalculator(model_file, device="auto", default_dtype="float64")):
+        assert calc.device.type == expected
+        atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
+        atoms.calc = calc
+        assert np.isfinite(atoms.get_potential_energy())
+
+
+def test_calculator_on_a_model_that_itself_gives_nan(tiny_model):
+    """The message blames the model, not the acceleration."""
+    from mace_accel.errors import VerificationError
+
+    model = tiny_model()
+    with torch.no_grad():
+        next(model.readouts[-1].parameters()).view(-1)[0] = float("nan")
+    with pytest.raises(VerificationError) as err:
+        MACEAccelCalculator(model, device="cpu", default_dtype="float64")
+    message = str(err.value)
+    assert "the model itself (without mace-accel) gives non-finite" in message
+    assert "disagrees" not in message

@@ -66,7 +66,9 @@ def test_reports_reference_backend_once(model_file, caplog):
     messages = [r.getMessage() for r in caplog.records if "backend" in r.getMessage()]
     assert len(messages) == 1 and "'reference'" in messages[0]
     assert calc.backend == "reference" and calc.report.backend == "reference"
-    assert len(calc.report.patched) == 2
+    assert [r.kind for r in calc.report.patched] == [
+        "edge_features", "interaction_block", "interaction_block", "product_block",
+        "product_block"]
 
 
 @pytest.mark.parametrize("structure", ["cu_atoms", "molecule_atoms"])

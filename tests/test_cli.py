@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 import types
@@ -23,6 +25,7 @@ from mace_accel import cli
 from mace_accel.models.architectures import small_test_model
 from mace_accel.models.batch import atoms_to_batch, model_info, random_structure
 from mace_accel.ops.conv_tp.spec import spec_from_e3nn
+from mace_accel.patches import find_blocks
 from mace_accel.patches.conv_tp import FusedConvTP
 from mace_accel.surgery import evaluate, is_accelerated
 from mace_accel.tolerances import rel_norm_error
@@ -204,7 +207,9 @@ def test_revert_round_trip(plain_model, fast_model, batch, tmp_path, capsys):
     original = plain_model[1]
     plain = tmp_path / "plain.model"
     code, stdout, _ = run_cli(capsys, "revert", fast_model, plain)
-    assert code == 0 and "restored 2 block(s)" in stdout
+    fused = load(fast_model)
+    n_patched = sum(patch.is_applied(m) for _, m, patch in find_blocks(fused))
+    assert code == 0 and f"restored {n_patched} block(s)" in stdout and n_patched >= 2
     restored = load(plain)
     assert not is_accelerated(restored)
     assert all(type(b.conv_tp).__name__ == "TensorProduct" for b in restored.interactions)
@@ -338,3 +343,197 @@ def test_bench_is_registered_only_when_present(monkeypatch):
     fake.add_bench_parser = broken
     with pytest.raises(ImportError, match="bug inside"):
         cli.build_parser()
+
+
+# -- convert: output paths checked before the model is loaded ------------------------------------
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Make loading a model fail loudly: the checks under test must come first."""
+    from mace_accel.models import checkpoint
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    monkeypatch.setattr(checkpoint, "load_model", refuse)
+
+
+def test_convert_output_path_problems_are_found_before_loading(plain_model, tmp_path, capsys,
+                                                               no_loading):
+    src = plain_model[0]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    code, _, err = run_cli(capsys, "convert", src, folder, *CPU)
+    assert_user_error(code, err, "is a folder", str(folder / src.name))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    code, _, err = run_cli(capsys, "convert", src, a_file / "fast.model", *CPU)
+    assert_user_error(code, err, "is a file, not a folder")
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "missing" / "fast.model", *CPU)
+    assert_user_error(code, err, "does not exist", "mkdir -p")
+    for line in err.splitlines():
+        assert "Errno" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "folder"]
+
+
+def test_convert_into_a_folder_without_write_permission(plain_model, tmp_path, capsys,
+                                                        monkeypatch, no_loading):
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False
+                        if Path(p) == tmp_path else real_access(p, mode, *a, **k))
+    code, _, err = run_cli(capsys, "convert", plain_model[0], tmp_path / "o.model", *CPU)
+    assert_user_error(code, err, "no permission to write in folder", str(tmp_path))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_convert_into_a_read_only_folder(plain_model, tmp_path, capsys):
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        code, _, err = run_cli(capsys, "convert", plain_model[0], locked / "o.model", *CPU)
+        assert_user_error(code, err, "no permission")
+    finally:
+        locked.chmod(0o755)
+
+
+def test_a_folder_given_as_the_model_says_it_is_a_folder(tmp_path, capsys):
+    for argv in (["convert", tmp_path, tmp_path / "o.model", *CPU],
+                 ["revert", tmp_path, tmp_path / "o.model"], ["info", tmp_path]):
+        code, _, err = run_cli(capsys, *argv)
+        assert_user_error(code, err, "is a folder, not a model file")
+        assert "not found" not in err
+
+
+def test_convert_nondeterministic_flag(plain_model, tmp_path, capsys):
+    code, stdout, err = run_cli(capsys, "convert", plain_model[0], tmp_path / "f.model", *CPU,
+                                "--nondeterministic", "--no-verify")
+    assert code == 0, err
+    assert "deterministic=False" in stdout
+    code, stdout, _ = run_cli(capsys, "convert", plain_model[0], tmp_path / "g.model", *CPU,
+                              "--no-verify")
+    assert code == 0 and "deterministic=True" in stdout
+
+
+# -- convert: never replaces a file it did not mean to -------------------------------------------
+def test_convert_loses_a_race_for_a_new_path_with_a_clear_error(plain_model, tmp_path, capsys,
+                                                                monkeypatch):
+    """Another process creates OUT while this one converts: this one must not replace it (and
+    must not say 'saved')."""
+    from mace_accel import surgery
+
+    out = tmp_path / "fast.model"
+    real = surgery.accelerate
+
+    def racing(model, *args, **kwargs):
+        report = real(model, *args, **kwargs)
+        out.write_bytes(b"the other process's model")
+        return report
+
+    monkeypatch.setattr(surgery, "accelerate", racing)
+    code, stdout, err = run_cli(capsys, "convert", plain_model[0], out, *CPU, "--no-verify")
+    assert_user_error(code, err, "created by another process", "--force")
+    assert "saved" not in stdout
+    assert out.read_bytes() == b"the other process's model"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fast.model"]  # no temp file
+
+
+@pytest.mark.slow
+def test_two_converts_to_one_new_path_at_once(plain_model, tmp_path):
+    """Two real processes: exactly one saves, the other fails with exit 2; the file loads."""
+    out = tmp_path / "fast.model"
+    argv = [sys.executable, "-m", "mace_accel.cli", "convert", str(plain_model[0]), str(out),
+            *CPU, "--no-verify"]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [0, 2], results
+    loser = next(err for code, _, err in results if code == 2)
+    assert loser.strip().splitlines()[-1].startswith("error: output ")
+    assert ("exists" in loser or "created by another process" in loser) and "--force" in loser
+    assert sum("saved the accelerated model" in out_ for _, out_, _ in results) == 1
+    assert is_accelerated(load(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fast.model"]
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])
+def test_converted_model_gets_the_umask_mode(plain_model, tmp_path, capsys, umask, mode):
+    previous = os.umask(umask)
+    try:
+        code, _, err = run_cli(capsys, "convert", plain_model[0], tmp_path / "f.model", *CPU,
+                               "--no-verify")
+    finally:
+        os.umask(previous)
+    assert code == 0, err
+    assert stat.S_IMODE((tmp_path / "f.model").stat().st_mode) == mode
+
+
+# -- a model that itself gives NaN ----------------------------------------------------------------
+def test_convert_of_a_model_that_itself_gives_nan(tmp_path, capsys):
+    model = small_test_model(BLOCK, elements=(28, 29), seed=3)
+    with torch.no_grad():
+        next(model.readouts[-1].parameters()).view(-1)[0] = float("nan")
+    src = tmp_path / "nan.model"
+    torch.save(model, src)
+    code, _, err = run_cli(capsys, "convert", src, tmp_path / "o.model", *CPU)
+    assert_user_error(code, err, "the model itself (without mace-accel) gives non-finite",
+                      "left it unpatched")
+    assert "disagrees" not in err and not (tmp_path / "o.model").exists()
+
+
+# -- clean streams ------------------------------------------------------------------------------
+def test_info_json_is_valid_json_in_a_fresh_process(plain_model, tmp_path):
+    """mace prints a cuequivariance notice on stdout when imported; it must not reach ours."""
+    exe = shutil.which("mace-accel")
+    proc = subprocess.run([exe, "info", str(plain_model[0]), "--json"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["model"] == "ScaleShiftMACE"
+    assert "cuequivariance" not in proc.stdout + proc.stderr
+    assert "Warning" not in proc.stderr, proc.stderr
+
+
+def test_commands_print_no_library_notices(plain_model, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mace_accel.cli", "convert",
+                           str(plain_model[0]), str(tmp_path / "f.model"), *CPU],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "cuequivariance" not in proc.stdout + proc.stderr
+    assert "Warning" not in proc.stderr and "deprecated" not in proc.stderr, proc.stderr
+    assert proc.stdout.rstrip().endswith(f"saved the accelerated model to {tmp_path / 'f.model'}")
+
+
+# -- one error contract ---------------------------------------------------------------------------
+def test_os_errors_on_a_path_are_one_error_line(capsys, monkeypatch, tmp_path):
+    def denied(args):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "x"))
+
+    monkeypatch.setattr(cli, "cmd_info", denied)
+    code, _, err = run_cli(capsys, "info", tmp_path / "x")
+    assert_user_error(code, err, str(tmp_path / "x"), "Permission denied")
+    assert len(err.strip().splitlines()) == 1
+
+    def disk_full(args):
+        raise OSError(28, "No space left on device", str(tmp_path / "x"))
+
+    monkeypatch.setattr(cli, "cmd_info", disk_full)
+    code, _, err = run_cli(capsys, "info", tmp_path / "x")
+    assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_ctrl_c_is_one_line_and_exit_130(plain_model, capsys, monkeypatch, tmp_path):
+    from mace_accel.models import checkpoint
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "load_model", interrupted)
+    code, _, err = run_cli(capsys, "convert", plain_model[0], tmp_path / "o.model", *CPU)
+    assert code == 130
+    assert err.strip() == f"error: interrupted; {tmp_path / 'o.model'} was not written"
+    assert list(tmp_path.iterdir()) == []
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)  # while starting up
+    code, _, err = run_cli(capsys, "info", plain_model[0])
+    assert code == 130 and err.strip() == "error: interrupted; nothing was written"

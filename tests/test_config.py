@@ -42,7 +42,8 @@ def test_minimal_run_resolves_paths_and_defaults(run_dir):
     assert cfg.struct == (run_dir / "s.xyz").resolve()
     assert cfg.outputs == (run_dir / "sub" / "nve-results").resolve()
     assert cfg.model is None and cfg.model_path.name.endswith(".model")
-    assert cfg.device == "cuda" and cfg.backend == "auto"
+    assert cfg.device == "auto" and cfg.backend == "auto"  # as the calculator's defaults
+    assert cfg.deterministic is True and cfg.frame is None and cfg.min_distance == 0.5
     assert cfg.md.steps == 7 and cfg.md.timestep == 1.0 and isinstance(cfg.md.timestep, float)
     assert cfg.options is cfg.md
     dumped = cfg.to_dict()
@@ -215,3 +216,48 @@ def test_path_overrides_resolve_against_the_given_base(run_dir, tmp_path_factory
     assert cfg.outputs == (elsewhere / "out").resolve()
     with pytest.raises(ConfigError, match="no such file"):  # default base: the run file's dir
         load_run_config(path, {"struct": "other.xyz"})
+
+
+def test_yaml_1_1_numbers_are_read_as_numbers(run_dir):
+    """PyYAML reads ``1e3`` (no dot) as a string; a float key takes it as the number 1000."""
+    text = ("task: md\nstruct: s.xyz\nmd:\n  temperature: 1e3\n  timestep: 5E-1\n"
+            "  steps: 1e3\n  pressure: 1_000.5\n")
+    raw = yaml.safe_load(text)
+    assert raw["md"]["temperature"] == "1e3"  # what PyYAML gives
+    cfg = load_run_config(write(run_dir, text))
+    assert (cfg.md.temperature, cfg.md.timestep, cfg.md.steps, cfg.md.pressure) == (
+        1000.0, 0.5, 1000, 1000.5)
+    assert isinstance(cfg.md.steps, int)
+    cfg = load_run_config(write(run_dir, {"task": "md", "struct": "s.xyz"}),
+                          dict([parse_override("md.timestep=2e0"),
+                                parse_override("md.steps=1e2")]))
+    assert cfg.md.timestep == 2.0 and cfg.md.steps == 100
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("temperature", "nan", "finite number"), ("temperature", ".inf", "finite number"),
+    ("temperature", "hot", "finite number"), ("steps", "1.5e0", "integer"),
+    ("steps", "1e400", "integer"), ("steps", "ten", "integer"),
+])
+def test_numeric_strings_that_are_not_valid_numbers(run_dir, key, value, match):
+    with pytest.raises(ConfigError, match=f"md.{key} must be .*{match}"):
+        load_run_config(write(run_dir, f"task: md\nstruct: s.xyz\nmd:\n  {key}: {value}\n"))
+
+
+def test_deterministic_frame_and_min_distance_keys(run_dir):
+    cfg = load_run_config(write(run_dir, {"task": "md", "struct": "s.xyz", "frame": -1,
+                                          "deterministic": False, "min_distance": 0.3}))
+    assert cfg.frame == -1 and cfg.deterministic is False and cfg.min_distance == 0.3
+    assert cfg.to_dict()["deterministic"] is False
+    for raw, key in (({"deterministic": "no"}, "deterministic"), ({"frame": 0.5}, "frame"),
+                     ({"min_distance": -1}, "min_distance")):
+        with pytest.raises(ConfigError, match=key):
+            load_run_config(write(run_dir, {"task": "md", "struct": "s.xyz", **raw}))
+
+
+def test_a_folder_as_struct_or_run_file(run_dir):
+    (run_dir / "sub").mkdir()
+    with pytest.raises(ConfigError, match="struct: .* is a folder, not a file"):
+        load_run_config(write(run_dir, {"task": "md", "struct": "sub"}))
+    with pytest.raises(ConfigError, match="is a folder, not a run file"):
+        load_run_config(run_dir / "sub")

@@ -8,8 +8,11 @@ from gpu_helpers import random_problem
 
 from mace_accel.errors import KernelError
 from mace_accel.ops.conv_tp import autograd as ops
+from mace_accel.ops.conv_tp import reference
 from mace_accel.ops.conv_tp.catalog import CATALOG
 from mace_accel.ops.conv_tp.spec import make_e3nn_conv_tp, spec_from_e3nn
+from mace_accel.ops.graph import KernelGraph
+from mace_accel.options import AccelOptions
 from mace_accel.tolerances import PASS_TOL, rel_linf_error, rel_norm_error
 
 pytestmark = pytest.mark.gpu
@@ -23,13 +26,43 @@ def _err(dtype):
 
 @pytest.fixture(scope="module")
 def specs():
-    return {name: spec_from_e3nn(make_e3nn_conv_tp(*p)) for name, p in CATALOG.items()}
+    return {name: spec_from_e3nn(make_e3nn_conv_tp(*p.irreps)) for name, p in CATALOG.items()}
+
+
+class _Cuda:
+    """The CUDA primitives of one spec and dtype, called with a ConvGraph."""
+
+    def __init__(self, spec, dtype, deterministic: bool = True):
+        from mace_accel.ops.conv_tp.cuda import CudaConvPrimitives
+
+        self.prims = CudaConvPrimitives(spec, dtype, torch.device("cuda"),
+                                        deterministic=deterministic)
+
+    def forward(self, graph, x, y, w):
+        return self.prims.forward(graph.n_nodes, KernelGraph(*graph.tensors("cuda")), x, y, w)
+
+    def backward(self, graph, x, y, w, g, needs):
+        return self.prims.backward(graph.n_nodes, KernelGraph(*graph.tensors("cuda")), x, y, w,
+                                   g, needs)
+
+
+class _Reference:
+    """The reference primitives of one spec, called like :class:`_Cuda`."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def forward(self, graph, x, y, w):
+        return reference.conv_tp_forward(self.spec, x, y, w, graph.sender, graph.receiver,
+                                         graph.n_nodes)
+
+    def backward(self, graph, x, y, w, g, needs):
+        return reference.conv_tp_backward(self.spec, x, y, w, g, graph.sender, graph.receiver,
+                                          needs)
 
 
 def _prims(spec, dtype):
-    from mace_accel.ops.conv_tp.cuda import CudaConvPrimitives
-
-    return CudaConvPrimitives(spec, dtype, torch.device("cuda"))
+    return _Cuda(spec, dtype)
 
 
 def _upcast(*ts):
@@ -41,7 +74,7 @@ def _upcast(*ts):
 def test_forward_backward_vs_reference(specs, name, dtype):
     spec = specs[name]
     graph, x, y, w = random_problem(spec, N_NODES, N_EDGES, dtype, "cuda", seed=1)
-    cuda, ref = _prims(spec, dtype), ops.ReferencePrimitives(spec)
+    cuda, ref = _prims(spec, dtype), _Reference(spec)
     err, tol = _err(dtype), PASS_TOL[dtype]
     out = cuda.forward(graph, x, y, w)
     out_ref = ref.forward(graph, *_upcast(x, y, w))
@@ -62,22 +95,24 @@ def test_double_backward_vs_reference(specs, name, dtype):
     graph, x, y, w = random_problem(spec, N_NODES, N_EDGES, dtype, "cuda", seed=2)
     r = torch.randn(N_NODES, spec.dim_out, dtype=dtype, device="cuda")
 
-    def second(prims, x, y, w, r):
+    key = ops.register_spec(spec)
+
+    def second(backend, x, y, w, r):
         x, y, w = (t.detach().clone().requires_grad_(True) for t in (x, y, w))
-        out = ops.conv_tp(prims, graph, x, y, w)
+        out = ops.conv_tp(key, graph, x, y, w, backend=backend)
         gx, gy, gw = torch.autograd.grad((out * r).sum(), (x, y, w), create_graph=True)
         scalar = (gx.square().sum() + (gy * gy.detach().sin()).sum() + gw.pow(3).sum())
         return torch.autograd.grad(scalar, (x, y, w))
 
-    got = second(_prims(spec, dtype), x, y, w, r)
-    want = second(ops.ReferencePrimitives(spec), *_upcast(x, y, w, r))
+    got = second("cuda", x, y, w, r)
+    want = second("reference", *_upcast(x, y, w, r))
     for label, a, b in zip(("node_feats", "edge_attrs", "tp_weights"), got, want):
         assert _err(dtype)(a, b) < PASS_TOL[dtype]["double_backward"], (label, _err(dtype)(a, b))
 
 
 @pytest.mark.parametrize("name", ["mp-medium-l2", "l3-feats", "odd-mul"])
 def test_forward_vs_e3nn(name):
-    tp = make_e3nn_conv_tp(*CATALOG[name]).to("cuda", torch.float64)
+    tp = make_e3nn_conv_tp(*CATALOG[name].irreps).to("cuda", torch.float64)
     spec = spec_from_e3nn(tp)
     graph, x, y, w = random_problem(spec, N_NODES, N_EDGES, torch.float64, "cuda", seed=3)
     out = _prims(spec, torch.float64).forward(graph, x, y, w)
@@ -100,7 +135,7 @@ def test_deterministic_over_repeats(specs, dtype):
 def test_unsorted_edges_and_int32_and_noncontiguous(specs):
     from mace_accel.patches.conv_tp import FusedConvTP
 
-    tp = make_e3nn_conv_tp(*CATALOG["mp-medium-l2"]).to("cuda", torch.float64)
+    tp = make_e3nn_conv_tp(*CATALOG["mp-medium-l2"].irreps).to("cuda", torch.float64)
     fused = FusedConvTP(tp, spec_from_e3nn(tp), AccelOptions(backend="cuda"))
     ref = FusedConvTP(tp, spec_from_e3nn(tp), AccelOptions(backend="reference"))
     graph, x, y, w = random_problem(fused.spec, N_NODES, N_EDGES, torch.float64, "cuda",
@@ -164,14 +199,12 @@ def test_cuda_graph_capture(specs):
 @pytest.mark.parametrize("name", ["mp-medium-l2", "off-large-l2", "odd-mul"])
 def test_atomic_backward_matches_reference(specs, name, dtype):
     """deterministic=False: d(node_feats) through float atomics, same numbers within tolerance."""
-    from mace_accel.ops.conv_tp.cuda import CudaConvPrimitives
-
     spec = specs[name]
     graph, x, y, w = random_problem(spec, N_NODES, N_EDGES, dtype, "cuda", seed=7,
                                     sorted_by_sender=False)
-    prims = CudaConvPrimitives(spec, dtype, torch.device("cuda"), deterministic=False)
+    prims = _Cuda(spec, dtype, deterministic=False)
     g = torch.randn(N_NODES, spec.dim_out, dtype=dtype, device="cuda")
     got = prims.backward(graph, x, y, w, g, (True, True, True))
-    want = ops.ReferencePrimitives(spec).backward(graph, *_upcast(x, y, w, g), (True,) * 3)
+    want = _Reference(spec).backward(graph, *_upcast(x, y, w, g), (True,) * 3)
     for label, a, b in zip(("node_feats", "edge_attrs", "tp_weights"), got, want):
         assert _err(dtype)(a, b) < PASS_TOL[dtype]["backward"], (label, _err(dtype)(a, b))

@@ -29,7 +29,11 @@ def _cu_ni(n: int = 3, seed: int = 0):
 def test_patched_matches_unpatched(arch, dtype):
     model = build_architecture(arch, dtype=dtype, device="cuda")
     report = mace_accel.accelerate(model, backend="cuda", verify=True)
-    assert report.backend == "cuda" and len(report.patched) == 2
+    assert report.backend == "cuda"
+    assert [r.kind for r in report.patched] == ["edge_features"] + ["interaction_block"] * 2 + \
+        ["product_block"] * 2
+    assert all(r.part("symmetric_contraction").fused for r in report.patched
+               if r.kind == "product_block")
     batch = atoms_to_batch(_cu_ni(), model_info(model), device="cuda")
     got = evaluate(model, batch, compute_stress=True)
     with unpatched(model):

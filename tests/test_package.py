@@ -180,13 +180,83 @@ def test_bundled_model_matches_its_metadata():
     assert force_rmse < 0.15, f"force RMSE vs EMT {1e3 * force_rmse:.0f} meV/Å"
 
 
+CPU_TORCH = "python -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+
+
 def test_ci_runs_the_readme_test_command():
-    """.ci/run installs torch first and then runs exactly the README's test command."""
+    """.ci/run installs the CPU-only torch first and then runs exactly the README's test
+    command; the README says why (PyPI's torch is the CUDA build)."""
     readme = (REPO / "README.md").read_text()
     ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.lstrip().startswith("#")]
     assert "set -euo pipefail" in ci
     command = ci[-1]
-    assert command.startswith("python -m pip install torch==2.13.0 && ")
+    assert command.startswith(CPU_TORCH + " && ")
+    assert "pip install -e '.[test]'" in command
     assert "pytest" in command and '-m "not gpu"' in command
     assert f"\n{command}\n" in readme, "README's test command and .ci/run differ"
+    # the README says what plain `pip install torch` does on a machine without a GPU
+    assert "pip install torch==2.13.0`" in readme and "3 GB" in readme
+    assert f"\n{CPU_TORCH}\n" in readme
+    assert "\npip install -e . && mace-accel run configs/md_langevin.yaml\n" in readme
+
+
+def test_readme_run_command_uses_a_config_that_exists():
+    assert (REPO / "configs" / "md_langevin.yaml").is_file()
+    assert "--overwrite" in (REPO / "README.md").read_text()
+
+
+def test_import_mace_keeps_stdout_clean(tmp_path):
+    """mace prints a cuequivariance notice on stdout at import; import_mace swallows it (and
+    only it), so `mace-accel info --json` stays JSON."""
+    proc = run_python("""
+        from mace_accel._e3nn_compat import import_mace
+        import_mace()
+        import mace.modules, mace.tools
+        from mace_accel.models.checkpoint import default_model_path, load_model
+        load_model(default_model_path())
+    """, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert "cuequivariance" not in proc.stderr
+
+
+def test_import_mace_passes_other_output_on_to_stderr(tmp_path):
+    proc = run_python("""
+        import builtins, importlib, sys
+        real = importlib.import_module
+        def noisy(name, *a, **k):
+            if name == "mace.tools.cg":
+                print("an unexpected message from mace")
+            return real(name, *a, **k)
+        importlib.import_module = noisy
+        from mace_accel._e3nn_compat import import_mace
+        import_mace()
+    """, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and "an unexpected message from mace" in proc.stderr
+
+
+def test_pytest_config_filters_the_known_library_warnings(tmp_path):
+    """torch.jit deprecations and e3nn's TorchScript warnings are filtered in pytest's config
+    (the issue counted ~2,500 of them in a run of the suite)."""
+    (tmp_path / "test_noise.py").write_text(textwrap.dedent("""
+        import io
+        import torch
+        from mace_accel._e3nn_compat import import_mace, o3
+
+        def test_noise():
+            import_mace()
+            o3().Linear("2x0e", "2x0e")
+            scripted = torch.jit.script(torch.nn.Linear(2, 2))
+            buffer = io.BytesIO()
+            torch.jit.save(scripted, buffer)
+            buffer.seek(0)
+            torch.jit.load(buffer)
+    """))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path),
+                           str(tmp_path / "test_noise.py")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 passed" in proc.stdout and "warning" not in proc.stdout.lower(), proc.stdout

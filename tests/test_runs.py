@@ -12,12 +12,12 @@ import torch
 import yaml
 
 from mace_accel import cli
-from mace_accel.errors import BackendUnavailableError, ConfigError
+from mace_accel.errors import BackendUnavailableError, ConfigError, Interrupted
 from mace_accel.models.architectures import small_test_model
 from mace_accel.models.batch import atoms_to_batch, model_info
 from mace_accel.runs import tasks as runs
 from mace_accel.runs.config import load_run_config
-from mace_accel.runs.progress import ProgressBar
+from mace_accel.runs.progress import progress_bar
 from mace_accel.surgery import evaluate
 from mace_accel.tolerances import rel_norm_error
 
@@ -177,21 +177,23 @@ def test_md_starts_from_stored_momenta(tiny_model, tmp_path):
 
 
 def test_interrupted_md_keeps_what_it_did(tiny_model, tmp_path, monkeypatch):
-    real_update = ProgressBar.update
+    real_row = runs._StatsWriter.__call__
 
-    def interrupt_after_3(self, n=1):
-        real_update(self, n)
-        if self.n >= 3:
+    def interrupt_after_4_rows(self):
+        real_row(self)
+        if self.step_offset() >= 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(ProgressBar, "update", interrupt_after_3)
-    with pytest.raises(KeyboardInterrupt):
+    monkeypatch.setattr(runs._StatsWriter, "__call__", interrupt_after_4_rows)
+    with pytest.raises(KeyboardInterrupt) as info:
         run_example("md_nve", tmp_path, tiny_model[0],
                     **{"md.steps": 50, "md.stats_every": 1, "md.traj_every": 1})
     out = tmp_path / "out"
+    assert isinstance(info.value, Interrupted) and str(out) in info.value.note
     _, stats = read_stats(out / "stats.dat")
     assert len(stats) == 4  # steps 0..3, flushed as they were written
-    assert len(ase.io.read(out / "trajectory.extxyz", ":")) == 4
+    # the interrupt came in step 3's stats row, before its trajectory frame: steps 0..2
+    assert len(ase.io.read(out / "trajectory.extxyz", ":")) == 3
     assert not (out / "final.extxyz").exists() and no_temp_files(out)
     assert "interrupted" in (out / "run.log").read_text()
 
@@ -223,53 +225,49 @@ def test_dry_run_describes_without_writing(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-# -- progress bar ------------------------------------------------------------------------------
+# -- progress bar (tqdm) -----------------------------------------------------------------------
 
 
-class FakeClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
 
 
-def test_progress_bar_rate_and_eta():
-    clock = FakeClock()
-    stream = io.StringIO()
-    bar = ProgressBar(100, desc="md", stream=stream, enabled=True, min_interval=0.0,
-                      width=10, clock=clock)
-    clock.t = 5.0
-    bar.update(25)
-    assert bar.render() == "md [##........] 25/100 5 it/s ETA 00:15"
-    clock.t = 20.0
-    bar.update(75)
-    bar.close()
+def test_progress_bar_draws_on_a_terminal():
+    stream = FakeTerminal()
+    with progress_bar(10, desc="md nve", stream=stream) as bar:
+        for _ in range(10):
+            bar.update()
     text = stream.getvalue()
-    assert text.endswith("\n") and "100/100" in text and "00:20 total" in text
+    assert "md nve" in text and "10/10" in text and text.endswith("\n")
 
 
-def test_progress_bar_is_silent_off_a_terminal():
+def test_progress_bar_is_silent_off_a_terminal_or_when_off():
     stream = io.StringIO()  # not a TTY
-    with ProgressBar(10, stream=stream) as bar:
+    with progress_bar(10, stream=stream) as bar:
         for _ in range(10):
             bar.update()
     assert stream.getvalue() == ""
-    with ProgressBar(10, stream=stream, enabled=False) as bar:
+    terminal = FakeTerminal()
+    with progress_bar(10, stream=terminal, enabled=False) as bar:  # progress: false
         bar.update(10)
-    assert stream.getvalue() == ""
+    with progress_bar(0, stream=terminal) as bar:  # nothing to do: no bar
+        pass
+    assert terminal.getvalue() == ""
 
 
-def test_progress_bar_throttles_redraws():
-    clock = FakeClock()
-    stream = io.StringIO()
-    bar = ProgressBar(1000, stream=stream, enabled=True, min_interval=1.0, clock=clock)
-    for i in range(999):
-        clock.t = i * 1e-3  # 999 updates within one second: one draw
-        bar.update()
-    assert stream.getvalue().count("\r") == 1
-    bar.update()  # the last step always draws
-    assert stream.getvalue().count("\r") == 2
+def test_progress_false_in_a_run_draws_nothing_on_a_terminal(tiny_model, tmp_path):
+    terminal = FakeTerminal()
+    runs.run(CONFIGS / "md_nve.yaml", {"device": "cpu", "backend": "reference",
+                                       "model": str(tiny_model[0]), "md.steps": 2,
+                                       "outputs": str(tmp_path / "a"), "progress": False},
+             progress_stream=terminal)
+    assert terminal.getvalue() == ""
+    runs.run(CONFIGS / "md_nve.yaml", {"device": "cpu", "backend": "reference",
+                                       "model": str(tiny_model[0]), "md.steps": 2,
+                                       "outputs": str(tmp_path / "b")},
+             progress_stream=terminal)
+    assert "md nve" in terminal.getvalue() and "2/2" in terminal.getvalue()
 
 
 def test_device_auto_resolves_and_says_so(capsys):

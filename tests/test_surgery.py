@@ -37,6 +37,10 @@ ONE, TWO = ("Default",), ("pbe", "r2scan")
 # (first block, second block, hidden irreps, heads, dtype); mace does not allow the
 # attention block first, so it is always second. I = RealAgnosticInteractionBlock, R = ...Residual,
 # D = ...Density, DR = ...DensityResidual, A = ...AttResidual, NL = ...ResidualNonLinear.
+# what accelerate() patches in a two-layer model, in model order: the edge features (the model
+# itself), each interaction block (conv), each product block (symmetric contraction)
+EXPECTED_PATHS = ["", "interactions.0", "interactions.1", "products.0", "products.1"]
+
 MATRIX = [
     (I, A, L0, ONE, F64), (D, R, L0, TWO, F32), (DR, NL, L0, TWO, F64),
     (I, R, L1, TWO, F64), (NL, D, L1, ONE, F64), (DR, A, L1, ONE, F32),
@@ -104,13 +108,17 @@ def test_accelerate_matches_unpatched_and_reverts_exactly(case, tiny_model):
 
     report = accelerate(model, backend="reference", verify=True)
 
-    # the report lists every interaction block, in model order, all patched
+    # the report lists the model's edge features, every interaction and product block, in model
+    # order, all patched
     assert isinstance(report, PatchReport)
     assert report.backend == report.requested_backend == "reference"
-    assert [r.path for r in report.records] == [f"interactions.{i}" for i in range(2)]
-    assert [r.block for r in report.records] == [case[0], case[1]]
-    assert len(report.patched) == 2 and not report.skipped
-    assert all(r.spec is not None and r.spec.unsupported_reason() is None for r in report.records)
+    assert [r.path for r in report.records] == EXPECTED_PATHS
+    interactions = [r for r in report.records if r.kind == "interaction_block"]
+    assert [r.block for r in interactions] == [case[0], case[1]]
+    assert len(report.patched) == len(EXPECTED_PATHS) and not report.skipped
+    assert all(r.spec is not None and r.spec.unsupported_reason() is None for r in interactions)
+    assert [r.part("symmetric_contraction").fused for r in report.records
+            if r.kind == "product_block"] == [True, True]
     assert report.tolerance == MODEL_TOL[dtype]
     assert set(report.verification) == {"energy", "forces", "stress"}
     assert all(v <= MODEL_TOL[dtype] for v in report.verification.values())
@@ -127,7 +135,7 @@ def test_accelerate_matches_unpatched_and_reverts_exactly(case, tiny_model):
     # the state dict is untouched: same keys, same order, bit-identical values
     assert_same_state(state(model), state_before)
 
-    assert revert(model) == 2
+    assert revert(model) == len(EXPECTED_PATHS)
     assert not is_accelerated(model)
     assert not any(isinstance(m, FusedConvTP) for m in model.modules())
     assert not any("conv_fusion" in block.__dict__ for block in model.interactions)
@@ -164,13 +172,13 @@ def test_accelerating_twice_reports_already_accelerated(accelerated):
     model, inputs, plain, plain_state = accelerated
     first = outputs(model, inputs)
     report = accelerate(model, backend="reference")
-    assert len(report.records) == 2 and not report.patched
-    assert [r.skipped for r in report.records] == ["already accelerated"] * 2
+    assert len(report.records) == len(EXPECTED_PATHS) and not report.patched
+    assert [r.skipped for r in report.records] == ["already accelerated"] * len(EXPECTED_PATHS)
     assert not report.verification
     assert "already accelerated" in str(report)
     assert_bit_identical(outputs(model, inputs), first)
     assert_same_state(state(model), plain_state)
-    assert revert(model) == 2 and revert(model) == 0
+    assert revert(model) == len(EXPECTED_PATHS) and revert(model) == 0
     assert_bit_identical(outputs(model, inputs), plain)
 
 
@@ -194,7 +202,7 @@ def test_pickle_round_trip_keeps_the_patch_and_results(accelerated):
     assert all(block.conv_tp.backend == "reference" for block in loaded.interactions)
     assert_bit_identical(outputs(loaded, inputs), expected)
     assert_same_state(state(loaded), plain_state)
-    assert revert(loaded) == 2
+    assert revert(loaded) == len(EXPECTED_PATHS)
     assert_same_state(state(loaded), plain_state)
     assert_bit_identical(outputs(loaded, inputs), plain)
 
@@ -241,7 +249,7 @@ def test_to_dtype_after_accelerate_then_revert(accelerated, tiny_model):
     assert_bit_identical(outputs(model, inputs), expected)
     # and back up: a reverted model is a plain MACE model again
     report = accelerate(model.to(F64), backend="reference")
-    assert len(report.patched) == 2 and report.tolerance == MODEL_TOL[F64]
+    assert len(report.patched) == len(EXPECTED_PATHS) and report.tolerance == MODEL_TOL[F64]
 
 
 # ----- what is not a model to accelerate ----------------------------------------------------------

@@ -207,12 +207,17 @@ def prepare_backend(backend: str, source: torch.nn.Module, device: torch.device 
     name = expected_name(backend, allow_reference, device)
     try:
         if backend == "e3nn":
-            return PreparedBackend("e3nn", OK, copy.deepcopy(source).eval())
-        if backend == "mace-accel":
-            return _prepare_mace_accel(source, allow_reference)
-        return PreparedBackend(backend, OK, _convert_with_mace(backend, source, device))
+            prepared = PreparedBackend("e3nn", OK, copy.deepcopy(source).eval())
+        elif backend == "mace-accel":
+            prepared = _prepare_mace_accel(source, allow_reference)
+        else:
+            prepared = PreparedBackend(backend, OK, _convert_with_mace(backend, source, device))
     except Exception as exc:  # reported per backend; the other backends still run
         return PreparedBackend(name, failure_status(exc))
+    if prepared.model is not None:  # inference, as every calculator runs it: no weight grads
+        for p in prepared.model.parameters():
+            p.requires_grad_(False)
+    return prepared
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,12 +9,14 @@ the exit code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, List, Sequence
 
 from mace_accel.bench.choices import BACKENDS, DTYPES, SYSTEM_KINDS
-from mace_accel.errors import MaceAccelError
+from mace_accel.errors import Interrupted, MaceAccelError
+from mace_accel.runs.outputs import check_output_dir
 
 if TYPE_CHECKING:
     from mace_accel.bench.runner import BenchConfig
@@ -76,10 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="comma-separated architectures (mp-small, mp-medium, mp-large, "
                            "off-small, off-medium, off-large: random weights) or model files "
                            "(default: mp-medium)")
-    what.add_argument("--dtypes", type=_choices(DTYPES),
-                      default=["float32", "float64"], help="default: float32,float64")
-    what.add_argument("--sizes", type=_csv(int), default=[256, 2048, 6912],
-                      help="atom counts; fcc systems round to 4n^3 (default: 256,2048,6912)")
+    what.add_argument("--dtypes", type=_choices(DTYPES), default=None,
+                      help="default: float32,float64 (on the CPU: float32)")
+    what.add_argument("--sizes", type=_csv(int), default=None,
+                      help="atom counts; fcc systems round to 4n^3 (default: 256,2048,6912; "
+                           "on the CPU: 32,108)")
     what.add_argument("--backends", type=_choices(BACKENDS),
                       default=list(BACKENDS), help=f"default: {','.join(BACKENDS)}")
     what.add_argument("--system", choices=SYSTEM_KINDS, default="auto",
@@ -94,8 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "it unavailable")
     what.add_argument("--seed", type=int, default=0, help="structure seed (default: 0)")
     how = parser.add_argument_group("timing")
-    how.add_argument("--warmup", type=int, default=5, help="untimed calls (default: 5)")
-    how.add_argument("--repeats", type=int, default=20, help="timed calls (default: 20)")
+    how.add_argument("--warmup", type=int, default=None,
+                     help="untimed calls (default: 5; on the CPU: 1)")
+    how.add_argument("--repeats", type=int, default=None,
+                     help="timed calls (default: 20; on the CPU: 3)")
     how.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                      help="stop starting new measurements after this long; the rest are "
                           "recorded as skipped (default: none)")
@@ -123,13 +128,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the tables of an earlier run's bench.json and exit")
 
 
+# defaults of the options left out, on a GPU and on the CPU (where the GPU sizes take hours:
+# one mp-medium call at 6,912 atoms takes minutes on a few CPU cores)
+GPU_DEFAULTS = {"dtypes": ["float32", "float64"], "sizes": [256, 2048, 6912], "warmup": 5,
+                "repeats": 20}
+CPU_DEFAULTS = {"dtypes": ["float32"], "sizes": [32, 108], "warmup": 1, "repeats": 3}
+
+
+def _defaults_for(args: argparse.Namespace, device: str) -> dict:
+    """The values of the size options: given ones as given, the others by device."""
+    import torch
+
+    defaults = CPU_DEFAULTS if torch.device(device).type == "cpu" else GPU_DEFAULTS
+    return {k: getattr(args, k) if getattr(args, k, None) is not None else v
+            for k, v in defaults.items()}
+
+
+def cpu_plan_note(config: BenchConfig, args: argparse.Namespace) -> str:
+    """What a CPU run will do, and how to change it (printed before it starts)."""
+    left_out = [k for k in CPU_DEFAULTS if getattr(args, k, None) is None]
+    lines = [f"note: benchmarking on the CPU: {', '.join(config.models)}; "
+             f"{','.join(config.dtypes)}; {', '.join(map(str, config.sizes))} atoms; "
+             f"{config.warmup} warm-up + {config.repeats} timed calls per backend and size"]
+    if left_out:
+        lines.append("  (CPU-sized defaults for " + ", ".join(f"--{k}" for k in left_out)
+                     + ": a few minutes at most; the GPU defaults, 256-6,912 atoms in float32 "
+                     "and float64 with 5 + 20 calls, would take hours here)")
+    if max(config.sizes) > 1000:
+        lines.append("  on the CPU one call of mp-medium takes about a second at 108 atoms and "
+                     "grows with the atom count (minutes at 6,912 atoms); --time-limit SECONDS "
+                     "bounds the run")
+    return "\n".join(lines)
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Validate the parsed options (raises :class:`~mace_accel.errors.ConfigError` with the fix)."""
     from mace_accel.bench.runner import BenchConfig
 
+    device = args.device or _default_device()
+    sized = _defaults_for(args, device)
     return BenchConfig(
-        models=args.models, dtypes=args.dtypes, sizes=args.sizes, backends=args.backends,
-        device=args.device or _default_device(), warmup=args.warmup, repeats=args.repeats,
+        models=args.models, dtypes=sized["dtypes"], sizes=sized["sizes"], backends=args.backends,
+        device=device, warmup=sized["warmup"], repeats=sized["repeats"],
         compute_stress=args.stress, allow_reference=args.allow_reference, system=args.system,
         seed=args.seed, time_limit_s=args.time_limit, max_size=args.max_size,
         max_size_cells=args.max_size_cells, max_size_time_limit_s=args.max_size_time_limit,
@@ -157,25 +197,40 @@ def run_from_args(args: argparse.Namespace) -> int:
         try:
             print(render_summary(load_json(args.summarize)))
         except MaceAccelError as exc:
-            print(f"mace-accel bench: error: {exc}", file=sys.stderr)
+            print(f"error: {exc}", file=sys.stderr)
             return 2
         return 0
     try:
         config = config_from_args(args)
         sources = [resolve_model_source(spec) for spec in config.models]
     except MaceAccelError as exc:
-        print(f"mace-accel bench: error: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     out: Path = args.out
+    try:
+        check_output_dir(out, "--out folder", fix="choose another folder with --out DIR")
+    except MaceAccelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     if torch.device(config.device).type == "cpu":
+        print(cpu_plan_note(config, args), file=sys.stderr)
         print("note: timing on the CPU with time.perf_counter (no CUDA device); mace-accel's "
               "CUDA backend is reported unavailable"
               + ("" if config.allow_reference else " (--allow-reference times its reference "
-                                                   "backend instead)"))
-    result = run_bench(config, sources, log=lambda line: print(line, flush=True),
-                       on_update=lambda r: write_json(r, out / JSON_NAME),
-                       environment=environment(config.device))
+                                                   "backend instead)"), file=sys.stderr)
+    try:
+        result = run_bench(config, sources, log=lambda line: print(line, flush=True),
+                           on_update=lambda r: write_json(r, out / JSON_NAME),
+                           environment=environment(config.device))
+    except KeyboardInterrupt:
+        if (out / JSON_NAME).exists():
+            raise Interrupted(f"the results measured so far are in {out / JSON_NAME}") from None
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise Interrupted("nothing was written (no measurement had finished)") from None
     for message in write_outputs(result, out):
         print(message)
     print()

@@ -10,6 +10,7 @@ dtype); and moves the model to its device. ``save_model`` writes atomically.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import warnings
 import zipfile
@@ -18,7 +19,7 @@ from typing import List, Optional, Union
 
 import torch
 
-from mace_accel.errors import CheckpointError, InputError, UnsupportedModelError
+from mace_accel.errors import CheckpointError, InputError, OutputError, UnsupportedModelError
 from mace_accel.options import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,11 @@ def _read_checkpoint(path: Path):
         raise CheckpointError(f"model file {str(path)!r} does not exist; check the path (a MACE "
                               "checkpoint is the .model file written at the end of training)")
     if path.is_dir():
-        raise CheckpointError(f"{str(path)!r} is a directory, not a model file; pass the path of "
-                              "the .model file")
+        raise CheckpointError(f"{str(path)!r} is a folder (directory), not a model file; pass "
+                              "the path of the .model file")
+    if not os.access(path, os.R_OK):
+        raise CheckpointError(f"no permission to read the model file {str(path)!r}; fix its "
+                              "permissions (chmod u+r) or copy it somewhere readable")
     if _is_torchscript(path):
         raise CheckpointError(
             f"{str(path)!r} is a TorchScript archive (compiled with torch.jit, e.g. a "
@@ -263,8 +267,10 @@ def save_model(model: torch.nn.Module, path: Union[str, Path], *, overwrite: boo
     never with compiled kernels (they are rebuilt on first use after loading).
 
     Raises:
-        InputError: ``model`` is not a module, or the target directory does not exist.
-        FileExistsError: ``overwrite=False`` and ``path`` exists.
+        InputError: ``model`` is not a module.
+        OutputError: ``path`` is a folder, its folder does not exist or is not writable, or
+            ``overwrite=False`` and ``path`` exists (also when another process created it
+            while this one was writing).
     """
     from mace_accel.files import atomic_write
 
@@ -272,9 +278,20 @@ def save_model(model: torch.nn.Module, path: Union[str, Path], *, overwrite: boo
         raise InputError(f"save_model expects a torch.nn.Module, got {type(model).__name__}")
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise OutputError(f"cannot save to {str(path)!r}: it is a folder; give a file path such "
+                          "as folder/name.model")
     if not directory.is_dir():
-        raise InputError(f"cannot save to {str(path)!r}: directory {str(directory)!r} does not "
-                         "exist; create it first")
-    with atomic_write(path, "wb", overwrite=overwrite) as f:
-        torch.save(model, f)
+        raise OutputError(f"cannot save to {str(path)!r}: folder {str(directory)!r} does not "
+                          "exist; create it first")
+    try:
+        with atomic_write(path, "wb", overwrite=overwrite) as f:
+            torch.save(model, f)
+    except FileExistsError:
+        raise OutputError(f"cannot save to {str(path)!r}: the file exists (perhaps another "
+                          "process just wrote it) and was left as it is; choose another path "
+                          "or allow overwriting") from None
+    except (PermissionError, IsADirectoryError, NotADirectoryError) as exc:
+        raise OutputError(f"cannot save to {str(path)!r}: {exc.strerror or exc}; choose "
+                          "another path or fix the folder's permissions") from None
     return path

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 WARP = 32
+DEFAULT_SMS = 132   # what a device without a known SM count gets (an H100/H200 has 132)
+BLOCKS_PER_SM = 16  # resident blocks enough to hide latency; grid-stride loops do the rest
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,10 @@ PIN_LIMITS = DeviceLimits(arch="sm_90", max_threads_per_block=1024,
 def catalog_sources(limits: DeviceLimits = PIN_LIMITS) -> Iterator[Tuple[str, str]]:
     """``(family/kernel-name, CUDA source)`` for every family's catalog."""
     from mace_accel.ops.conv_tp import codegen as conv_tp
+    from mace_accel.ops.edge_features import codegen as edge_features_codegen
 
     yield from conv_tp.catalog_sources(limits)
+    yield from edge_features_codegen.catalog_sources(limits)
 
 
 def source_hashes(limits: DeviceLimits = PIN_LIMITS) -> Dict[str, str]:

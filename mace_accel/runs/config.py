@@ -5,8 +5,9 @@ task (keys in the spirit of janus-core and mace's own scripts)::
 
     task: md                       # singlepoint | geomopt | md
     struct: structures/cu32.extxyz # relative to this file
+    frame: -1                      # md/geomopt: which frame of a multi-frame file (else error)
     model: my.model                # default: the model bundled with mace-accel
-    device: cuda                   # auto | cpu | cuda | cuda:N
+    device: auto                   # auto | cpu | cuda | cuda:N
     dtype: float32                 # float32 | float64
     backend: auto                  # auto | cuda | reference
     md:
@@ -17,24 +18,24 @@ task (keys in the spirit of janus-core and mace's own scripts)::
 
 Every key is checked when the file is loaded: an unknown key is an error listing the valid keys
 of its section, a wrong type or out-of-range value is an error naming the key (``md.timestep``).
-The same checks run when the dataclasses are built in Python.
+Numbers may be written as YAML 1.1 reads them or not (``1e3`` is a string to PyYAML: it is read
+as the number it is). The same checks run when the dataclasses are built in Python.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, Dict, Literal, Mapping, Optional, Tuple
 
 from mace_accel.errors import ConfigError
+from mace_accel.options import DEVICE_CHOICES_HELP, check_device_name
 
 TASKS = ("singlepoint", "geomopt", "md")
 SINGLEPOINT_PROPERTIES = ("energy", "free_energy", "forces", "stress", "energies")
 PATH_KEYS = ("struct", "model", "outputs")  # resolved against the run file's directory
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 def _opt(default: Any, doc: str, **checks: Any) -> Any:
@@ -146,14 +147,17 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
             raise ConfigError(f"{where} must be true or false, got {value!r}")
         return value
     if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
+        number = _number(value)
+        if isinstance(number, float) and number.is_integer():
+            number = int(number)  # 1e3, 1000.0
+        if not isinstance(number, int):
             raise ConfigError(f"{where} must be an integer, got {value!r}")
-        return value
+        return number
     if hint is float:
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or not math.isfinite(value):
+        number = _number(value)
+        if number is None or not math.isfinite(number):
             raise ConfigError(f"{where} must be a finite number, got {value!r}")
-        return float(value)
+        return float(number)
     if hint is str:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{where} must be a non-empty string, got {value!r}")
@@ -167,6 +171,23 @@ def _coerce(where: str, hint: Any, value: Any) -> Any:
             return value
         return hint.from_dict(value)
     raise TypeError(f"config field {where} has an unsupported annotation {hint!r}")
+
+
+def _number(value: Any) -> Any:
+    """``value`` as an int or float if it is one or a string spelling one (YAML 1.1 reads
+    ``1e3`` and ``1_000.5`` as strings), else None; booleans are not numbers."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        for parse in (int, float):
+            try:
+                return parse(text)
+            except ValueError:
+                continue
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,15 +257,22 @@ class RunConfig(_Section):
     """
 
     task: Literal["singlepoint", "geomopt", "md"] = _required("singlepoint | geomopt | md")
-    struct: Path = _required("structure file (ase.io.read); all frames for singlepoint, the "
-                             "last frame otherwise")
+    struct: Path = _required("structure file (ase.io.read); singlepoint evaluates every frame, "
+                             "geomopt and md need a one-frame file or `frame`")
+    frame: Optional[int] = _opt(None, "which frame of `struct` to use (0 = first, -1 = last; "
+                                "default: all for singlepoint, the only one otherwise)")
     model: Optional[Path] = _opt(None, "MACE model file (default: the bundled model)")
-    device: str = _opt("cuda", "auto | cpu | cuda | cuda:N (auto: cuda if a GPU is visible)")
+    device: str = _opt("auto", f"{DEVICE_CHOICES_HELP} (auto: cuda if a GPU is visible)")
     dtype: Literal["float32", "float64"] = _opt("float32", "model dtype")
-    head: Optional[str] = _opt(None, "head of a multi-head model (default: the last)")
+    head: Optional[str] = _opt(None, "head of a multi-head model (default: the only one, or "
+                               "the one called 'default')")
     backend: Literal["auto", "cuda", "reference"] = _opt("auto", "mace-accel backend")
     fallback: Literal["warn", "error"] = _opt("warn", "if the CUDA backend cannot run")
     verify: bool = _opt(True, "check the accelerated model against the unpatched one")
+    deterministic: bool = _opt(True, "cuda backend: no float atomics (bit-identical repeats); "
+                               "false allows the faster atomic backward")
+    min_distance: float = _opt(0.5, "smallest interatomic distance accepted, Å (0: no check)",
+                               ge=0)
     outputs: Optional[Path] = _opt(None, "output directory (default: <run file stem>-results)")
     progress: bool = _opt(True, "progress bar on stderr (only when it is a terminal)")
     singlepoint: SinglePointOptions = dataclasses.field(default_factory=SinglePointOptions)
@@ -252,8 +280,7 @@ class RunConfig(_Section):
     md: MDOptions = dataclasses.field(default_factory=MDOptions)
 
     def _check(self) -> None:
-        if not _DEVICE_RE.match(self.device):
-            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        check_device_name(self.device)
         if self.outputs is None:
             object.__setattr__(self, "outputs", Path(f"{self.task}-results"))
 
@@ -346,11 +373,17 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".",
     if raw.get("outputs") is None:
         fixed["outputs"] = base / f"{stem or task}-results"
     config = RunConfig.from_dict(raw, **fixed)
-    if not config.struct.is_file():
-        raise ConfigError(f"struct: no such file {str(config.struct)!r}")
-    if config.model is not None and not config.model.is_file():
-        raise ConfigError(f"model: no such file {str(config.model)!r}")
+    _check_input_file("struct", config.struct, "a structure file ase.io.read can read")
+    if config.model is not None:
+        _check_input_file("model", config.model, "the MACE .model file")
     return config
+
+
+def _check_input_file(key: str, path: Path, what: str) -> None:
+    if path.is_dir():
+        raise ConfigError(f"{key}: {str(path)!r} is a folder, not a file; give the path of {what}")
+    if not path.is_file():
+        raise ConfigError(f"{key}: no such file {str(path)!r}")
 
 
 def load_run_config(path: Path | str, overrides: Optional[Mapping[str, Any]] = None,
@@ -370,12 +403,19 @@ def load_run_config(path: Path | str, overrides: Optional[Mapping[str, Any]] = N
     import yaml
 
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{str(path)!r} is a folder, not a run file; give the path of a YAML "
+                          "run file (see configs/)")
     if not path.is_file():
         raise ConfigError(f"run file not found: {str(path)!r}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file; give a YAML run file") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read run file {str(path)!r}: {exc.strerror or exc}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

@@ -1,7 +1,9 @@
 """YAML-driven runs: single points, geometry optimisation and molecular dynamics with ASE.
 
-``run(config)`` reads the structure, builds a :class:`~mace_accel.calculator.MACEAccelCalculator`
-and writes into ``config.outputs``:
+``run(config)`` checks everything first (the run file, the structure's frames against the model,
+the model itself, the output folder), then takes the output folder for itself
+(:class:`~mace_accel.runs.outputs.RunFolder`: a lock, and a folder that is new, empty, or
+cleared of an earlier run's files with ``overwrite``) and writes into it:
 
 =====================  ===================================================================
 ``run.log``            what was run, the patch report, optimizer / MD progress (flushed)
@@ -12,9 +14,11 @@ and writes into ``config.outputs``:
 ``final.extxyz``       geomopt / md: the last structure with its results
 =====================  ===================================================================
 
-Frames carry energy / forces / stress through ASE's ``SinglePointCalculator``, so
-``ase.io.read`` hands them back. Files written as the run goes are flushed after each record, so
-an interrupted run keeps what it did; final files are written atomically (temp file + rename).
+A run that fails a check writes nothing. Frames carry energy / forces / stress through ASE's
+``SinglePointCalculator``, so ``ase.io.read`` hands them back. Files written as the run goes are
+flushed after each record, so an interrupted run keeps what it did, readable record by record;
+files written whole (``config.yaml``, ``final.extxyz``) are written atomically with the umask's
+file mode (:func:`mace_accel.files.atomic_write`).
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, TextIO
 
 import numpy as np
 
-from mace_accel.errors import BackendUnavailableError, ConfigError, InputError
+from mace_accel.errors import BackendUnavailableError, ConfigError, InputError, Interrupted
 from mace_accel.files import atomic_write, atomic_write_text
 from mace_accel.runs.config import RunConfig, load_run_config
-from mace_accel.runs.progress import ProgressBar
+from mace_accel.runs.outputs import RunFolder
+from mace_accel.runs.progress import progress_bar
 
 STATS_COLUMNS = ("step", "time_fs", "epot_eV", "ekin_eV", "etot_eV", "temperature_K")
 NPT_STATS_COLUMNS = ("volume_A3", "pressure_bar")
@@ -67,12 +72,33 @@ def _fmt(v: Any) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
+@dataclasses.dataclass
+class Structures:
+    """The frames of a run's structure file that the run uses.
+
+    Attributes:
+        path: the structure file.
+        frames: the ``ase.Atoms`` used (every frame for singlepoint, one for geomopt / md).
+        indices: the index of each of them in the file (for messages).
+        total: how many frames the file holds.
+    """
+
+    path: Path
+    frames: List[Any]
+    indices: List[int]
+    total: int
+
+    def where(self, i: int) -> str:
+        """``"frame 2 of 'path'"`` for the i-th frame used."""
+        return f"frame {self.indices[i]} of {str(self.path)!r}"
+
+
 # ---------------------------------------------------------------------------------------------
 # entry points
 
 
 def run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] = None, *,
-        overrides_base: Optional[Path | str] = None,
+        overrides_base: Optional[Path | str] = None, overwrite: bool = False,
         progress_stream: Optional[TextIO] = None) -> RunResult:
     """Run a YAML run file (or a :class:`RunConfig`) to the end.
 
@@ -82,25 +108,48 @@ def run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] =
             only with a path.
         overrides_base: directory relative paths in ``overrides`` are taken from (default: the
             run file's directory, like the paths in the file).
+        overwrite: if the output folder holds an earlier run's files, delete them first
+            (default: refuse the folder). Files a run does not write are never deleted.
         progress_stream: where the progress bar draws (default stderr, only if a terminal).
 
     Returns:
         a :class:`RunResult`; the files are in ``result.outputs``.
+
+    Raises:
+        ConfigError, InputError, CheckpointError, OutputError, BackendUnavailableError,
+        VerificationError: a check failed; nothing was written.
+        Interrupted: Ctrl-C while the run was writing (its ``note`` says where the files are).
     """
     cfg = _as_config(config, overrides, overrides_base)
     cfg = resolve_auto_device(cfg)
     check_device(cfg.device)
-    frames = read_structures(cfg)
-    out = Path(cfg.outputs)
-    out.mkdir(parents=True, exist_ok=True)
+    structures = read_structures(cfg)
+    check_task_inputs(cfg, structures)
+    folder = RunFolder(cfg.outputs, overwrite=overwrite)
+    folder.check()  # before loading the model: a refused folder fails fast
+    calc = make_calculator(cfg, compute_stress=_needs_stress(cfg, structures.frames))
+    validate_structures(structures, calc.info, cfg)
+    with folder:  # everything is checked: from here on the run writes
+        try:
+            return _run_in(folder.path, cfg, structures, calc, progress_stream)
+        except KeyboardInterrupt:
+            raise Interrupted(f"the files written so far are in {folder.path} (see run.log)") \
+                from None
+
+
+def _run_in(out: Path, cfg: RunConfig, structures: Structures, calc,
+            progress_stream: Optional[TextIO]) -> RunResult:
+    frames = structures.frames
     files = {"log": out / "run.log", "config": out / "config.yaml"}
-    _atomic_write_text(files["config"], _yaml_dump(cfg.to_dict()))
+    atomic_write_text(files["config"], _yaml_dump(cfg.to_dict()))
     with RunLog(files["log"]) as log:
+        used = (f"{len(frames)} frame(s)" if len(frames) > 1 else
+                f"frame {structures.indices[0]} of {structures.total}")
         log.write(f"mace-accel {_version()}: task {cfg.task}, structure {cfg.struct} "
-                  f"({len(frames)} frame(s)), model {cfg.model_path}")
+                  f"({used}), model {cfg.model_path}")
         log.write(f"device {cfg.device}, dtype {cfg.dtype}, backend {cfg.backend}, "
-                  f"head {cfg.head or '(default)'}")
-        calc = make_calculator(cfg, compute_stress=_needs_stress(cfg, frames))
+                  f"deterministic {cfg.deterministic}, head {cfg.head or '(default)'}; "
+                  f"pid {os.getpid()}")
         backend = getattr(calc, "backend", None)
         report = getattr(calc, "report", None)
         log.write(f"active backend: {backend}")
@@ -118,20 +167,42 @@ def run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] =
             raise
         files.update(task_files)
         log.write("finished: " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
-    return RunResult(cfg.task, out, files, backend, summary)
+    return RunResult(cfg.task, out, files, getattr(calc, "backend", None), summary)
 
 
 def dry_run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] = None,
-            overrides_base: Optional[Path | str] = None) -> str:
-    """Validate a run and describe it, without loading the model or writing anything."""
+            overrides_base: Optional[Path | str] = None, overwrite: bool = False) -> str:
+    """Run every check :func:`run` runs before it writes, and describe the run; writes nothing.
+
+    Checks the run file, reads the model (on the CPU, not accelerated) and the structure, checks
+    every frame the run uses against the model (elements, NaN, overlapping atoms, cell), and
+    checks the output folder. A GPU asked for but missing is noted, not an error (the dry run
+    may be on another machine than the run).
+
+    Raises:
+        the same errors as :func:`run` before it writes.
+    """
+    from mace_accel.models.batch import model_info
+    from mace_accel.models.checkpoint import load_model
+    from mace_accel.models.validation import validate_head
+
     cfg = _as_config(config, overrides, overrides_base)
-    frames = read_structures(cfg)
+    structures = read_structures(cfg)
+    check_task_inputs(cfg, structures)
+    RunFolder(cfg.outputs, overwrite=overwrite).check()
+    model = load_model(_model_file(cfg), device="cpu")
+    info = model_info(model)
+    validate_head(cfg.head, info)
+    validate_structures(structures, info, cfg)
+    frames = structures.frames
     formulas = sorted({a.get_chemical_formula() for a in frames})
     shown = ", ".join(formulas[:5]) + (", ..." if len(formulas) > 5 else "")
     lines = [f"# dry run: {cfg.task} on {len(frames)} frame(s) ({shown}) of "
              f"{len(frames[0])}{'+' if len({len(a) for a in frames}) > 1 else ''} atoms",
-             f"# model: {cfg.model_path}{' (bundled)' if cfg.model is None else ''}",
-             f"# outputs would go to {cfg.outputs}"]
+             f"# model: {cfg.model_path}{' (bundled)' if cfg.model is None else ''}: "
+             f"{type(model).__name__}, elements {' '.join(info.symbols)}",
+             f"# outputs would go to {cfg.outputs}",
+             "# checked: run file, model, structure, outputs folder"]
     try:
         check_device(cfg.device)
     except BackendUnavailableError as exc:
@@ -184,34 +255,96 @@ def check_device(device: str,
         raise BackendUnavailableError(f"{what}; {fix}") from None
 
 
-def read_structures(cfg: RunConfig) -> List[Any]:
-    """All frames of ``cfg.struct`` for singlepoint, else a one-element list (the last frame)."""
+def read_structures(cfg: RunConfig) -> Structures:
+    """The frames of ``cfg.struct`` the run uses.
+
+    singlepoint: every frame (or ``frame``); geomopt / md: frame ``frame``, or the only frame.
+
+    Raises:
+        InputError: the file cannot be read or holds no atoms.
+        ConfigError: geomopt / md on a multi-frame file without ``frame``, or ``frame`` out of
+            range.
+    """
     import ase.io
 
-    index = ":" if cfg.task == "singlepoint" else -1
+    path = Path(cfg.struct)
     try:
-        frames = ase.io.read(str(cfg.struct), index=index)
+        frames = ase.io.read(str(path), index=":")
     except Exception as exc:  # ase raises many types for unreadable files
-        raise InputError(f"could not read structure file {str(cfg.struct)!r} with ase.io.read: "
+        raise InputError(f"could not read structure file {str(path)!r} with ase.io.read: "
                          f"{type(exc).__name__}: {exc}") from None
     frames = frames if isinstance(frames, list) else [frames]
-    if not frames or any(len(a) == 0 for a in frames):
-        raise InputError(f"structure file {str(cfg.struct)!r} holds no atoms")
-    return frames
+    n = len(frames)
+    if n == 0:
+        raise InputError(f"structure file {str(path)!r} holds no frames")
+    if cfg.frame is not None:
+        if not -n <= cfg.frame < n:
+            raise ConfigError(f"frame: {cfg.frame} is out of range: {str(path)!r} holds {n} "
+                              f"frame(s) (frame: 0..{n - 1}, or -1 for the last)")
+        indices = [cfg.frame % n]
+    elif cfg.task == "singlepoint":
+        indices = list(range(n))
+    elif n > 1:
+        raise ConfigError(f"struct {str(path)!r} holds {n} frames and {cfg.task} runs from one; "
+                          f"say which with `frame: N` in the run file (0..{n - 1}, or -1 for the "
+                          "last; --set frame=-1 on the command line)")
+    else:
+        indices = [0]
+    structures = Structures(path, [frames[i] for i in indices], indices, n)
+    for i, atoms in enumerate(structures.frames):
+        if len(atoms) == 0:
+            raise InputError(f"{structures.where(i)} holds no atoms")
+    return structures
+
+
+def validate_structures(structures: Structures, info, cfg: RunConfig) -> None:
+    """Check every frame the run uses against the model ``info`` (elements, NaN positions or
+    cell, flat cells, overlapping atoms closer than ``min_distance``); errors name the frame."""
+    from mace_accel.models.validation import validate_atoms
+
+    for i, atoms in enumerate(structures.frames):
+        try:
+            validate_atoms(atoms, info, min_distance=cfg.min_distance or None)
+        except InputError as exc:
+            text = str(exc).replace("lower min_distance", "lower `min_distance:` in the run file")
+            raise InputError(f"{structures.where(i)}: {text}") from None
+
+
+def check_task_inputs(cfg: RunConfig, structures: Structures) -> None:
+    """What the task needs of its structure (a periodic cell for relax_cell and npt, a
+    triangular cell for npt) and of ase, checked before anything is written."""
+    atoms = structures.frames[0]
+    if cfg.task == "geomopt" and cfg.geomopt.relax_cell:
+        if not _periodic(atoms):
+            raise InputError(f"geomopt.relax_cell needs a structure with a 3D periodic cell "
+                             f"({structures.where(0)} has pbc={atoms.pbc.tolist()}); set "
+                             "relax_cell: false or give the structure a cell and pbc")
+        _cell_filter_class()
+    if cfg.task == "md" and cfg.md.ensemble == "npt":
+        _check_npt_cell(atoms, structures.where(0))
+        _npt_class()
+
+
+def _model_file(cfg: RunConfig) -> Path:
+    path = cfg.model_path
+    if not path.is_file():
+        what = "the bundled default model" if cfg.model is None else "the model"
+        kind = "a folder, not a model file" if path.is_dir() else "not found"
+        raise ConfigError(f"{what} at {str(path)!r} is {kind}; set `model:` in the run file "
+                          "(or pass --set model=PATH)")
+    return path
 
 
 def make_calculator(cfg: RunConfig, compute_stress: bool):
     """The ASE calculator of a run (loads the model, patches it, verifies it)."""
     from mace_accel.calculator import MACEAccelCalculator
 
-    path = cfg.model_path
-    if not path.is_file():
-        what = "the bundled default model" if cfg.model is None else "the model"
-        raise ConfigError(f"{what} was not found at {str(path)!r}; set `model:` in the run file "
-                          "(or pass --set model=PATH)")
-    return MACEAccelCalculator(model=path, device=cfg.device, default_dtype=cfg.dtype,
-                               head=cfg.head, compute_stress=compute_stress,
-                               backend=cfg.backend, verify=cfg.verify, fallback=cfg.fallback)
+    return MACEAccelCalculator(model=_model_file(cfg), device=cfg.device,
+                               default_dtype=cfg.dtype, head=cfg.head,
+                               compute_stress=compute_stress, backend=cfg.backend,
+                               verify=cfg.verify, fallback=cfg.fallback,
+                               deterministic=cfg.deterministic,
+                               min_distance=cfg.min_distance or None)
 
 
 def _needs_stress(cfg: RunConfig, frames: List[Any]) -> bool:
@@ -287,10 +420,6 @@ def write_frame(handle: TextIO, atoms) -> None:
     handle.flush()
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_text(path, text)
-
-
 def _atomic_write_frames(path: Path, frames: List[Any]) -> None:
     with atomic_write(path, "w") as f:
         for atoms in frames:
@@ -309,8 +438,8 @@ def _version() -> str:
     return __version__
 
 
-def _progress(cfg: RunConfig, total: int, desc: str, stream: Optional[TextIO]) -> ProgressBar:
-    return ProgressBar(total, desc=desc, stream=stream, enabled=None if cfg.progress else False)
+def _progress(cfg: RunConfig, total: int, desc: str, stream: Optional[TextIO]):
+    return progress_bar(total, desc=desc, stream=stream, enabled=None if cfg.progress else False)
 
 
 def _max_force(atoms) -> float:
@@ -354,11 +483,11 @@ def _make_optimizer(name: str):
     return {"FIRE": optimize.FIRE, "BFGS": optimize.BFGS, "LBFGS": optimize.LBFGS}[name]
 
 
-def _cell_filter(atoms):
+def _cell_filter_class():
     try:
         from ase.filters import FrechetCellFilter
 
-        return FrechetCellFilter(atoms)
+        return FrechetCellFilter
     except ImportError:
         pass
     try:
@@ -369,14 +498,18 @@ def _cell_filter(atoms):
         except ImportError:
             raise InputError("geomopt.relax_cell needs ase's FrechetCellFilter or "
                              "ExpCellFilter; upgrade ase (pip install -U ase)") from None
-    return ExpCellFilter(atoms)
+    return ExpCellFilter
+
+
+def _cell_filter(atoms):
+    return _cell_filter_class()(atoms)
 
 
 def run_geomopt(cfg: RunConfig, frames: List[Any], calc, log: RunLog,
                 progress_stream: Optional[TextIO] = None):
     """Relax one frame with an ASE optimizer; trajectory as it goes, final frame atomically."""
     opts = cfg.geomopt
-    atoms = frames[-1]
+    atoms = frames[0]
     atoms.calc = calc
     if opts.relax_cell and not _periodic(atoms):
         raise InputError("geomopt.relax_cell needs a structure with a 3D periodic cell; set "
@@ -422,6 +555,18 @@ def _npt_class():
     return NPT
 
 
+def _check_npt_cell(atoms, where: str) -> None:
+    if not _periodic(atoms):
+        raise InputError(f"md.ensemble npt needs a structure with a 3D periodic cell ({where} "
+                         f"has pbc={atoms.pbc.tolist()})")
+    cell = np.asarray(atoms.cell)
+    if not (np.allclose(np.triu(cell, 1), 0) or np.allclose(np.tril(cell, -1), 0)):
+        raise InputError(f"ASE's NPT integrator needs a triangular cell matrix ({where} has "
+                         f"{cell.round(6).tolist()}); rotate the structure so the cell is upper "
+                         "or lower triangular (e.g. atoms.set_cell(atoms.cell.standard_form()[0], "
+                         "scale_atoms=True))")
+
+
 def _make_dynamics(cfg: RunConfig, atoms, rng: np.random.Generator):
     from ase import units
 
@@ -442,13 +587,7 @@ def _make_dynamics(cfg: RunConfig, atoms, rng: np.random.Generator):
         atoms.set_constraint(list(atoms.constraints) + [FixCom()])
         return Langevin(atoms, timestep=dt, temperature_K=md.temperature,
                         friction=md.friction / units.fs, rng=rng, fixcm=False)
-    if not _periodic(atoms):
-        raise InputError("md.ensemble npt needs a structure with a 3D periodic cell")
-    cell = np.asarray(atoms.cell)
-    if not (np.allclose(np.triu(cell, 1), 0) or np.allclose(np.tril(cell, -1), 0)):
-        raise InputError("ASE's NPT integrator needs a triangular cell matrix; rotate the "
-                         "structure so the cell is upper or lower triangular (e.g. "
-                         "atoms.set_cell(atoms.cell.standard_form()[0], scale_atoms=True))")
+    _check_npt_cell(atoms, "the structure")
     pfactor = (md.taup * units.fs) ** 2 * md.bulk_modulus * units.GPa
     return _npt_class()(atoms, timestep=dt, temperature_K=md.temperature,
                         externalstress=md.pressure * units.bar, ttime=md.taut * units.fs,
@@ -501,7 +640,7 @@ def run_md(cfg: RunConfig, frames: List[Any], calc, log: RunLog,
            progress_stream: Optional[TextIO] = None):
     """Molecular dynamics of one frame; trajectory and stats as it goes, final frame atomically."""
     md = cfg.md
-    atoms = frames[-1]
+    atoms = frames[0]
     atoms.calc = calc
     rng = np.random.default_rng(md.seed)
     _init_velocities(atoms, md.temperature, md.seed, rng, log)

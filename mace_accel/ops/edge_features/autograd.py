@@ -1,0 +1,310 @@
+"""The edge features as ``torch.library`` custom ops: forward, backward, double backward.
+
+Spherical harmonics ``Y = sh(v)`` (``v`` = vectors ``[E, 3]``) and the radial embedding
+``(F, C) = radial(r)`` (``r`` = lengths ``[E, 1]``) are per-edge functions of one small input,
+so each pass is one kernel::
+
+    sh_backward(v, g)                  = J(v)^T g                       [E, 3]
+    sh_double_backward(v, g, a)        = (H_g(v) a, J(v) a)             ([E, 3], [E, dim])
+    radial_backward(r, g, gc)          = sum_b g_b F_b' (+ gc C')       [E, 1]
+    radial_double_backward(r, g, gc, a) = ((sum_b g_b F_b'' (+ gc C'')) a, F' a, C' a)
+
+The backward op's autograd formula calls the double-backward op: its upstream gradient ``a``
+gives the JVP for the upstream-gradient input (``J a``) and the Hessian-vector product for the
+vectors/lengths input. Differentiating the double-backward op again raises a
+:class:`~mace_accel.errors.KernelError` (third derivatives are not needed by MACE's energy,
+forces, stress, Hessians or force training).
+
+Each op has a fake (meta) implementation, so ``torch.compile``, ``torch.export`` and CUDA-graph
+capture see one op. The spec travels as a registry key (:mod:`mace_accel.ops.registry`);
+``backend`` picks the generated CUDA kernels (:mod:`.cuda`) or the plain-torch reference
+(:mod:`.reference`); the composition here is the same for both and is tested on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from mace_accel.errors import KernelError
+from mace_accel.ops import registry
+from mace_accel.ops.edge_features import reference
+from mace_accel.ops.edge_features.spec import RadialSpec, SHSpec
+
+SH_FAMILY = "edge_sh"
+RADIAL_FAMILY = "edge_radial"
+Tensor = torch.Tensor
+
+
+def register_sh(spec: SHSpec) -> str:
+    """The registry key of a spherical-harmonics spec (what the ops take instead of it)."""
+    return registry.register(SH_FAMILY, spec)
+
+
+def register_radial(spec: RadialSpec) -> str:
+    """The registry key of a radial-embedding spec."""
+    return registry.register(RADIAL_FAMILY, spec)
+
+
+def _cuda(key: str, t: Tensor):
+    from mace_accel.ops.edge_features import cuda
+
+    def build():
+        spec = registry.lookup(key)
+        cls = cuda.CudaSphericalHarmonics if isinstance(spec, SHSpec) else \
+            cuda.CudaRadialEmbedding
+        return cls(spec, t.dtype, t.device)
+
+    return registry.cached((key, t.dtype, t.device), build)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ("cuda", "reference"):
+        raise KernelError(f"backend must be 'cuda' or 'reference', got {backend!r}")
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty((0,))
+
+
+def _upstream(a: Optional[Tensor]) -> Optional[Tensor]:
+    """An upstream gradient, or None for an output nobody used (or an empty placeholder)."""
+    return None if a is None or a.numel() == 0 else a.contiguous()
+
+
+def _no_third_derivative(ctx, *grads):
+    raise KernelError(
+        f"{ctx.op_name} cannot be differentiated again: the fused edge-feature ops provide "
+        "first and second derivatives (energy, forces, stress, force training); for third "
+        "derivatives run the model unpatched (mace_accel.revert(model))")
+
+
+# == spherical harmonics ===========================================================================
+@torch.library.custom_op("mace_accel::edge_sh", mutates_args=())
+def sh_op(vectors: Tensor, key: str, backend: str) -> Tensor:
+    """``edge_attrs [E, dim]`` of ``vectors [E, 3]`` (contiguous)."""
+    _check_backend(backend)
+    spec = registry.lookup(key)
+    if backend == "reference":
+        return reference.sh_forward(spec, vectors).contiguous()
+    return _cuda(key, vectors).forward(vectors)
+
+
+@sh_op.register_fake
+def _(vectors, key, backend):
+    return vectors.new_empty((vectors.shape[0], registry.lookup(key).dim))
+
+
+@torch.library.custom_op("mace_accel::edge_sh_backward", mutates_args=())
+def sh_backward_op(vectors: Tensor, grad: Tensor, key: str, backend: str) -> Tensor:
+    """``d vectors [E, 3]`` of ``<grad, Y(vectors)>``."""
+    _check_backend(backend)
+    spec = registry.lookup(key)
+    if backend == "reference":
+        return reference.sh_backward(spec, vectors, grad).contiguous()
+    return _cuda(key, vectors).backward(vectors, grad)
+
+
+@sh_backward_op.register_fake
+def _(vectors, grad, key, backend):
+    return vectors.new_empty((vectors.shape[0], 3))
+
+
+@torch.library.custom_op("mace_accel::edge_sh_double_backward", mutates_args=())
+def sh_double_backward_op(vectors: Tensor, grad: Tensor, upstream: Tensor, key: str,
+                          backend: str) -> Tuple[Tensor, Tensor]:
+    """``(d vectors [E, 3], d grad [E, dim])`` for the upstream gradient ``[E, 3]`` of the
+    backward's output."""
+    _check_backend(backend)
+    spec = registry.lookup(key)
+    if backend == "reference":
+        d_vectors, d_grad = reference.sh_double_backward(spec, vectors, grad, upstream)
+        return d_vectors.contiguous(), d_grad.contiguous()
+    return _cuda(key, vectors).double_backward(vectors, grad, upstream)
+
+
+@sh_double_backward_op.register_fake
+def _(vectors, grad, upstream, key, backend):
+    return vectors.new_empty((vectors.shape[0], 3)), grad.new_empty(grad.shape)
+
+
+def _sh_setup_forward(ctx, inputs, output) -> None:
+    vectors, key, backend = inputs
+    ctx.save_for_backward(vectors)
+    ctx.key, ctx.backend = key, backend
+
+
+def _sh_backward_of_forward(ctx, grad):
+    if grad is None or not ctx.needs_input_grad[0]:
+        return None, None, None
+    (vectors,) = ctx.saved_tensors
+    return sh_backward_op(vectors, grad.contiguous(), ctx.key, ctx.backend), None, None
+
+
+def _sh_setup_backward(ctx, inputs, output) -> None:
+    vectors, grad, key, backend = inputs
+    ctx.save_for_backward(vectors, grad)
+    ctx.key, ctx.backend = key, backend
+
+
+def _sh_backward_of_backward(ctx, upstream):
+    upstream = _upstream(upstream)
+    want_v, want_g = ctx.needs_input_grad[:2]
+    if upstream is None or not (want_v or want_g):
+        return None, None, None, None
+    vectors, grad = ctx.saved_tensors
+    d_vectors, d_grad = sh_double_backward_op(vectors, grad, upstream, ctx.key, ctx.backend)
+    return (d_vectors if want_v else None), (d_grad if want_g else None), None, None
+
+
+def _setup_last(name: str):
+    def setup(ctx, inputs, output) -> None:
+        ctx.op_name = name
+    return setup
+
+
+sh_op.register_autograd(_sh_backward_of_forward, setup_context=_sh_setup_forward)
+sh_backward_op.register_autograd(_sh_backward_of_backward, setup_context=_sh_setup_backward)
+sh_double_backward_op.register_autograd(
+    _no_third_derivative, setup_context=_setup_last("mace_accel::edge_sh_double_backward"))
+
+
+def spherical_harmonics(key: str, vectors: Tensor, backend: str = "cuda") -> Tensor:
+    """Differentiable fused spherical harmonics ``[E, dim]`` of ``vectors [E, 3]``.
+
+    Args:
+        key: :func:`register_sh` of the problem.
+        vectors: ``[E, 3]`` edge vectors (float32 or float64).
+        backend: ``"cuda"`` or ``"reference"``.
+    """
+    return sh_op(vectors.contiguous(), key, backend)
+
+
+# == radial embedding ==============================================================================
+@torch.library.custom_op("mace_accel::edge_radial", mutates_args=())
+def radial_op(lengths: Tensor, key: str, backend: str) -> Tuple[Tensor, Tensor]:
+    """``(feats [E, B], cutoff [E, 1])`` of ``lengths [E, 1]``; ``cutoff`` is an empty tensor
+    when the spec applies it (``feats = radial * cutoff``)."""
+    _check_backend(backend)
+    spec = registry.lookup(key)
+    if backend == "reference":
+        feats, cutoff = reference.radial_forward(spec, lengths)
+    else:
+        feats, cutoff = _cuda(key, lengths).forward(lengths)
+    return feats.contiguous(), (_empty(lengths) if cutoff is None else cutoff.contiguous())
+
+
+@radial_op.register_fake
+def _(lengths, key, backend):
+    spec = registry.lookup(key)
+    n = lengths.shape[0]
+    return (lengths.new_empty((n, spec.num_basis)),
+            _empty(lengths) if spec.apply_cutoff else lengths.new_empty((n, 1)))
+
+
+@torch.library.custom_op("mace_accel::edge_radial_backward", mutates_args=())
+def radial_backward_op(lengths: Tensor, grad: Tensor, grad_cutoff: Tensor, key: str,
+                       backend: str) -> Tensor:
+    """``d lengths [E, 1]`` of ``<grad, feats> + <grad_cutoff, cutoff>`` (``grad_cutoff``
+    empty when the cutoff is applied)."""
+    _check_backend(backend)
+    spec = registry.lookup(key)
+    gc = None if spec.apply_cutoff else grad_cutoff
+    if backend == "reference":
+        return reference.radial_backward(spec, lengths, grad, gc).contiguous()
+    return _cuda(key, lengths).backward(lengths, grad, gc)
+
+
+@radial_backward_op.register_fake
+def _(lengths, grad, grad_cutoff, key, backend):
+    return lengths.new_empty(lengths.shape)
+
+
+@torch.library.custom_op("mace_accel::edge_radial_double_backward", mutates_args=())
+def radial_double_backward_op(lengths: Tensor, grad: Tensor, grad_cutoff: Tensor,
+                              upstream: Tensor, key: str,
+                              backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(d lengths [E, 1], d grad [E, B], d grad_cutoff [E, 1] or empty)`` for the upstream
+    gradient ``[E, 1]`` of the backward's output."""
+    _check_backend(backend)
+    spec = registry.lookup(key)
+    gc = None if spec.apply_cutoff else grad_cutoff
+    if backend == "reference":
+        out = reference.radial_double_backward(spec, lengths, grad, gc, upstream)
+    else:
+        out = _cuda(key, lengths).double_backward(lengths, grad, gc, upstream)
+    d_lengths, d_grad, d_cutoff = out
+    return (d_lengths.contiguous(), d_grad.contiguous(),
+            _empty(lengths) if d_cutoff is None else d_cutoff.contiguous())
+
+
+@radial_double_backward_op.register_fake
+def _(lengths, grad, grad_cutoff, upstream, key, backend):
+    spec = registry.lookup(key)
+    return (lengths.new_empty(lengths.shape), grad.new_empty(grad.shape),
+            _empty(lengths) if spec.apply_cutoff else lengths.new_empty(lengths.shape))
+
+
+def _radial_setup_forward(ctx, inputs, output) -> None:
+    lengths, key, backend = inputs
+    ctx.save_for_backward(lengths)
+    ctx.key, ctx.backend = key, backend
+    ctx.apply_cutoff = registry.lookup(key).apply_cutoff
+
+
+def _cutoff_grad(ctx, lengths: Tensor, grad_cutoff: Optional[Tensor]) -> Tensor:
+    """The cutoff's upstream gradient as the backward op takes it (empty / zeros if unused)."""
+    if ctx.apply_cutoff:
+        return _empty(lengths)
+    grad_cutoff = _upstream(grad_cutoff)
+    return torch.zeros_like(lengths) if grad_cutoff is None else grad_cutoff
+
+
+def _radial_backward_of_forward(ctx, grad, grad_cutoff):
+    grad, grad_cutoff_used = _upstream(grad), _upstream(grad_cutoff)
+    if not ctx.needs_input_grad[0] or (grad is None and grad_cutoff_used is None):
+        return None, None, None
+    (lengths,) = ctx.saved_tensors
+    if grad is None:
+        grad = lengths.new_zeros((lengths.shape[0], registry.lookup(ctx.key).num_basis))
+    gc = _cutoff_grad(ctx, lengths, grad_cutoff)
+    return radial_backward_op(lengths, grad, gc, ctx.key, ctx.backend), None, None
+
+
+def _radial_setup_backward(ctx, inputs, output) -> None:
+    lengths, grad, grad_cutoff, key, backend = inputs
+    ctx.save_for_backward(lengths, grad, grad_cutoff)
+    ctx.key, ctx.backend = key, backend
+    ctx.apply_cutoff = registry.lookup(key).apply_cutoff
+
+
+def _radial_backward_of_backward(ctx, upstream):
+    upstream = _upstream(upstream)
+    want_r, want_g, want_gc = ctx.needs_input_grad[:3]
+    if upstream is None or not (want_r or want_g or want_gc):
+        return None, None, None, None, None
+    lengths, grad, grad_cutoff = ctx.saved_tensors
+    d_lengths, d_grad, d_cutoff = radial_double_backward_op(lengths, grad, grad_cutoff,
+                                                            upstream, ctx.key, ctx.backend)
+    return ((d_lengths if want_r else None), (d_grad if want_g else None),
+            (d_cutoff if want_gc and not ctx.apply_cutoff else None), None, None)
+
+
+radial_op.register_autograd(_radial_backward_of_forward, setup_context=_radial_setup_forward)
+radial_backward_op.register_autograd(_radial_backward_of_backward,
+                                     setup_context=_radial_setup_backward)
+radial_double_backward_op.register_autograd(
+    _no_third_derivative, setup_context=_setup_last("mace_accel::edge_radial_double_backward"))
+
+
+def radial_embedding(key: str, lengths: Tensor,
+                     backend: str = "cuda") -> Tuple[Tensor, Optional[Tensor]]:
+    """Differentiable fused radial embedding of ``lengths [E, 1]``.
+
+    Returns:
+        ``(radial * cutoff [E, B], None)`` if the spec applies the cutoff, else
+        ``(radial [E, B], cutoff [E, 1])``, as mace's ``RadialEmbeddingBlock``.
+    """
+    feats, cutoff = radial_op(lengths.contiguous(), key, backend)
+    return feats, (None if registry.lookup(key).apply_cutoff else cutoff)

@@ -1,0 +1,184 @@
+"""The CUDA side of the edge features: the generated kernels of one spec, dtype and device.
+
+Kernels are compiled on first use by :mod:`mace_accel.ops.runtime` and launched on torch's
+current stream; launch geometry comes from the :class:`~.schedule.EdgePlan`. Every output is
+allocated here with ``torch.empty`` (each kernel writes every element of it); the kernels
+allocate nothing and never synchronise, so they can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+
+from mace_accel.errors import KernelError
+from mace_accel.ops.edge_features.codegen import kernel_name, render_radial, render_sh
+from mace_accel.ops.edge_features.schedule import EdgePlan, plan_for
+from mace_accel.ops.edge_features.spec import RadialSpec, SHSpec
+from mace_accel.ops.runtime import (
+    INT32_MAX,
+    Kernel,
+    cupy_unavailable_reason,
+    device_index,
+    device_limits,
+    i32,
+    ptr,
+)
+from mace_accel.options import dtype_name
+
+Tensor = torch.Tensor
+
+
+class _EdgeKernels:
+    """The three kernels (forward, backward, double backward) of one spec, dtype and device."""
+
+    family = ""
+
+    def __init__(self, spec: Union[SHSpec, RadialSpec], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        reason = cupy_unavailable_reason()
+        if reason is not None:
+            raise KernelError(reason)
+        if dtype not in (torch.float32, torch.float64):
+            raise KernelError(f"the CUDA kernels run float32 or float64, got {dtype}")
+        reason = spec.unsupported_reason()
+        if reason is not None:
+            raise KernelError(f"{spec.describe()} cannot be fused: {reason}")
+        self.spec, self.dtype = spec, dtype
+        self.device = torch.device("cuda", device_index(device))
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.plan: EdgePlan = plan_for(spec, dtype_name(dtype), device_limits(self.device), sms)
+        self._kernels: Dict[str, Kernel] = {}
+
+    def _render(self, which: str) -> str:
+        raise NotImplementedError
+
+    def _launch(self, which: str, n_edges: int, args: tuple) -> None:
+        if n_edges == 0:
+            return
+        k = self._kernels.get(which)
+        if k is None:
+            k = self._kernels[which] = Kernel(self._render(which),
+                                              kernel_name(self.family, which), self.device,
+                                              self.plan.arch)
+        k.launch(self.plan.blocks(n_edges), self.plan.threads, args + (i32(n_edges),))
+
+    def _check(self, n_edges: int, **tensors: Tuple[Tensor, Tuple[int, ...]]) -> None:
+        """Each ``name=(tensor, expected shape)``: dtype, device, shape and contiguity."""
+        if n_edges > INT32_MAX:
+            raise KernelError(f"{n_edges} edges exceed the kernels' int32 edge count")
+        for name, (t, shape) in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise KernelError(f"{name}: expected a tensor, got {type(t).__name__}")
+            if t.dtype != self.dtype:
+                raise KernelError(f"{name}: expected {self.dtype}, got {t.dtype} "
+                                  f"({self.spec.describe()})")
+            if t.device != self.device:
+                raise KernelError(f"{name}: expected device {self.device}, got {t.device}")
+            if tuple(t.shape) != shape:
+                raise KernelError(f"{name}: expected shape {shape}, got {tuple(t.shape)} "
+                                  f"({self.spec.describe()})")
+            if not t.is_contiguous():
+                raise KernelError(f"{name}: the kernels read row-major contiguous tensors; "
+                                  "call .contiguous() first")
+
+    def _empty(self, *shape: int) -> Tensor:
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+
+class CudaSphericalHarmonics(_EdgeKernels):
+    """Spherical harmonics of one :class:`SHSpec` (see :mod:`.reference` for the maths)."""
+
+    family = "sh"
+
+    def _render(self, which: str) -> str:
+        return render_sh(self.spec, self.plan, which)
+
+    def _n(self, vectors: Tensor) -> int:
+        if vectors.dim() != 2:
+            raise KernelError(f"vectors: expected shape (n_edges, 3), got {tuple(vectors.shape)}")
+        return int(vectors.shape[0])
+
+    def forward(self, vectors: Tensor) -> Tensor:
+        """``edge_attrs [E, dim]`` of ``vectors [E, 3]``."""
+        e = self._n(vectors)
+        self._check(e, vectors=(vectors, (e, 3)))
+        out = self._empty(e, self.spec.dim)
+        self._launch("forward", e, (ptr(vectors), ptr(out)))
+        return out
+
+    def backward(self, vectors: Tensor, grad: Tensor) -> Tensor:
+        """``d vectors [E, 3]`` of ``<grad, Y(vectors)>``."""
+        e = self._n(vectors)
+        self._check(e, vectors=(vectors, (e, 3)), grad=(grad, (e, self.spec.dim)))
+        out = self._empty(e, 3)
+        self._launch("backward", e, (ptr(vectors), ptr(grad), ptr(out)))
+        return out
+
+    def double_backward(self, vectors: Tensor, grad: Tensor,
+                        upstream: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(d vectors [E, 3], d grad [E, dim])`` for ``upstream [E, 3]``."""
+        e = self._n(vectors)
+        self._check(e, vectors=(vectors, (e, 3)), grad=(grad, (e, self.spec.dim)),
+                    upstream=(upstream, (e, 3)))
+        d_vectors, d_grad = self._empty(e, 3), self._empty(e, self.spec.dim)
+        self._launch("double_backward", e,
+                     (ptr(vectors), ptr(grad), ptr(upstream), ptr(d_vectors), ptr(d_grad)))
+        return d_vectors, d_grad
+
+
+class CudaRadialEmbedding(_EdgeKernels):
+    """Bessel basis times polynomial cutoff of one :class:`RadialSpec`."""
+
+    family = "radial"
+
+    def _render(self, which: str) -> str:
+        return render_radial(self.spec, self.plan, which)
+
+    def _n(self, lengths: Tensor) -> int:
+        if lengths.dim() != 2:
+            raise KernelError(f"lengths: expected shape (n_edges, 1), got {tuple(lengths.shape)}")
+        return int(lengths.shape[0])
+
+    def _cutoff_grad(self, e: int, grad_cutoff: Optional[Tensor]) -> Dict[str, tuple]:
+        if self.spec.apply_cutoff:
+            return {}
+        if grad_cutoff is None:
+            raise KernelError("grad_cutoff is required when the cutoff is returned apart "
+                              "(apply_cutoff=False)")
+        return {"grad_cutoff": (grad_cutoff, (e, 1))}
+
+    def forward(self, lengths: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        """``(feats [E, B], cutoff [E, 1])``; cutoff is None when applied (``apply_cutoff``)."""
+        e = self._n(lengths)
+        self._check(e, lengths=(lengths, (e, 1)))
+        feats = self._empty(e, self.spec.num_basis)
+        cutoff = None if self.spec.apply_cutoff else self._empty(e, 1)
+        self._launch("forward", e, (ptr(lengths), ptr(feats), ptr(cutoff)))
+        return feats, cutoff
+
+    def backward(self, lengths: Tensor, grad: Tensor, grad_cutoff: Optional[Tensor]) -> Tensor:
+        """``d lengths [E, 1]``; ``grad_cutoff [E, 1]`` only when the cutoff is apart."""
+        e = self._n(lengths)
+        self._check(e, lengths=(lengths, (e, 1)), grad=(grad, (e, self.spec.num_basis)),
+                    **self._cutoff_grad(e, grad_cutoff))
+        out = self._empty(e, 1)
+        self._launch("backward", e, (ptr(lengths), ptr(grad),
+                                     ptr(None if self.spec.apply_cutoff else grad_cutoff),
+                                     ptr(out)))
+        return out
+
+    def double_backward(self, lengths: Tensor, grad: Tensor, grad_cutoff: Optional[Tensor],
+                        upstream: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """``(d lengths [E, 1], d grad [E, B], d grad_cutoff [E, 1] or None)``."""
+        e = self._n(lengths)
+        self._check(e, lengths=(lengths, (e, 1)), grad=(grad, (e, self.spec.num_basis)),
+                    upstream=(upstream, (e, 1)), **self._cutoff_grad(e, grad_cutoff))
+        d_lengths, d_grad = self._empty(e, 1), self._empty(e, self.spec.num_basis)
+        d_cutoff = None if self.spec.apply_cutoff else self._empty(e, 1)
+        self._launch("double_backward", e,
+                     (ptr(lengths), ptr(grad),
+                      ptr(None if self.spec.apply_cutoff else grad_cutoff), ptr(upstream),
+                      ptr(d_lengths), ptr(d_grad), ptr(d_cutoff)))
+        return d_lengths, d_grad, d_cutoff

@@ -1,0 +1,94 @@
+"""The catalog of symmetric-contraction problems: MACE foundation models' product blocks and
+edge cases, tagged like :mod:`mace_accel.ops.conv_tp.catalog`.
+
+Each entry is ``(irreps_in, irreps_out, correlation, num_elements)`` as
+``EquivariantProductBasisBlock`` builds its ``SymmetricContraction`` (input: the interaction's
+target irreps, one multiplicity; output: the hidden irreps, or their scalars in the last layer).
+Tags: ``model`` (a released architecture; ``bench`` for the benchmark), ``edge`` (correlation
+1/2, L=3 outputs, odd channels, one element), ``cpu`` (small enough for the CPU tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import FrozenSet, List, Tuple
+
+from mace_accel.ops.symmetric_contraction.spec import SCSpec
+
+
+def _irreps(mul: int, lmax: int) -> str:
+    return "+".join(f"{mul}x{l}{'e' if l % 2 == 0 else 'o'}" for l in range(lmax + 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class SCProblem:
+    name: str
+    irreps_in: str
+    irreps_out: str
+    correlation: int
+    num_elements: int
+    tags: FrozenSet[str]
+
+    @property
+    def args(self) -> Tuple[str, str, int, int]:
+        return (self.irreps_in, self.irreps_out, self.correlation, self.num_elements)
+
+
+def _p(name, irreps_in, irreps_out, correlation, num_elements, *tags) -> SCProblem:
+    return SCProblem(name, irreps_in, irreps_out, correlation, num_elements, frozenset(tags))
+
+
+_PROBLEMS = (
+    # MACE-MP-0: 89 elements, correlation 3, interaction irreps 128x(0e+1o+2e+3o)
+    _p("mp-medium-p1", _irreps(128, 3), "128x0e+128x1o", 3, 89, "model", "bench"),
+    _p("mp-medium-p2", _irreps(128, 3), "128x0e", 3, 89, "model"),
+    _p("mp-large-p1", _irreps(128, 3), "128x0e+128x1o+128x2e", 3, 89, "model"),
+    # MACE-OFF23 large: 10 elements, 192 channels
+    _p("off-large-p1", _irreps(192, 3), "192x0e+192x1o+192x2e", 3, 10, "model"),
+    # edge cases
+    _p("l3-hidden-corr2", _irreps(16, 3), _irreps(16, 3), 2, 3, "edge"),
+    _p("corr1-agnostic", _irreps(32, 2), "32x0e+32x1o", 1, 1, "edge"),
+    _p("odd-channels", _irreps(17, 3), "17x0e+17x1o", 3, 5, "edge"),
+    _p("lmax1-corr3", _irreps(24, 1), "24x0e+24x1o", 3, 2, "edge"),
+    # small problems for the CPU tests (compiled and pinned like the rest)
+    _p("small-l2-corr3", _irreps(4, 2), "4x0e+4x1o", 3, 3, "cpu"),
+    _p("small-l3-corr2", _irreps(3, 3), "3x0e+3x1o+3x2e+3x3o", 2, 4, "cpu"),
+    _p("small-corr1", _irreps(5, 1), "5x0e+5x1o", 1, 2, "cpu"),
+    _p("small-scalar-out", _irreps(6, 3), "6x0e", 3, 89, "cpu"),
+)
+
+CATALOG = {p.name: p for p in _PROBLEMS}
+
+
+def select(*tags: str) -> List[SCProblem]:
+    """The problems carrying every tag in ``tags`` (all of them when none is given)."""
+    return [p for p in _PROBLEMS if set(tags) <= p.tags]
+
+
+@functools.lru_cache(maxsize=None)
+def build(name: str, dtype_name: str = "float64"):
+    """``(mace SymmetricContraction, SCSpec)`` of a catalog problem, built in ``dtype_name``
+    (torch's default dtype is restored afterwards) with random (normal) weights."""
+    import torch
+
+    from mace_accel.ops.symmetric_contraction.spec import make_mace_contraction, spec_from_mace
+
+    problem = CATALOG[name]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype_name))
+    try:
+        module = make_mace_contraction(*problem.args)
+    finally:
+        torch.set_default_dtype(previous)
+    generator = torch.Generator().manual_seed(len(name))
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    return module, spec_from_mace(module)
+
+
+def catalog_specs() -> List[Tuple[str, SCSpec]]:
+    """``(name, spec)`` of every problem (specs of a float64 build)."""
+    return [(p.name, build(p.name)[1]) for p in _PROBLEMS]

@@ -1,0 +1,136 @@
+"""Patch kind for MACE's product blocks (``EquivariantProductBasisBlock``, every 0.3.x variant).
+
+Part ``symmetric_contraction``: the block's mace ``SymmetricContraction`` becomes a
+:class:`FusedSymmetricContraction`, one op per pass for all output irreps and correlation orders
+(:mod:`mace_accel.ops.symmetric_contraction`), generated from the module's own U matrices. It
+keeps mace's call ``(node_feats [N, C, D], node_attrs [N, Z])`` and output ``[N, C * sum M]``, so
+the block's ``forward`` is not touched. The element weights are gathered by
+``argmax(node_attrs)``: mace's node attributes are one-hot (the verification at ``accelerate``
+time compares with the original on a real structure; ``check_indices=True`` checks it per call).
+A contraction the kernels cannot take (cuEquivariance's, mixed multiplicities, external
+weights) is left as it is, and the record says why.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from mace_accel.errors import InputError, UnsupportedModelError
+from mace_accel.ops.symmetric_contraction import autograd
+from mace_accel.ops.symmetric_contraction.spec import SCSpec, spec_from_mace
+from mace_accel.options import AccelOptions
+from mace_accel.patches.adopt import FusedModule
+from mace_accel.patches.interaction_blocks import left_parts
+from mace_accel.patches.registry import PartPlan, SubmodulePatch
+
+PART = "symmetric_contraction"
+
+
+class FusedSymmetricContraction(FusedModule):
+    """mace's ``SymmetricContraction`` as one fused op per pass.
+
+    Args:
+        original: the product block's ``SymmetricContraction``.
+        spec: its :class:`~mace_accel.ops.symmetric_contraction.spec.SCSpec`.
+        options: backend, index checks.
+    """
+
+    part = PART
+
+    def __init__(self, original: torch.nn.Module, spec: SCSpec, options: AccelOptions) -> None:
+        super().__init__(original, options)
+        self.spec = spec
+        self.irreps_in = getattr(original, "irreps_in", None)
+        self.irreps_out = getattr(original, "irreps_out", None)
+        self._key = autograd.register_spec(spec)
+
+    def describe(self) -> str:
+        return self.spec.describe()
+
+    def weights(self) -> List[torch.Tensor]:
+        """The element-indexed weights ``[Z, K, C]`` in the op's order (live parameters)."""
+        return [w for contraction in self.contractions
+                for w in (contraction.weights_max, *contraction.weights)]
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``[N, C * sum(2L+1)]``: the product basis of ``x [N, C, D]`` for elements
+        ``y [N, Z]`` (one-hot node attributes)."""
+        s = self.spec
+        if x.dim() != 3 or tuple(x.shape[1:]) != (s.num_features, s.num_components):
+            raise InputError(f"node_feats must have shape [n_nodes, {s.num_features}, "
+                             f"{s.num_components}] for {s.describe()}, got {tuple(x.shape)}")
+        if y.dim() != 2 or y.shape[0] != x.shape[0] or y.shape[1] != s.num_elements:
+            raise InputError(f"node_attrs must have shape [{x.shape[0]}, {s.num_elements}], got "
+                             f"{tuple(y.shape)}")
+        if self.options.check_indices:
+            _check_one_hot(y)
+        elem = y.argmax(dim=-1).to(torch.int32)
+        weights = [w.to(x.dtype) for w in self.weights()]
+        return autograd.symmetric_contraction(self._key, x, elem, weights, self.backend)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._key = autograd.register_spec(self.spec)  # a new process has an empty registry
+
+
+def _check_one_hot(y: torch.Tensor) -> None:
+    ones = (y == 1).sum(dim=-1)
+    if not bool(((y == 0) | (y == 1)).all()) or not bool((ones == 1).all()):
+        raise InputError("node_attrs are not one-hot: the fused symmetric contraction gathers "
+                         "one element's weights per node; revert the model to run mace's "
+                         "weighted mix of elements")
+
+
+class ProductBlockPatch(SubmodulePatch):
+    """Fuses the symmetric contraction of each MACE product block."""
+
+    name = "product_block"
+
+    def applies_to(self, module: torch.nn.Module) -> bool:
+        return hasattr(module, "symmetric_contractions") and (
+            type(module).__name__ == "EquivariantProductBasisBlock"
+            or type(module).__name__.endswith("ProductBasisBlock"))
+
+    def plan_parts(self, module: torch.nn.Module, options: AccelOptions) -> List[PartPlan]:
+        return [self._plan_contraction(module, options), *left_parts(module, LEFT_IN_PRODUCT)]
+
+    def _plan_contraction(self, module: torch.nn.Module, options: AccelOptions) -> PartPlan:
+        if not options.fuses(PART):
+            return PartPlan(PART, reason="not asked for (options.parts)")
+        original = module.symmetric_contractions
+        spec, reason = _spec_or_reason(module)
+        if spec is None:
+            return PartPlan(PART, reason=reason)
+        return PartPlan(PART, children={
+            "symmetric_contractions": lambda: FusedSymmetricContraction(original, spec, options)},
+            detail=spec.describe())
+
+
+LEFT_IN_PRODUCT = (("linears", ("linear",), "no fused kernel yet; e3nn o3.Linear runs as torch ops"),)
+
+
+def _spec_or_reason(module: torch.nn.Module):
+    """``(SCSpec, None)`` for a product block the kernels take, else ``(None, reason)``."""
+    sc = module.symmetric_contractions
+    cueq = getattr(module, "cueq_config", None)
+    if cueq is not None and getattr(cueq, "enabled", False) and (
+            getattr(cueq, "optimize_all", False) or getattr(cueq, "optimize_symmetric", False)):
+        return None, ("the product block runs cuEquivariance's symmetric contraction; convert "
+                      "the model back to e3nn with mace's convert_cueq_e3nn first")
+    if type(sc).__name__ != "SymmetricContraction" or not hasattr(sc, "contractions"):
+        return None, (f"symmetric_contractions is {type(sc).__module__}.{type(sc).__name__}, "
+                      "not mace's SymmetricContraction")
+    for contraction in sc.contractions:
+        if not hasattr(contraction, "weights_max"):
+            return None, "a contraction has external weights (internal_weights=False)"
+    try:
+        spec = spec_from_mace(sc)
+    except UnsupportedModelError as exc:
+        return None, str(exc)
+    return spec, None
+
+
+PATCHES = (ProductBlockPatch(),)
+
