@@ -18,10 +18,11 @@ import torch
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from mace_accel.errors import UnsupportedModelError
-from mace_accel.models.batch import atoms_to_batch, model_info
+from mace_accel.errors import ConfigError, UnsupportedModelError
+from mace_accel.models.batch import model_info
 from mace_accel.models.checkpoint import default_model_path, load_model
-from mace_accel.models.validation import validate_atoms, validate_head
+from mace_accel.models.resident import ResidentBatch, skin_is_exact
+from mace_accel.models.validation import validate_atoms, validate_geometry, validate_head
 from mace_accel.options import AccelOptions, make_options, resolve_device, resolve_dtype
 from mace_accel.surgery import PatchReport, accelerate, is_accelerated, revert
 
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 # relative volume below which a cell is too flat to define a stress
 _SINGULAR_CELL = 1e-8
+# changes that need a new batch template (and the full validation); positions and cell do not
+_TOPOLOGY_CHANGES = frozenset({"numbers", "pbc", "initial_charges", "initial_magmoms"})
 
 
 class MACEAccelCalculator(Calculator):
@@ -51,6 +54,12 @@ class MACEAccelCalculator(Calculator):
             backend) or ``"error"``.
         min_distance: smallest interatomic distance accepted in Å (None disables the check).
         deterministic: CUDA backend: no float atomics, bit-identical repeats (the default).
+        graphs: replay each energy+forces call as one CUDA graph per shape bucket
+            (:mod:`mace_accel.capture`); None (default) = on for a GPU, off on the CPU; True on a
+            CPU is an error.
+        skin: Verlet skin of the neighbour list in Å: the list (built on the model's device
+            with vesin) is rebuilt only when an atom has moved more than ``skin / 2``; 0 rebuilds
+            it every call.
         options: all acceleration options at once (:class:`~mace_accel.options.AccelOptions`);
             the keyword arguments above override its fields.
         **kwargs: passed to ``ase.calculators.calculator.Calculator``.
@@ -69,6 +78,7 @@ class MACEAccelCalculator(Calculator):
                  head: Optional[str] = None, compute_stress: bool = True, backend: str = "auto",
                  verify: bool = True, fallback: str = "warn",
                  min_distance: Optional[float] = 0.5, deterministic: bool = True,
+                 graphs: Optional[bool] = None, skin: float = 0.3,
                  options: Optional[AccelOptions] = None, **kwargs) -> None:
         Calculator.__init__(self, **kwargs)
         requested = make_options(options, backend=backend, verify=verify, fallback=fallback,
@@ -103,6 +113,17 @@ class MACEAccelCalculator(Calculator):
                         self.backend, self.device)
         else:
             log.info("mace-accel: running the 'cuda' backend on %s", self.device)
+        self._resident = ResidentBatch(self.info, self.head, self.info.dtype, self.device,
+                                       skin=_check_skin(skin),
+                                       exact_skin=skin_is_exact(self.model))
+        self.graphs = _resolve_graphs(graphs, self.device)
+        self._graphed = None
+        if self.graphs:
+            from mace_accel.capture import GraphedCall
+
+            self._graphed = GraphedCall(self.model, self.info.r_max)
+        log.info("mace-accel: whole-call CUDA graphs %s; neighbour list skin %.2f Å",
+                 "on" if self.graphs else "off", self._resident.skin)
 
     # -- ASE interface ----------------------------------------------------------------------------
     def calculate(self, atoms=None, properties: Sequence[str] = ("energy",),
@@ -115,7 +136,12 @@ class MACEAccelCalculator(Calculator):
         """
         Calculator.calculate(self, atoms, properties, system_changes)
         atoms = self.atoms
-        validate_atoms(atoms, self.info, min_distance=self.min_distance)
+        new_topology = (self._resident.topology(atoms) != self._resident._topology
+                        or bool(_TOPOLOGY_CHANGES & set(system_changes)))
+        if new_topology:  # everything, on the host, once per structure
+            validate_atoms(atoms, self.info, min_distance=self.min_distance)
+        else:             # per step: O(N) on the host, distances from the edges on the device
+            validate_geometry(atoms)
         stress_ok = has_stress(atoms)
         if "stress" in properties and not stress_ok:
             raise PropertyNotImplementedError(
@@ -123,18 +149,50 @@ class MACEAccelCalculator(Calculator):
                 f"{atoms.pbc.tolist()}, volume={abs(np.linalg.det(atoms.cell.array)):.3g} Å^3)")
         want_stress = stress_ok and (self.compute_stress or "stress" in properties)
 
-        batch = atoms_to_batch(atoms, self.info, head=self.head, dtype=self.info.dtype,
-                               device=self.device)
-        out = self.model(batch, training=False, compute_force=True, compute_stress=want_stress)
-        energy = float(out["energy"].detach().reshape(-1)[0].item())
-        self.results = {
-            "energy": energy,
-            "free_energy": energy,
-            "forces": _numpy(out["forces"]),
-            "energies": _numpy(out["node_energy"]).reshape(-1),
-        }
-        if want_stress:
-            self.results["stress"] = full_3x3_to_voigt_6_stress(_numpy(out["stress"])[0])
+        batch = self._resident.batch(atoms)
+        if not new_topology and self.min_distance:
+            if self._resident.shortest_distance(batch) < self.min_distance:
+                validate_atoms(atoms, self.info, min_distance=self.min_distance)  # says who
+        if self._graphed is not None:
+            out = self._graphed(batch, compute_stress=want_stress)
+        else:
+            out = self.model(batch, training=False, compute_force=True,
+                             compute_stress=want_stress)
+        self.results = _results(out, len(atoms), want_stress)
+
+
+def _results(out, n_atoms: int, with_stress: bool) -> dict:
+    """ASE results from the model's outputs, with one copy from the device."""
+    parts = [out["energy"].detach().reshape(-1)[:1], out["node_energy"].detach().reshape(-1),
+             out["forces"].detach().reshape(-1)]
+    if with_stress:
+        parts.append(out["stress"].detach().reshape(-1)[:9])
+    flat = torch.cat([p.to(torch.float64) for p in parts]).cpu().numpy()
+    energy = float(flat[0])
+    results = {"energy": energy, "free_energy": energy,
+               "energies": flat[1:1 + n_atoms].copy(),
+               "forces": flat[1 + n_atoms:1 + 4 * n_atoms].reshape(n_atoms, 3).copy()}
+    if with_stress:
+        results["stress"] = full_3x3_to_voigt_6_stress(flat[1 + 4 * n_atoms:].reshape(3, 3))
+    return results
+
+
+def _resolve_graphs(graphs: Optional[bool], device: torch.device) -> bool:
+    if graphs is None:
+        return torch.device(device).type == "cuda"
+    if not isinstance(graphs, bool):
+        raise ConfigError(f"graphs must be True, False or None (auto), got {graphs!r}")
+    if graphs and torch.device(device).type != "cuda":
+        raise ConfigError(f"graphs=True needs a CUDA device, the calculator runs on {device}; "
+                          "use graphs=None (auto) or False")
+    return graphs
+
+
+def _check_skin(skin: float) -> float:
+    if isinstance(skin, bool) or not isinstance(skin, (int, float)) or not np.isfinite(skin) \
+            or skin < 0:
+        raise ConfigError(f"skin must be a finite number of Å >= 0, got {skin!r}")
+    return float(skin)
 
 
 def has_stress(atoms) -> bool:
@@ -146,10 +204,6 @@ def has_stress(atoms) -> bool:
     if np.any(lengths == 0.0):
         return False
     return abs(np.linalg.det(cell)) / float(np.prod(lengths)) > _SINGULAR_CELL
-
-
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to(device="cpu", dtype=torch.float64).numpy()
 
 
 def mace_mp(model: Union[str, Path, None] = "medium", device: str = "auto",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from typing import Callable, Dict, List
 
 import torch
@@ -23,18 +22,9 @@ HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 
 
 def _time(fn: Callable[[], object], repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    from mace_accel.bench.timing import time_calls
+
+    return time_calls(fn, "cuda", warmup, repeats).median_ms
 
 
 def _bandwidth() -> float:

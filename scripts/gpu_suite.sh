@@ -90,6 +90,17 @@ if [ "$run_bench" = 1 ]; then
   [ "$sc_rc" = 0 ] && sc_line="ok" || sc_line="exit $sc_rc (see $OUT/sc_kernel.log)"
 fi
 
+graphs_line="not run"
+if [ "$run_bench" = 1 ]; then
+  # one call inside a CUDA graph (mace-accel's GraphedCall vs cuEquivariance captured by hand)
+  # and ASE MD steps/s (MACEAccelCalculator vs mace's MACECalculator with cuEquivariance)
+  echo "== CUDA-graph and MD benchmark (log $OUT/graphs.log)"
+  timeout 300 python scripts/bench_graphs.py --sizes 256,2048 --dtypes float32,float64 \
+    --md 256,864 --json "$OUT/graphs.json" > "$OUT/graphs.log" 2>&1
+  graphs_rc=$?
+  [ "$graphs_rc" = 0 ] && graphs_line="ok" || graphs_line="exit $graphs_rc (see $OUT/graphs.log)"
+fi
+
 bench_line="not run"
 if [ "$run_bench" = 1 ]; then
   if [ "$quick" = 1 ]; then
@@ -121,6 +132,8 @@ if [ "$run_bench" = 1 ]; then
   sed -n '/^conv kernel,/,$p' "$OUT/conv_kernel.log" 2>/dev/null
   echo "symmetric contraction: $sc_line"
   grep '^symmetric contraction,' "$OUT/sc_kernel.log" 2>/dev/null || tail -n 5 "$OUT/sc_kernel.log"
+  echo "graphs and MD: $graphs_line"
+  grep -E '^(graph|md) ' "$OUT/graphs.log" 2>/dev/null || tail -n 5 "$OUT/graphs.log"
   echo "benchmark: $bench_line"
   if [ -f "$OUT/bench/bench.json" ]; then
     python -m mace_accel.bench --summarize "$OUT/bench/bench.json" 2>&1 | tail -n 70

@@ -12,6 +12,7 @@ from ase.build import bulk
 from ase.calculators.calculator import PropertyNotImplementedError
 
 from mace_accel.calculator import MACEAccelCalculator
+from mace_accel.errors import ConfigError, InputError
 from mace_accel.models.checkpoint import save_model
 from mace_accel.tolerances import EQUIVARIANCE_TOL, MODEL_TOL
 
@@ -233,3 +234,72 @@ def test_cuda_calculator_matches_reference(model_file, calc, cu_atoms):
     ours, reference = evaluate(cuda, cu_atoms), evaluate(calc, cu_atoms)
     for key in ours:
         assert rel(ours[key], reference[key]) <= TOL, key
+
+
+# ----- the resident batch: a step copies geometry in, the neighbour list has a skin -------------
+def _md_like_steps(atoms, n: int = 4, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        atoms.positions += rng.normal(scale=0.02, size=atoms.positions.shape)
+        yield atoms
+
+
+@pytest.mark.parametrize("skin", [0.0, 0.4])
+def test_resident_steps_match_a_fresh_calculator(model_file, skin):
+    """Positions and cell changed step by step (as MD and cell relaxations do) give what a new
+    calculator computes from scratch; the neighbour list is rebuilt only when needed."""
+    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64", skin=skin)
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
+    atoms.numbers[::3] = 8
+    atoms.calc = calc
+    for step, moved in enumerate(_md_like_steps(atoms)):
+        if step == 2:
+            moved.set_cell(moved.cell.array * 1.01, scale_atoms=True)
+        fresh = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64",
+                                    verify=False)
+        want = moved.copy()
+        want.calc = fresh
+        assert rel(moved.get_forces(), want.get_forces()) < TOL
+        assert rel(moved.get_stress(), want.get_stress()) < TOL
+        assert abs(moved.get_potential_energy() - want.get_potential_energy()) < 1e-9
+    assert calc._resident.n_templates == 1
+    builds = calc._resident.neighbours.n_builds
+    assert builds == (4 if skin == 0 else 2)  # skin: the first list and the cell change
+
+
+def test_new_numbers_or_atom_count_rebuild_the_batch(model_file):
+    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
+    atoms.calc = calc
+    atoms.get_forces()
+    atoms.numbers[0] = 8
+    e_swapped = atoms.get_potential_energy()
+    del atoms[5]
+    forces = atoms.get_forces()
+    assert forces.shape == (31, 3) and calc._resident.n_templates == 3
+    fresh = atoms.copy()
+    fresh.calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+    assert rel(forces, fresh.get_forces()) < TOL
+    assert np.isfinite(e_swapped)
+
+
+def test_overlap_found_in_a_step_names_the_atoms(model_file):
+    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
+    atoms.calc = calc
+    atoms.get_forces()
+    atoms.positions[7] = atoms.positions[3] + 0.1
+    with pytest.raises(InputError, match="atoms 3 .* and 7 .*closer than min_distance"):
+        atoms.get_forces()
+    atoms.positions[7, 0] = float("nan")
+    with pytest.raises(InputError, match="NaN"):
+        atoms.get_forces()
+
+
+def test_graphs_and_skin_options_are_checked(model_file):
+    with pytest.raises(ConfigError, match="graphs=True needs a CUDA device"):
+        MACEAccelCalculator(model_file, device="cpu", graphs=True)
+    with pytest.raises(ConfigError, match="skin"):
+        MACEAccelCalculator(model_file, device="cpu", skin=-1.0)
+    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+    assert calc.graphs is False

@@ -40,6 +40,7 @@ from mace_accel.patches.edge_features import (
 from mace_accel.surgery import accelerate, evaluate, revert
 from mace_accel.tolerances import MODEL_TOL, PASS_TOL, rel_norm_error
 
+
 F32, F64 = torch.float32, torch.float64
 TOL = PASS_TOL[F64]
 REF = AccelOptions(backend="reference")

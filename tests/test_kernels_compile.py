@@ -23,7 +23,7 @@ if NVCC is None:
     pytest.skip("nvcc not found", allow_module_level=True)
 
 
-SOURCES = dict(catalog_sources())
+SOURCES = dict(catalog_sources(compiled_in_ci=True))
 
 
 @pytest.mark.parametrize("name", sorted(SOURCES))

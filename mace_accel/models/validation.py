@@ -44,6 +44,14 @@ def validate_atoms(atoms, info: ModelInfo, min_distance: Optional[float] = 0.5) 
         _check_distances(atoms, float(min_distance))
 
 
+def validate_geometry(atoms) -> None:
+    """The per-step part of :func:`validate_atoms` for a structure already validated once:
+    finite positions and a usable cell (O(N), no distances; the calculator checks those from
+    the neighbour list on the device)."""
+    _check_positions(np.asarray(atoms.positions, dtype=np.float64))
+    _check_cell(np.asarray(atoms.cell.array, dtype=np.float64), np.asarray(atoms.pbc, dtype=bool))
+
+
 def validate_head(head: Optional[str], info: ModelInfo) -> str:
     """The head to evaluate: ``head`` if the model has it, else a clear error.
 

@@ -95,6 +95,15 @@ class KernelGraph(NamedTuple):
 _LAST: Optional[Tuple[weakref.ref, int, int, ConvGraph]] = None
 
 
+def forget_cached_graph() -> None:
+    """Drop the reused graph, so the next call builds its orderings afresh.
+
+    CUDA-graph capture calls this first: a graph built before the capture (in the warm-up)
+    would be baked into the captured graph as constants, stale on the next replay."""
+    global _LAST
+    _LAST = None
+
+
 def graph_from_edge_index(edge_index: torch.Tensor, n_nodes: int,
                           check_ranges: bool = False) -> ConvGraph:
     """Build (or reuse) the :class:`ConvGraph` of ``edge_index [2, E]``.

@@ -17,13 +17,22 @@ PIN_LIMITS = DeviceLimits(arch="sm_90", max_threads_per_block=1024,
                           max_shared_per_block=48 * 1024)
 
 
-def catalog_sources(limits: DeviceLimits = PIN_LIMITS) -> Iterator[Tuple[str, str]]:
-    """``(family/kernel-name, CUDA source)`` for every family's catalog."""
+def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
+                    compiled_in_ci: bool = False) -> Iterator[Tuple[str, str]]:
+    """``(family/kernel-name, CUDA source)`` for every family's catalog.
+
+    Args:
+        compiled_in_ci: only what CI's nvcc test compiles: of the symmetric contraction, the
+            problems tagged ``nvcc`` (see its catalog for why the others are left out).
+    """
     from mace_accel.ops.conv_tp import codegen as conv_tp
     from mace_accel.ops.edge_features import codegen as edge_features_codegen
+    from mace_accel.ops.symmetric_contraction import codegen as symmetric_contraction
 
     yield from conv_tp.catalog_sources(limits)
     yield from edge_features_codegen.catalog_sources(limits)
+    yield from symmetric_contraction.catalog_sources(limits,
+                                                     *(("nvcc",) if compiled_in_ci else ()))
 
 
 def source_hashes(limits: DeviceLimits = PIN_LIMITS) -> Dict[str, str]:

@@ -35,3 +35,18 @@ def render(template: str, **context: Any) -> str:
 def literal(value: float) -> str:
     """Exact C++ literal of a float64 value (hex float), cast to the kernel's ``real``."""
     return f"((real){float(value).hex()})"
+
+
+class RealType:
+    """Mixin for kernel plans with a ``dtype`` field (``"float32"`` or ``"float64"``): the C type
+    the templates print for it and its size."""
+
+    dtype: str
+
+    @property
+    def real(self) -> str:
+        return "double" if self.dtype == "float64" else "float"
+
+    @property
+    def real_bytes(self) -> int:
+        return 8 if self.dtype == "float64" else 4

@@ -273,6 +273,9 @@ class RunConfig(_Section):
                                "false allows the faster atomic backward")
     min_distance: float = _opt(0.5, "smallest interatomic distance accepted, Å (0: no check)",
                                ge=0)
+    graphs: Optional[bool] = _opt(None, "whole-call CUDA graphs (default: on for a GPU, off on "
+                                  "the CPU)")
+    skin: float = _opt(0.3, "Verlet skin of the neighbour list, Å (0: rebuild every step)", ge=0)
     outputs: Optional[Path] = _opt(None, "output directory (default: <run file stem>-results)")
     progress: bool = _opt(True, "progress bar on stderr (only when it is a terminal)")
     singlepoint: SinglePointOptions = dataclasses.field(default_factory=SinglePointOptions)

@@ -344,7 +344,8 @@ def make_calculator(cfg: RunConfig, compute_stress: bool):
                                compute_stress=compute_stress, backend=cfg.backend,
                                verify=cfg.verify, fallback=cfg.fallback,
                                deterministic=cfg.deterministic,
-                               min_distance=cfg.min_distance or None)
+                               min_distance=cfg.min_distance or None, graphs=cfg.graphs,
+                               skin=cfg.skin)
 
 
 def _needs_stress(cfg: RunConfig, frames: List[Any]) -> bool:

@@ -2,7 +2,8 @@
 
 The forwards are e3nn's and mace's own formulas (the spherical harmonics *are* e3nn's
 ``o3.spherical_harmonics``); the backward and double backward are ``torch.func`` transforms of
-those forwards (``torch.func`` also works inside a custom op, where plain autograd is off):
+those forwards (``torch.func`` also works inside a custom op, where plain autograd is off;
+e3nn's TorchScript polynomials are run as plain Python for that, see ``_plain_e3nn_sh``):
 
     backward:         dv = J(v)^T g
     double backward:  d_grad = J(v) a,  dv = H_g(v) a   (H_g: Hessian of <g, Y(v)>)
@@ -13,6 +14,9 @@ Layouts: vectors ``[E, 3]``, edge_attrs ``[E, (lmax+1)^2]``, lengths ``[E, 1]``,
 
 from __future__ import annotations
 
+import functools
+import importlib
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -24,40 +28,51 @@ Tensor = torch.Tensor
 
 # -- spherical harmonics ---------------------------------------------------------------------------
 def sh_forward(spec: SHSpec, vectors: Tensor) -> Tensor:
-    """``[E, dim]``: e3nn's spherical harmonics of orders ``0..lmax`` of ``vectors [E, 3]``."""
+    """``[E, dim]``: e3nn's spherical harmonics of orders ``0..lmax`` of ``vectors [E, 3]``.
+
+    e3nn's own function, with its polynomials run as plain Python (see :func:`_plain_e3nn_sh`).
+    """
     from mace_accel._e3nn_compat import o3
 
-    return o3().spherical_harmonics(list(range(spec.lmax + 1)), vectors, spec.normalize,
-                                    spec.normalization)
+    module, plain = _plain_e3nn_sh()
+    scripted = module._spherical_harmonics
+    module._spherical_harmonics = plain
+    try:
+        return o3().spherical_harmonics(list(range(spec.lmax + 1)), vectors, spec.normalize,
+                                        spec.normalization)
+    finally:
+        module._spherical_harmonics = scripted
 
 
-def _on_cpu(fn):
-    """Run ``fn`` on CPU copies of its tensor arguments and move the results back.
+@functools.lru_cache(maxsize=None)
+def _plain_e3nn_sh():
+    """``(e3nn's SH module, its polynomial function compiled from e3nn's source as plain Python)``.
 
-    e3nn's polynomials are a TorchScript function; on a GPU, TorchScript's fuser compiles it and
-    the compiled kernels cannot read ``torch.func``'s wrapped tensors ("Cannot access data
-    pointer of Tensor that doesn't have storage"). On the CPU there is no fuser, so the
-    ``torch.func`` transforms below run there (the reference is the oracle, not a fast path).
+    e3nn's polynomials are a TorchScript function. Once TorchScript has profiled and optimised
+    it (after a few calls, in any process), it no longer sees ``torch.func``'s wrapped tensors
+    correctly: on the CPU the forward-mode derivatives below come out silently wrong, on a GPU
+    its fused kernels fail. The same source run as Python has neither problem.
     """
-    def wrapped(spec, *tensors):
-        device = tensors[0].device
-        if device.type == "cpu":
-            return fn(spec, *tensors)
-        out = fn(spec, *(t.cpu() for t in tensors))
-        return tuple(o.to(device) for o in out) if isinstance(out, tuple) else out.to(device)
+    import inspect
 
-    wrapped.__doc__, wrapped.__name__ = fn.__doc__, fn.__name__
-    return wrapped
+    from mace_accel._e3nn_compat import o3
+
+    o3()
+    module = importlib.import_module("e3nn.o3._spherical_harmonics")
+    source = inspect.getsource(module)
+    start = source.index("def _spherical_harmonics(")
+    end = source.index("\ndef ", start)
+    namespace = {"torch": torch, "math": math}
+    exec(compile(source[start:end], module.__file__, "exec"), namespace)  # noqa: S102
+    return module, namespace["_spherical_harmonics"]
 
 
-@_on_cpu
 def sh_backward(spec: SHSpec, vectors: Tensor, grad: Tensor) -> Tensor:
     """``[E, 3]``: d/d vectors of ``<grad, Y(vectors)>``."""
     _, vjp = torch.func.vjp(lambda v: sh_forward(spec, v), vectors)
     return vjp(grad)[0]
 
 
-@_on_cpu
 def sh_double_backward(spec: SHSpec, vectors: Tensor, grad: Tensor,
                        upstream: Tensor) -> Tuple[Tensor, Tensor]:
     """``(d_vectors [E, 3], d_grad [E, dim])`` for the upstream gradient ``upstream [E, 3]`` of

@@ -20,6 +20,7 @@ from typing import Union
 from mace_accel.errors import KernelError
 from mace_accel.ops.edge_features.spec import RadialSpec, SHSpec
 from mace_accel.ops.limits import BLOCKS_PER_SM, DEFAULT_SMS, WARP, DeviceLimits
+from mace_accel.ops.templates import RealType
 
 DTYPES = ("float32", "float64")
 THREADS = 128
@@ -27,7 +28,7 @@ DEFAULT_LIMITS = DeviceLimits()  # an H100/H200 (sm_90): the pins and the CPU te
 
 
 @dataclasses.dataclass(frozen=True)
-class EdgePlan:
+class EdgePlan(RealType):
     """Launch geometry of the kernels of one spec and dtype (forward, backward, double backward).
 
     Attributes:
@@ -45,13 +46,6 @@ class EdgePlan:
     threads: int = THREADS
     max_blocks: int = BLOCKS_PER_SM * DEFAULT_SMS
 
-    @property
-    def real(self) -> str:
-        return "double" if self.dtype == "float64" else "float"
-
-    @property
-    def real_bytes(self) -> int:
-        return 8 if self.dtype == "float64" else 4
 
     @property
     def pitch(self) -> int:

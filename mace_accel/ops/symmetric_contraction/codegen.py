@@ -25,11 +25,11 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 from mace_accel.errors import KernelError
 from mace_accel.ops.limits import BLOCKS_PER_SM, DEFAULT_SMS, WARP, DeviceLimits
 from mace_accel.ops.symmetric_contraction.spec import OutputIrrep, Polynomial, SCSpec
-from mace_accel.ops.templates import literal, render
+from mace_accel.ops.templates import RealType, literal, render
 
 
 @dataclasses.dataclass(frozen=True)
-class SCPlan:
+class SCPlan(RealType):
     """Launch geometry and layout of the symmetric-contraction kernels of one spec and dtype.
 
     Attributes:
@@ -69,13 +69,6 @@ class SCPlan:
     def monomial_chunk(self, kind: str) -> int:
         return dict(self.t_chunk)[kind]
 
-    @property
-    def real(self) -> str:
-        return "double" if self.dtype == "float64" else "float"
-
-    @property
-    def real_bytes(self) -> int:
-        return 8 if self.dtype == "float64" else 4
 
 
 def plan_kernels(spec: SCSpec, dtype: str, limits: DeviceLimits = DeviceLimits(),
@@ -279,15 +272,17 @@ def _chunk_fence(plan: SCPlan, reload: Sequence[str], serial: int) -> List[str]:
     return lines
 
 
-_SERIAL = itertools.count(1)
-
-
-def _next_serial() -> int:
-    return next(_SERIAL)
+def _serials() -> "itertools.count[int]":
+    """Chunk numbers for one kernel (1000, 1001, ...): each render starts its own count, so a
+    kernel's source does not depend on what was rendered before it (the pins need that). They
+    start high: with small multipliers (``OPAQUE_ZERO * 1`` is just ``OPAQUE_ZERO``) ptxas
+    merges the reloads' address arithmetic and some float64 kernels spill."""
+    return itertools.count(1000)
 
 
 def _chunked_parts(plan: SCPlan, spec: SCSpec, output: OutputIrrep, kind: str, visit_for,
-                   with_weights: bool = True, reload: Sequence[str] = ("x",)) -> List[str]:
+                   serial, with_weights: bool = True,
+                   reload: Sequence[str] = ("x",)) -> List[str]:
     """The code of every part of ``output``, one block per weight chunk.
 
     ``visit_for(by_t)`` returns the monomial visitor for one chunk's ``{t: {m: [(K, C)]}}``;
@@ -302,7 +297,7 @@ def _chunked_parts(plan: SCPlan, spec: SCSpec, output: OutputIrrep, kind: str, v
             for tuples in _monomial_blocks(list(by_t), plan.monomial_chunk(kind)):
                 used = sorted({k for t in tuples for es in by_t[t].values() for k, _ in es})
                 lines.append("{")
-                lines += _indent(_chunk_fence(plan, reload, _next_serial()))
+                lines += _indent(_chunk_fence(plan, reload, next(serial)))
                 if with_weights:
                     lines += ["  " + line for line in _weight_loads(index, part, used)]
                 lines += ["  " + line for line in _walk(tuples, visit_for(by_t))]
@@ -339,6 +334,7 @@ def forward_name(plan: SCPlan) -> str:
 
 def render_forward(plan: SCPlan, spec: SCSpec) -> str:
     """``out [N, DIM_OUT]``: every output irrep's polynomial (see the module docstring)."""
+    serial = _serials()
     body: List[str] = []
 
     def visit_for(by_t):
@@ -353,7 +349,7 @@ def render_forward(plan: SCPlan, spec: SCSpec) -> str:
         offset = _output_offset(spec, output_index)
         body.append("{")
         body += [f"  real acc{m} = 0;" for m in range(output.dim)]
-        body += _indent(_chunked_parts(plan, spec, output, "forward", visit_for))
+        body += _indent(_chunked_parts(plan, spec, output, "forward", visit_for, serial))
         body.append(f"  real* o = out + (long long)node * DIM_OUT + {offset} + c * {output.dim};")
         body += [f"  o[{m}] = acc{m};" for m in range(output.dim)]
         body.append("}")
@@ -367,6 +363,7 @@ def backward_name(plan: SCPlan) -> str:
 
 def render_backward(plan: SCPlan, spec: SCSpec) -> str:
     """``d x [N, C, D]`` of ``<g, out>``."""
+    serial = _serials()
     decls, body = accumulators(plan, "gx")
 
     def visit_for(by_t):
@@ -382,7 +379,7 @@ def render_backward(plan: SCPlan, spec: SCSpec) -> str:
     for output_index, output in enumerate(spec.outputs):
         body.append("{")
         body += _indent(_load_g(spec, output_index, output))
-        body += _indent(_chunked_parts(plan, spec, output, "backward", visit_for))
+        body += _indent(_chunked_parts(plan, spec, output, "backward", visit_for, serial))
         body.append("}")
     body += _store_components(plan, "gx", "gxr")
     return render("symmetric_contraction/backward.cu.j2", name=backward_name(plan), body=body,
@@ -395,6 +392,7 @@ def weight_grad_name(plan: SCPlan, directional: bool) -> str:
 
 def render_weight_grad(plan: SCPlan, spec: SCSpec, directional: bool = False) -> str:
     """Per-node weight gradients ``Q [N, K_total, C]`` (see the module docstring)."""
+    serial = _serials()
     body: List[str] = []
     k_offset = 0
     for output_index, output in enumerate(spec.outputs):
@@ -420,7 +418,7 @@ def render_weight_grad(plan: SCPlan, spec: SCSpec, directional: bool = False) ->
                 for tuples in blocks:
                     body.append("    {")
                     body += _indent(_chunk_fence(plan, ("x", "v") if directional else ("x",),
-                                                 _next_serial()), "      ")
+                                                 next(serial)), "      ")
                     body += _indent(_walk(tuples, visit), "      ")
                     body.append("    }")
                 body.append(f"    real* qr = q + ((long long)node * K_TOTAL + {k_offset}) * C + c;")
@@ -439,6 +437,7 @@ def double_backward_name(plan: SCPlan, need_x: bool, need_g: bool) -> str:
 
 def render_double_backward(plan: SCPlan, spec: SCSpec, need_x: bool, need_g: bool) -> str:
     """For an upstream ``v [N, C, D]`` of ``d x``: ``d x`` (Hessian-vector) and ``d g``."""
+    serial = _serials()
     decls, body = accumulators(plan, "dx") if need_x else ([], [])
 
     def visit_for(by_t):
@@ -458,11 +457,12 @@ def render_double_backward(plan: SCPlan, spec: SCSpec, need_x: bool, need_g: boo
     for output_index, output in enumerate(spec.outputs):
         offset = _output_offset(spec, output_index)
         body.append("{")
-        if need_x:
+        # the Hessian term needs g only where a monomial has degree >= 2 (correlation 1 is linear)
+        if need_x and any(part.nu >= 2 and part.terms for part in output.parts):
             body += _indent(_load_g(spec, output_index, output))
         if need_g:
             body += [f"  real dg{m} = 0;" for m in range(output.dim)]
-        body += _indent(_chunked_parts(plan, spec, output, "double_backward", visit_for,
+        body += _indent(_chunked_parts(plan, spec, output, "double_backward", visit_for, serial,
                                        reload=("x", "v")))
         if need_g:
             body.append(f"  real* dgr = dg + (long long)node * DIM_OUT + {offset} + c * "
@@ -537,11 +537,12 @@ def all_kernels(plan: SCPlan, spec: SCSpec) -> Iterator[Tuple[str, str]]:
                render_double_backward(plan, spec, need_x, need_g))
 
 
-def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
-    """``(name, source)`` of every kernel of the catalog's problems, both dtypes."""
+def catalog_sources(limits: DeviceLimits, *tags: str) -> Iterator[Tuple[str, str]]:
+    """``(name, source)`` of every kernel of the catalog's problems carrying all ``tags``, both
+    dtypes."""
     from mace_accel.ops.symmetric_contraction.catalog import catalog_specs
 
-    for name, spec in catalog_specs():
+    for name, spec in catalog_specs(*tags):
         for dtype in ("float32", "float64"):
             plan = plan_kernels(spec, dtype, limits)
             for kernel, source in all_kernels(plan, spec):

@@ -1,0 +1,249 @@
+"""Whole-call CUDA graphs: one energy + forces (+ stress) call of a MACE model replayed as one
+graph per shape bucket.
+
+A small system's call is bound by ~500-1,000 kernel launches and the Python that issues them,
+not by the GPU. Captured once into a CUDA graph, a call costs one replay. Graphs need fixed
+shapes, so a structure of ``N`` atoms and ``E`` edges is padded up to a bucket ``(N_pad, E_pad)``:
+
+* the padding atoms ``N .. N_pad-1`` form a second, *dummy* graph of the batch (``batch = 1``),
+  with zero node attributes, at the origin;
+* the padding edges join padding atoms to themselves (at most 32 on each) across one cell
+  vector of the dummy graph's cell, ``L = 2 r_max + 1`` Å long: beyond the cutoff;
+* the dummy graph's energy, forces and stress are dropped. The real graph's atoms never
+  exchange a message with a padding atom, so its results do not depend on the padding (the
+  padding atoms' own forces come out exactly zero; tested).
+
+Static input buffers are written before every replay; outputs are read from the graph's static
+outputs. All graphs share one memory pool and are replayed one at a time on the capturing
+stream; at most ``max_graphs`` are kept (least recently used dropped first). A structure beyond
+every captured bucket is captured afresh (logged at debug level).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from mace_accel.ops.graph import forget_cached_graph
+
+log = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+# how each field of mace's batch dict is padded (anything else: per node if it has N rows,
+# per graph if it has one)
+PER_EDGE = ("edge_index", "shifts", "unit_shifts")
+PER_NODE = ("positions", "node_attrs", "batch", "charges", "density_coefficients")
+CELLS = ("cell", "rcell")
+LABELS = ("energy", "forces", "stress", "virials", "dipole", "polarizability")
+
+
+# padding edges per padding atom at most: each atom's edges are one thread block's work in the
+# fused convolution, so piling every padding edge onto one atom would make a long tail
+PAD_EDGES_PER_ATOM = 32
+
+
+def padded_shape(n_atoms: int, n_edges: int) -> Tuple[int, int]:
+    """``(N_pad, E_pad)``: the bucket of a structure, with at least one padding atom and at
+    most :data:`PAD_EDGES_PER_ATOM` padding edges on each padding atom."""
+    e_pad = bucket(n_edges)
+    dummies = max(1, -(-(e_pad - n_edges) // PAD_EDGES_PER_ATOM))
+    return bucket(n_atoms + dummies), e_pad
+
+
+def bucket(n: int, minimum: int = 16, steps_per_octave: int = 8) -> int:
+    """The smallest size of the ladder ``minimum * 2^(k/steps_per_octave)`` (rounded up to a
+    multiple of 8) that holds ``n``: steps of 9% at the default 8 per doubling (at most 12%
+    padding above 256, 20% above 64)."""
+    if n <= minimum:
+        return minimum
+    k = math.ceil(steps_per_octave * math.log2(n / minimum) - 1e-9)
+    size = minimum * 2 ** (k / steps_per_octave)
+    return int(math.ceil(size / 8) * 8)
+
+
+@dataclasses.dataclass
+class _Captured:
+    graph: Optional[torch.cuda.CUDAGraph]
+    inputs: Dict[str, Tensor]
+    outputs: Dict[str, Tensor]
+    n_atoms: int
+    n_edges: int
+    # what each static input was last filled from: (tensor, its version); an unchanged source
+    # (the same tensor, not modified since) is not copied again (MD: only positions change)
+    sources: Dict[str, Tuple[Tensor, int]] = dataclasses.field(default_factory=dict)
+
+
+class GraphedCall:
+    """Energy + forces (+ stress) of ``model`` through CUDA graphs, one per shape bucket.
+
+    Args:
+        model: an (accelerated) MACE model on a CUDA device, parameters not requiring grad.
+        r_max: the model's cutoff (Å); padding edges are made longer than it.
+        max_graphs: how many captured buckets to keep.
+
+    Call it with a one-structure mace batch dict (as :func:`mace_accel.models.batch.atoms_to_batch`
+    makes it, on the model's device) and get ``{"energy": [1], "forces": [N, 3],
+    "node_energy": [N], "stress": [1, 3, 3] (if asked)}`` (views of the static outputs: copy
+    them before the next call).
+    """
+
+    def __init__(self, model: torch.nn.Module, r_max: float, max_graphs: int = 8) -> None:
+        self.model = model
+        self.pad_length = 2.0 * float(r_max) + 1.0
+        self.max_graphs = int(max_graphs)
+        self._graphs: "collections.OrderedDict[Tuple, _Captured]" = collections.OrderedDict()
+        self._pool = None
+        self.n_captures = 0
+
+    # -- public ---------------------------------------------------------------------------------
+    def __call__(self, batch: Dict[str, Tensor], compute_stress: bool) -> Dict[str, Tensor]:
+        n_atoms = int(batch["positions"].shape[0])
+        n_edges = int(batch["edge_index"].shape[1])
+        key = (*padded_shape(n_atoms, n_edges), bool(compute_stress),
+               batch["positions"].dtype, batch["positions"].device)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(key, batch, compute_stress)
+        else:
+            self._graphs.move_to_end(key)
+            self._fill(entry, batch)
+        entry.graph.replay()
+        out = {"energy": entry.outputs["energy"][:1],
+               "forces": entry.outputs["forces"][:n_atoms],
+               "node_energy": entry.outputs["node_energy"][:n_atoms]}
+        if compute_stress:
+            out["stress"] = entry.outputs["stress"][:1]
+        return out
+
+    @property
+    def buckets(self) -> Tuple[Tuple[int, int, bool], ...]:
+        """``(atoms, edges, stress)`` of every graph kept, oldest first."""
+        return tuple(k[:3] for k in self._graphs)
+
+    # -- padding --------------------------------------------------------------------------------
+    def _static_inputs(self, key: Tuple, batch: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """Zeroed static buffers of bucket ``key`` with the layout of ``batch``: per-node fields
+        ``[N_pad, ...]``, per-edge ``[E_pad, ...]``, per-graph ``[2, ...]`` (real + dummy),
+        cells ``[6, 3]``. Training labels and their weights are not passed to the model."""
+        n_pad, e_pad = key[0], key[1]
+        n = int(batch["positions"].shape[0])
+        inputs: Dict[str, Tensor] = {}
+        for name, value in batch.items():
+            if not torch.is_tensor(value) or name in LABELS or name.endswith("weight"):
+                continue
+            if name in PER_EDGE:
+                shape = (2, e_pad) if name == "edge_index" else (e_pad, *value.shape[1:])
+            elif name in CELLS:
+                shape = (6, 3)
+            elif name == "ptr":
+                shape = (3,)
+            elif name in PER_NODE or (value.dim() >= 1 and value.shape[0] == n and n > 1):
+                shape = (n_pad, *value.shape[1:])
+            elif value.dim() >= 1 and value.shape[0] == 1:
+                shape = (2, *value.shape[1:])
+            else:
+                continue
+            inputs[name] = torch.zeros(shape, dtype=value.dtype, device=value.device)
+        return inputs
+
+    def _fill(self, entry: _Captured, batch: Dict[str, Tensor]) -> None:
+        """Write ``batch`` (and the padding around it) into ``entry``'s static inputs."""
+        s = entry.inputs
+        n, e = int(batch["positions"].shape[0]), int(batch["edge_index"].shape[1])
+        n_pad = s["positions"].shape[0]
+        pad = self.pad_length
+        layout_changed = (n, e) != (entry.n_atoms, entry.n_edges)
+        with torch.no_grad():
+            for name, buf in s.items():
+                value = batch[name]
+                seen = entry.sources.get(name)
+                if not layout_changed and seen is not None and seen[0] is value \
+                        and seen[1] == value._version:
+                    continue
+                entry.sources[name] = (value, value._version)
+                if name == "edge_index":
+                    buf[:, :e].copy_(value)
+                    # padding edges join padding atoms to themselves, spread over all of them
+                    spread = torch.arange(buf.shape[1] - e, device=buf.device) % (n_pad - n)
+                    buf[:, e:].copy_((n + spread).to(buf.dtype).expand(2, -1))
+                elif name in PER_EDGE:
+                    buf[:e].copy_(value)
+                    buf[e:].zero_()
+                    buf[e:, 0] = pad if name == "shifts" else 1  # one dummy cell vector
+                elif name in CELLS:
+                    buf[:3].copy_(value.reshape(3, 3))
+                    eye = torch.eye(3, dtype=buf.dtype, device=buf.device)
+                    # the dummy graph: a cube of side pad (rcell is mace's 2 pi inv(cell^T))
+                    buf[3:].copy_(eye * (pad if name == "cell" else 2 * math.pi / pad))
+                elif name == "ptr":
+                    buf.copy_(torch.tensor([0, n, n_pad], dtype=buf.dtype))
+                elif name == "batch":
+                    buf[:n].zero_()
+                    buf[n:].fill_(1)
+                elif buf.shape[0] == n_pad and name != "head":
+                    buf[:n].copy_(value)
+                    buf[n:].zero_()       # padding atoms: no element, no charge, at the origin
+                else:                     # per graph: the dummy graph copies the real one
+                    buf.copy_(value.expand_as(buf))
+        entry.n_atoms, entry.n_edges = n, e
+
+    def padded_eager(self, batch: Dict[str, Tensor], compute_stress: bool) -> Dict[str, Tensor]:
+        """The padded call run eagerly (no graph): what a replay computes. For tests, and on
+        devices without CUDA graphs."""
+        n_atoms, n_edges = int(batch["positions"].shape[0]), int(batch["edge_index"].shape[1])
+        key = (*padded_shape(n_atoms, n_edges), bool(compute_stress))
+        entry = _Captured(None, self._static_inputs(key, batch), {}, 0, 0)
+        self._fill(entry, batch)
+        out = self._run(entry.inputs, compute_stress)
+        result = {"energy": out["energy"][:1], "forces": out["forces"][:n_atoms],
+                  "node_energy": out["node_energy"][:n_atoms],
+                  "padding": {"energy": out["energy"][1:], "forces": out["forces"][n_atoms:]}}
+        if compute_stress:
+            result["stress"] = out["stress"][:1]
+        return result
+
+    # -- capture --------------------------------------------------------------------------------
+    def _run(self, inputs: Dict[str, Tensor], compute_stress: bool) -> Dict[str, Tensor]:
+        out = self.model(dict(inputs), training=False, compute_force=True,
+                         compute_stress=compute_stress)
+        keep = ("energy", "forces", "node_energy") + (("stress",) if compute_stress else ())
+        return {k: out[k] for k in keep}
+
+    def _capture(self, key: Tuple, batch: Dict[str, Tensor], compute_stress: bool) -> _Captured:
+        while len(self._graphs) >= self.max_graphs:
+            old, _ = self._graphs.popitem(last=False)
+            log.debug("mace-accel: dropped the CUDA graph of bucket %s", old[:3])
+        entry = _Captured(torch.cuda.CUDAGraph(), self._static_inputs(key, batch), {}, 0, 0)
+        self._fill(entry, batch)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # warm up on a side stream (compiles the kernels, initialises cuBLAS), then capture
+        side = torch.cuda.Stream(device=batch["positions"].device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._run(entry.inputs, compute_stress)
+        torch.cuda.current_stream().wait_stream(side)
+        # the edge orderings (CSR) must be built inside the graph, from the static edge_index
+        forget_cached_graph()
+        with torch.cuda.graph(entry.graph, pool=self._pool):
+            entry.outputs = self._run(entry.inputs, compute_stress)
+        forget_cached_graph()  # its tensors live in the graph's pool: no eager call reuses them
+        self._graphs[key] = entry
+        self.n_captures += 1
+        log.debug("mace-accel: captured a CUDA graph for %d atoms / %d edges (bucket %s)",
+                  entry.n_atoms, entry.n_edges, key[:3])
+        return entry
+
+
+def graphs_unavailable_reason(device: torch.device) -> Optional[str]:
+    """Why whole-call CUDA graphs cannot be used on ``device``, or None."""
+    if torch.device(device).type != "cuda":
+        return f"CUDA graphs need a CUDA device, the model is on {device}"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    return None

@@ -1,0 +1,133 @@
+"""A structure's batch kept on the model's device between calls (MD, optimisation).
+
+The first call, and every call after the atoms' numbers, count or periodicity changed, builds
+mace's full batch dict through mace's own data path (:func:`~mace_accel.models.batch.atoms_to_batch`).
+Later calls copy only the geometry in (positions and cell, float64 on the host -> the device)
+and take the edges from a Verlet neighbour list on the device (vesin, rebuilt only when an atom
+has moved more than half the skin): no mace ``AtomicData``, no Python per atom or edge.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from mace_accel.models.batch import ModelInfo, atoms_to_batch
+from mace_accel.models.neighbours import VerletNeighbourList, within_cutoff
+
+Tensor = torch.Tensor
+
+# interaction blocks through which edges beyond the cutoff contribute exactly zero (the cutoff
+# envelope multiplies the radial features of a bias-free radial MLP); see neighbours.py
+SKIN_EXACT_BLOCKS = frozenset({
+    "RealAgnosticInteractionBlock", "RealAgnosticResidualInteractionBlock",
+    "RealAgnosticDensityInteractionBlock", "RealAgnosticDensityResidualInteractionBlock"})
+
+
+def skin_is_exact(model: torch.nn.Module) -> bool:
+    """True if the model may be given the Verlet list's extra pairs (beyond the cutoff) as they
+    are: every interaction block is one of :data:`SKIN_EXACT_BLOCKS`, or the model applies the
+    cutoff to the final weights (``apply_cutoff=False``), and it has no ZBL pair repulsion
+    (whose own cutoff is longer). Otherwise the calculator keeps only the edges within the
+    cutoff every step."""
+    if getattr(model, "pair_repulsion", False):
+        return False
+    if not getattr(getattr(model, "radial_embedding", None), "apply_cutoff", True):
+        return True
+    return all(type(block).__name__ in SKIN_EXACT_BLOCKS
+               for block in getattr(model, "interactions", ()))
+
+
+class ResidentBatch:
+    """mace's batch dict of one structure, on ``device``, updated in place of being rebuilt.
+
+    Args:
+        info: the model's elements, cutoff, heads.
+        head: the head to evaluate.
+        dtype: the model's floating dtype.
+        device: the model's device.
+        skin: Verlet skin in Å (0: a new neighbour list every call).
+        exact_skin: the model may see the list's pairs beyond the cutoff (:func:`skin_is_exact`);
+            if False, only the pairs within the cutoff are passed, every call.
+    """
+
+    def __init__(self, info: ModelInfo, head: str, dtype: torch.dtype, device: torch.device,
+                 skin: float = 0.5, exact_skin: bool = True) -> None:
+        self.exact_skin = bool(exact_skin)
+        self.info, self.head, self.dtype, self.device = info, head, dtype, torch.device(device)
+        self.skin = float(skin)
+        self._template: Optional[Dict[str, Tensor]] = None
+        self._topology: Optional[Tuple] = None
+        self.neighbours = VerletNeighbourList(info.r_max, self.skin)
+        self.n_templates = 0
+        self._cell: Optional[Tuple[np.ndarray, Dict[str, Tensor]]] = None
+        self._edges: Optional[Tuple] = None
+
+    @staticmethod
+    def topology(atoms) -> Tuple:
+        """What forces a new template: atomic numbers and periodicity (and so the atom count)."""
+        return (np.asarray(atoms.numbers).tobytes(), tuple(bool(p) for p in atoms.pbc))
+
+    def batch(self, atoms) -> Dict[str, Tensor]:
+        """The batch dict for ``atoms`` (validated by the caller)."""
+        topology = self.topology(atoms)
+        if self._template is None or topology != self._topology:
+            self._template = atoms_to_batch(atoms, self.info, head=self.head, dtype=self.dtype,
+                                            device=self.device)
+            self._topology = topology
+            self._cell = self._edges = None
+            self.n_templates += 1
+        out = dict(self._template)
+        positions64 = torch.from_numpy(np.ascontiguousarray(atoms.positions, dtype=np.float64))
+        positions64 = positions64.to(self.device)
+        cell_np = np.ascontiguousarray(atoms.cell.array, dtype=np.float64)
+        if self._cell is None or not np.array_equal(cell_np, self._cell[0]):
+            self._cell = (cell_np.copy(), self._cell_fields(cell_np))
+        cell64 = self._cell[1]["cell64"]
+        edge_index, unit_shifts, _ = self.neighbours.update(positions64, cell64,
+                                                            tuple(bool(p) for p in atoms.pbc))
+        if not self.exact_skin and self.skin > 0:
+            edge_index, unit_shifts = within_cutoff(positions64, cell64, edge_index,
+                                                    unit_shifts, self.info.r_max)
+        if self._edges is None or self._edges[0] is not edge_index \
+                or self._edges[1] is not self._cell[1]:
+            # shifts = unit_shifts @ cell in float64, as mace: new only with new edges or cell
+            unit64 = unit_shifts.to(torch.float64)
+            self._edges = (edge_index, self._cell[1], {
+                "edge_index": edge_index,
+                "unit_shifts": unit64.to(self._template["unit_shifts"].dtype),
+                "shifts": (unit64 @ cell64).to(self.dtype)})
+        out.update(self._edges[2])
+        out.update({k: v for k, v in self._cell[1].items() if k in out})
+        out["positions"] = positions64.to(self.dtype)
+        return out
+
+    def _cell_fields(self, cell_np: np.ndarray) -> Dict[str, Tensor]:
+        """The cell and what mace derives from it (volume, rcell) on the device."""
+        cell64 = torch.from_numpy(cell_np.copy()).to(self.device)
+        t = self._template
+        fields = {"cell64": cell64,
+                  "cell": cell64.to(self.dtype).reshape(t["cell"].shape)}
+        det = float(np.linalg.det(cell_np))
+        if "volume" in t:
+            fields["volume"] = torch.full_like(t["volume"], det)
+        if "rcell" in t:  # mace: 2 pi inv(cell^T), zeros for a singular cell
+            rcell = 2 * math.pi * np.linalg.inv(cell_np.T) if abs(det) > 0 \
+                else np.zeros((3, 3))
+            fields["rcell"] = torch.from_numpy(rcell).to(self.device, self.dtype).reshape(
+                t["rcell"].shape)
+        return fields
+
+    def shortest_distance(self, batch: Dict[str, Tensor]) -> float:
+        """The shortest interatomic distance (periodic images included) among the edges of
+        ``batch``, in Å (inf without edges): O(edges) on the device, one number to the host.
+        Any pair closer than the cutoff is an edge, so this is the structure's shortest one."""
+        edge_index = batch["edge_index"]
+        if edge_index.shape[1] == 0:
+            return math.inf
+        pos = batch["positions"].to(torch.float64)
+        vectors = pos[edge_index[1]] - pos[edge_index[0]] + batch["shifts"].to(torch.float64)
+        return float(vectors.norm(dim=1).min())

@@ -1,0 +1,157 @@
+"""One energy+forces call inside a CUDA graph: mace-accel's GraphedCall vs cuEquivariance (and
+e3nn) captured by hand the same way, same process, same batch; plus ASE MD steps/s.
+
+    python scripts/bench_graphs.py --sizes 256,2048 --dtypes float32,float64 --md 256,864
+
+Per (dtype, size): eager ms, graph-replay ms (median of CUDA-event-timed replays after warm-up)
+for each backend, the forces' difference to e3nn, and mace-accel's ratio to cuEquivariance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+from mace_accel.bench.backends import prepare_backend, resolve_model_source
+from mace_accel.bench.systems import build_system, make_batch
+from mace_accel.bench.timing import time_calls
+from mace_accel.models.batch import model_info
+
+
+def _eager(model, batch) -> Callable[[], Dict[str, torch.Tensor]]:
+    return lambda: model(dict(batch), training=False, compute_force=True)
+
+
+def _by_hand(model, batch) -> Callable[[], Dict[str, torch.Tensor]]:
+    """The whole call captured into one graph as a user would (warm-up on a side stream)."""
+    fn = _eager(model, batch)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
+def _accel_graph(model, batch, r_max) -> Callable[[], Dict[str, torch.Tensor]]:
+    from mace_accel.capture import GraphedCall
+
+    graphed = GraphedCall(model, r_max)
+    return lambda: graphed(batch, compute_stress=False)
+
+
+def run(model_name: str, sizes: List[int], dtypes: List[str], repeats: int) -> List[dict]:
+    source = resolve_model_source(model_name)
+    rows = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        base = source.load(dtype, torch.device("cuda"))
+        info = model_info(base)
+        models = {}
+        for backend in ("e3nn", "cueq", "mace-accel"):
+            prepared = prepare_backend(backend, base, "cuda")
+            models[backend] = prepared.model if prepared.status == "ok" else prepared.status
+        for size in sizes:
+            system = build_system(info, size)
+            batch, n_edges = make_batch(system, info, dtype, "cuda")
+            row = {"model": model_name, "dtype": dtype_name, "atoms": len(system.atoms),
+                   "edges": n_edges}
+            want = _eager(models["e3nn"], batch)()["forces"].detach()
+            for backend, model in models.items():
+                if isinstance(model, str):
+                    row[backend] = model
+                    continue
+                eager = time_calls(_eager(model, batch), "cuda", 3, repeats).median_ms
+                try:
+                    replay = (_accel_graph(model, batch, info.r_max) if backend == "mace-accel"
+                              else _by_hand(model, batch))
+                    got = replay()["forces"].detach()
+                    graph_ms = time_calls(replay, "cuda", 3, repeats).median_ms
+                    err = ((got - want).norm() / want.norm()).item()
+                except Exception as exc:  # a backend that cannot be captured is reported
+                    graph_ms, err = None, f"{type(exc).__name__}: {exc}"[:120]
+                row[backend] = {"eager_ms": eager, "graph_ms": graph_ms, "forces_err": err}
+                torch.cuda.synchronize()
+            accel, cueq = row.get("mace-accel"), row.get("cueq")
+            if isinstance(accel, dict) and isinstance(cueq, dict) and accel["graph_ms"] \
+                    and cueq["graph_ms"]:
+                row["accel_over_cueq_graph"] = accel["graph_ms"] / cueq["graph_ms"]
+            rows.append(row)
+            print(_line(row), flush=True)
+    return rows
+
+
+def _line(row: dict) -> str:
+    parts = [f"graph {row['model']} {row['dtype']} {row['atoms']} atoms {row['edges']} edges:"]
+    for backend in ("e3nn", "cueq", "mace-accel"):
+        r = row.get(backend)
+        if isinstance(r, dict):
+            g = f"{r['graph_ms']:.3f}" if r["graph_ms"] else "n/a"
+            e = r["forces_err"] if isinstance(r["forces_err"], str) else f"{r['forces_err']:.1e}"
+            parts.append(f"{backend} eager {r['eager_ms']:.2f} graph {g} ms (F err {e});")
+        else:
+            parts.append(f"{backend}: {r};")
+    if "accel_over_cueq_graph" in row:
+        parts.append(f"mace-accel/cueq in graphs = {row['accel_over_cueq_graph']:.2f}")
+    return " ".join(parts)
+
+
+def md(model_name: str, sizes: List[int], dtypes: List[str], steps: int) -> List[dict]:
+    """ASE velocity-Verlet steps/s: MACEAccelCalculator (graphs + resident batch) vs mace's
+    MACECalculator with cuEquivariance; ms per step split into model and the rest."""
+    from mace_accel.bench.md import run_md
+
+    source = resolve_model_source(model_name)
+    rows = []
+    for dtype_name in dtypes:
+        base = source.load(getattr(torch, dtype_name), torch.device("cuda"))
+        info = model_info(base)
+        for size in sizes:
+            atoms = build_system(info, size).atoms
+            for backend in ("cueq", "mace-accel"):
+                t0 = time.perf_counter()
+                rec = run_md(backend, base, atoms, "cuda", model_name, steps=steps,
+                             warmup_steps=10)
+                rows.append(vars(rec))
+                print(f"md {model_name} {dtype_name} {len(atoms)} atoms {backend}: "
+                      f"{rec.status} {rec.steps_per_s or 0:.1f} steps/s "
+                      f"({rec.ms_per_step or 0:.2f} ms/step; set-up+run "
+                      f"{time.perf_counter() - t0:.0f} s)", flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mp-medium")
+    parser.add_argument("--sizes", default="256,2048")
+    parser.add_argument("--dtypes", default="float32,float64")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--md", default="", help="atom counts for ASE MD (empty: none)")
+    parser.add_argument("--md-steps", type=int, default=50)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    dtypes = args.dtypes.split(",")
+    out = {"graphs": run(args.model, sizes, dtypes, args.repeats)}
+    if args.md:
+        out["md"] = md(args.model, [int(s) for s in args.md.split(",")], ["float32"],
+                       args.md_steps)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
