@@ -119,9 +119,11 @@ def _spec_or_reason(module: torch.nn.Module):
             getattr(cueq, "optimize_all", False) or getattr(cueq, "optimize_symmetric", False)):
         return None, ("the product block runs cuEquivariance's symmetric contraction; convert "
                       "the model back to e3nn with mace's convert_cueq_e3nn first")
-    if type(sc).__name__ != "SymmetricContraction" or not hasattr(sc, "contractions"):
+    if type(sc).__name__ != "SymmetricContraction" or \
+            not isinstance(getattr(sc, "contractions", None), torch.nn.ModuleList):
         return None, (f"symmetric_contractions is {type(sc).__module__}.{type(sc).__name__}, "
-                      "not mace's SymmetricContraction")
+                      "not mace's SymmetricContraction (or one rewritten by torch.fx, as "
+                      "mace.tools.compile.simplify does)")
     for contraction in sc.contractions:
         if not hasattr(contraction, "weights_max"):
             return None, "a contraction has external weights (internal_weights=False)"

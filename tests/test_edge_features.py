@@ -431,7 +431,7 @@ def test_generated_radial_maths_matches_reference(name):
     want_r, want_g, want_c = reference.radial_double_backward(spec, r, g, gc, a)
 
     def err(x, y):
-        return rel_norm_error(torch.from_numpy(np.ascontiguousarray(x)), y)
+        return rel_norm_error(torch.from_numpy(np.array(x, dtype=np.float64, copy=True)), y)
 
     assert err(feats, want_feats) <= TOL["forward"]
     assert np.all(feats[rn >= spec.r_max] == 0) or not spec.apply_cutoff
