@@ -2,9 +2,8 @@
 registration) and torch.compile with ``fullgraph=True`` (no graph break at our ops); output and
 gradient (forces-style) equal to eager, fp64, reference backend on the CPU.
 
-A whole MACE model does not go through dynamo here: e3nn 0.4.4's ``Irreps`` raises inside
-dynamo's tracing (``Irreps.__len__``), before any of our ops is reached; mace compiles its own
-models only after rewriting them (``mace.tools.compile``).
+The whole accelerated model through torch.compile (after mace's ``simplify``, which dynamo needs
+for e3nn's ``Irrep``) is tested in tests/test_compile.py.
 """
 
 from __future__ import annotations
