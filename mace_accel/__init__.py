@@ -7,6 +7,7 @@ global state)::
     mace_accel.revert(model)                                  # undo it exactly
     calc = mace_accel.MACEAccelCalculator(model="my.model")   # ASE calculator (device="auto")
     calc = mace_accel.mace_mp("medium")                       # a foundation model behind it
+    results = mace_accel.evaluate(frames, "my.model")         # many structures, batched calls
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ _API = {
     "MACEAccelCalculator": "mace_accel.calculator",
     "mace_mp": "mace_accel.calculator",
     "mace_off": "mace_accel.calculator",
+    "BatchEvaluator": "mace_accel.batched",
+    "evaluate": "mace_accel.batched",
     "load_model": "mace_accel.models.checkpoint",
     "default_model_path": "mace_accel.models.checkpoint",
 }

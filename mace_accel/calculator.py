@@ -18,13 +18,12 @@ import torch
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from mace_accel.errors import ConfigError, UnsupportedModelError
-from mace_accel.models.batch import model_info
-from mace_accel.models.checkpoint import default_model_path, load_model
+from mace_accel.errors import ConfigError
+from mace_accel.models.prepared import prepare_model
 from mace_accel.models.resident import ResidentBatch, skin_is_exact
-from mace_accel.models.validation import validate_atoms, validate_geometry, validate_head
-from mace_accel.options import AccelOptions, make_options, resolve_device, resolve_dtype
-from mace_accel.surgery import PatchReport, accelerate, is_accelerated, revert
+from mace_accel.models.validation import validate_atoms, validate_geometry
+from mace_accel.options import AccelOptions, make_options
+from mace_accel.surgery import PatchReport
 
 log = logging.getLogger(__name__)
 
@@ -83,36 +82,14 @@ class MACEAccelCalculator(Calculator):
         Calculator.__init__(self, **kwargs)
         requested = make_options(options, backend=backend, verify=verify, fallback=fallback,
                                  deterministic=deterministic)
-        self.dtype = resolve_dtype(default_dtype)
-        self.device = resolve_device(device)
-        self.model = load_model(default_model_path() if model is None else model,
-                                device=self.device, dtype=self.dtype)
-        if not hasattr(self.model, "atomic_energies_fn"):
-            raise UnsupportedModelError(
-                f"{type(self.model).__name__} does not predict energies (no atomic_energies_fn); "
-                "MACEAccelCalculator needs an energy model (MACE, ScaleShiftMACE, ...)")
-        for p in self.model.parameters():  # forces/stress need gradients of inputs only
-            p.requires_grad_(False)
-        self.info = model_info(self.model)
-        self.head = validate_head(head, self.info)
-        self.compute_stress = bool(compute_stress)
-        self.min_distance = min_distance
-
-        if is_accelerated(self.model):
-            # saved accelerated (maybe with another backend or options): patch it afresh with
-            # the options asked for here; the originals are inside, so nothing is lost
-            restored = revert(self.model)
-            log.info("mace-accel: the model was saved accelerated; re-patched %d module(s) "
-                     "with the options asked for", restored)
-        self.report: PatchReport = accelerate(self.model, options=requested)
+        prepared = prepare_model(model, device, default_dtype, head, requested)
+        self.model, self.info, self.head = prepared.model, prepared.info, prepared.head
+        self.device, self.dtype = prepared.device, prepared.dtype
+        self.report: PatchReport = prepared.report
         self.options = self.report.options
         self.backend = self.report.backend
-        if self.backend != "cuda":
-            log.warning("mace-accel: running the %r backend (plain torch) on %s; the fused CUDA "
-                        "kernels need a machine with an NVIDIA GPU (device='cuda' or 'auto')",
-                        self.backend, self.device)
-        else:
-            log.info("mace-accel: running the 'cuda' backend on %s", self.device)
+        self.compute_stress = bool(compute_stress)
+        self.min_distance = min_distance
         self._resident = ResidentBatch(self.info, self.head, self.info.dtype, self.device,
                                        skin=_check_skin(skin),
                                        exact_skin=skin_is_exact(self.model))

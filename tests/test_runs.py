@@ -78,6 +78,23 @@ def test_singlepoint_matches_the_model(tiny_model, tmp_path):
     assert saved["task"] == "singlepoint" and saved["device"] == "cpu"
 
 
+def test_singlepoint_batches_frames_and_keeps_input_order(tiny_model, tmp_path):
+    """With a small edge budget the 4 frames take several batched calls; the results are the
+    same as one call, frame by frame, in input order."""
+    path, _ = tiny_model
+    one = run_example("singlepoint", tmp_path / "one", path)
+    many = run_example("singlepoint", tmp_path / "many", path,
+                       **{"singlepoint.max_edges": 2000})
+    assert one.summary["model_calls"] == 1 and many.summary["model_calls"] > 1
+    a = ase.io.read(one.outputs / "results.extxyz", ":")
+    b = ase.io.read(many.outputs / "results.extxyz", ":")
+    for x, y in zip(a, b):
+        assert x.get_potential_energy() == pytest.approx(y.get_potential_energy(), abs=1e-10)
+        np.testing.assert_allclose(x.get_forces(), y.get_forces(), atol=1e-8)
+    assert "batched model call(s); up to 2000 edges per call (given)" in \
+        (many.outputs / "run.log").read_text()
+
+
 def test_singlepoint_without_cell_leaves_stress_out(tiny_model, tmp_path):
     (tmp_path / "dimer.xyz").write_text("2\n\nCu 0 0 0\nNi 0 0 2.4\n")
     run_file = tmp_path / "sp.yaml"

@@ -67,7 +67,7 @@ class _Section:
             where = self._where(f.name)
             value = _coerce(where, hints[f.name], getattr(self, f.name))
             for check, bound in f.metadata.items():
-                if check in ("doc", "required"):
+                if check in ("doc", "required") or value is None:  # None: an optional key unset
                     continue
                 if check == "gt" and not value > bound:
                     raise ConfigError(f"{where} must be > {bound}, got {value}")
@@ -197,6 +197,8 @@ class SinglePointOptions(_Section):
     SECTION: ClassVar[str] = "singlepoint"
     properties: Tuple[str, ...] = _opt(("energy", "forces", "stress"),
                                        f"subset of {', '.join(SINGLEPOINT_PROPERTIES)}")
+    max_edges: Optional[int] = _opt(None, "edges per batched model call (null: measured on a "
+                                    "GPU to fill free memory; 100000 on the CPU)", gt=0)
 
     def _check(self) -> None:
         if not self.properties:

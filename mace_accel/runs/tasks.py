@@ -336,7 +336,17 @@ def _model_file(cfg: RunConfig) -> Path:
 
 
 def make_calculator(cfg: RunConfig, compute_stress: bool):
-    """The ASE calculator of a run (loads the model, patches it, verifies it)."""
+    """What evaluates the run's model (loads it, patches it, verifies it): a
+    :class:`~mace_accel.batched.BatchEvaluator` for singlepoint (many frames per model call),
+    the ASE calculator for geomopt and md."""
+    if cfg.task == "singlepoint":
+        from mace_accel.batched import BatchEvaluator
+
+        return BatchEvaluator(model=_model_file(cfg), device=cfg.device, default_dtype=cfg.dtype,
+                              head=cfg.head, backend=cfg.backend, verify=cfg.verify,
+                              fallback=cfg.fallback, deterministic=cfg.deterministic,
+                              min_distance=cfg.min_distance or None,
+                              max_edges=cfg.singlepoint.max_edges, compute_stress=compute_stress)
     from mace_accel.calculator import MACEAccelCalculator
 
     return MACEAccelCalculator(model=_model_file(cfg), device=cfg.device,
@@ -452,30 +462,40 @@ def _max_force(atoms) -> float:
 # tasks: each returns (summary, {role: path})
 
 
-def run_singlepoint(cfg: RunConfig, frames: List[Any], calc, log: RunLog,
+def run_singlepoint(cfg: RunConfig, frames: List[Any], evaluator, log: RunLog,
                     progress_stream: Optional[TextIO] = None):
-    """Evaluate ``singlepoint.properties`` on every frame; write ``results.extxyz``."""
+    """Evaluate ``singlepoint.properties`` on every frame, many frames per model call
+    (:class:`~mace_accel.batched.BatchEvaluator`); write ``results.extxyz`` in input order."""
+    from ase.calculators.singlepoint import SinglePointCalculator
+
     out = Path(cfg.outputs) / "results.extxyz"
     partial = out.with_name(out.name + ".partial")
     wanted = list(cfg.singlepoint.properties)
     skipped_stress = 0
     with open(partial, "w") as handle, _progress(cfg, len(frames), "singlepoint",
                                                  progress_stream) as bar:
-        for i, atoms in enumerate(frames):
-            props = [p for p in wanted if p != "stress" or _has_stress(atoms)]
+        results = evaluator.iter_results(frames, progress=bar.update)
+        for i, (atoms, result) in enumerate(zip(frames, results)):
+            props = [p for p in wanted if p != "stress" or "stress" in result]
             skipped_stress += len(props) < len(wanted)
-            atoms.calc = calc
-            for name in props:  # one model call: the first computes all, the rest are cached
-                calc.get_property(name, atoms)
-            frame = snapshot(atoms, props)
+            frame = atoms.copy()
+            frame.calc = SinglePointCalculator(frame, **{p: result[p] for p in props})
             write_frame(handle, frame)
-            energy = frame.get_potential_energy()
-            log.write(f"frame {i}: {len(atoms)} atoms, energy {energy:.8f} eV")
-            bar.update()
+            log.write(f"frame {i}: {len(atoms)} atoms, energy {result['energy']:.8f} eV")
     os.replace(partial, out)
+    log.write(f"{len(frames)} frame(s) in {evaluator.n_calls} batched model call(s); "
+              f"{_budget_text(evaluator.budget)}")
     if skipped_stress:
         log.write(f"stress left out for {skipped_stress} frame(s) without a 3D periodic cell")
-    return {"frames": len(frames), "stress_skipped": skipped_stress}, {"results": out}
+    return ({"frames": len(frames), "model_calls": evaluator.n_calls,
+             "stress_skipped": skipped_stress}, {"results": out})
+
+
+def _budget_text(budget) -> str:
+    if budget.bytes_per_edge is None:
+        return f"up to {budget.max_edges} edges per call ({budget.source})"
+    return (f"up to {budget.max_edges} edges per call (measured: {budget.bytes_per_edge:.0f} "
+            f"bytes per edge, {budget.free_bytes / 2**30:.1f} GiB free)")
 
 
 def _make_optimizer(name: str):
