@@ -26,6 +26,7 @@ _API = {
     "MACEAccelCalculator": "mace_accel.calculator",
     "mace_mp": "mace_accel.calculator",
     "mace_off": "mace_accel.calculator",
+    "AcceleratedMaceModel": "mace_accel.torchsim",
     "BatchEvaluator": "mace_accel.batched",
     "evaluate": "mace_accel.batched",
     "load_model": "mace_accel.models.checkpoint",

@@ -16,11 +16,14 @@ split in two and retried (logged as a warning). On the CPU the budget is ``cpu_m
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -66,6 +69,8 @@ class BatchEvaluator:
         probe_edges: size of the first, measuring chunk.
         cpu_max_edges: edges per call on the CPU when ``max_edges`` is None.
         compute_stress: stress of the periodic structures (3D cell of non-zero volume).
+        workers: threads preparing structures on the host (validation, neighbour lists);
+            default: the CPU count, at most 8.
     """
 
     def __init__(self, model: Union[str, Path, torch.nn.Module, None] = None,
@@ -75,9 +80,11 @@ class BatchEvaluator:
                  min_distance: Optional[float] = 0.5, max_edges: Optional[int] = None,
                  memory_fraction: float = 0.7, probe_edges: int = 200_000,
                  cpu_max_edges: int = 100_000, compute_stress: bool = True,
-                 options: Optional[AccelOptions] = None) -> None:
+                 workers: Optional[int] = None, options: Optional[AccelOptions] = None) -> None:
         if max_edges is not None and (isinstance(max_edges, bool) or int(max_edges) < 1):
             raise ConfigError(f"max_edges must be a positive number of edges, got {max_edges!r}")
+        if workers is not None and (isinstance(workers, bool) or int(workers) < 1):
+            raise ConfigError(f"workers must be a positive number of threads, got {workers!r}")
         if not 0.0 < float(memory_fraction) <= 0.95:
             raise ConfigError(f"memory_fraction must be in (0, 0.95], got {memory_fraction!r}")
         requested = make_options(options, backend=backend, verify=verify, fallback=fallback,
@@ -96,6 +103,8 @@ class BatchEvaluator:
         else:
             self.budget = MemoryBudget(int(cpu_max_edges), source="cpu default")
         self._table = species_table(self.prepared.info)
+        self.workers = int(workers) if workers is not None else min(8, os.cpu_count() or 1)
+        self.prefetch = 4 * self.workers  # frames prepared ahead of the one being batched
         self._batcher: Optional[FrameBatcher] = None
         self.n_calls = 0
 
@@ -144,8 +153,10 @@ class BatchEvaluator:
         pending: List[HostFrame] = []
         stress: List[bool] = []
         edges = 0
-        for index, atoms in enumerate(frames):
-            frame = self._host(index, atoms)
+        for atoms, frame in self._host_frames(frames):
+            if self._batcher is None:  # learns mace's fields from the first frame
+                p = self.prepared
+                self._batcher = FrameBatcher(atoms, p.info, p.head, p.dtype, p.device)
             if pending and edges + frame.n_edges > self.budget.max_edges:
                 yield from self._run_chunk(pending, stress, progress)
                 pending, stress, edges = [], [], 0
@@ -156,13 +167,24 @@ class BatchEvaluator:
             yield from self._run_chunk(pending, stress, progress)
 
     # -- internals ------------------------------------------------------------------------------
+    def _host_frames(self, frames: Iterable) -> Iterator[Tuple[object, HostFrame]]:
+        """``(atoms, HostFrame)`` in input order, prepared by a pool of threads a bounded
+        window ahead (vesin and numpy release the GIL), so the host keeps up with the GPU."""
+        window: "collections.deque" = collections.deque()
+        with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
+            for index, atoms in enumerate(frames):
+                window.append((atoms, pool.submit(self._host, index, atoms)))
+                if len(window) >= self.prefetch:
+                    atoms_, future = window.popleft()
+                    yield atoms_, future.result()
+            while window:
+                atoms_, future = window.popleft()
+                yield atoms_, future.result()
+
     def _host(self, index: int, atoms) -> HostFrame:
-        p = self.prepared
         try:
-            host = host_frame(atoms, p.info, self._table, self.min_distance)
-            if self._batcher is None:  # learns mace's fields from the first valid frame
-                self._batcher = FrameBatcher(atoms, p.info, p.head, p.dtype, p.device)
-            return host
+            return host_frame(atoms, self.prepared.info, self._table, self.min_distance,
+                              device=self.prepared.device)
         except InputError as exc:
             raise InputError(f"frame {index}: {exc}") from None
         except (AttributeError, TypeError) as exc:

@@ -9,15 +9,18 @@ before it is batched.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
+from mace_accel.capture import unpack
 from mace_accel.errors import ConfigError
 from mace_accel.models.prepared import prepare_model
 from mace_accel.models.resident import ResidentBatch, skin_is_exact
@@ -44,8 +47,9 @@ class MACEAccelCalculator(Calculator):
         default_dtype: ``"float32"`` (MD) or ``"float64"`` (optimisation, finite differences);
             the model is cast to it; torch's global default dtype is never changed.
         head: head of a multi-head model (default: the only head, or the one named "default").
-        compute_stress: compute the stress of every periodic structure; if False, only when
-            stress is asked for.
+        compute_stress: compute the stress of every periodic structure in every call; if False
+            (the default), only when stress is asked for (``get_stress``, NPT integrators,
+            cell filters), so MD and relaxations of positions do not pay for it.
         backend: ``"auto"`` (``"cuda"`` on a GPU, ``"reference"`` on CPU), ``"cuda"`` or
             ``"reference"``.
         verify: check the accelerated model against the unpatched one on a random structure.
@@ -68,13 +72,14 @@ class MACEAccelCalculator(Calculator):
         report: the :class:`~mace_accel.surgery.PatchReport` of the surgery.
         options: the options in effect (backend resolved).
         model, info, device, dtype, head: what is evaluated, and how.
+        timings: :class:`CallTimings` of the calls so far (checks, neighbour list, model).
     """
 
     implemented_properties = ["energy", "free_energy", "forces", "stress", "energies"]
 
     def __init__(self, model: Union[str, Path, torch.nn.Module, None] = None,
                  device: Union[str, torch.device] = "auto", default_dtype: str = "float32",
-                 head: Optional[str] = None, compute_stress: bool = True, backend: str = "auto",
+                 head: Optional[str] = None, compute_stress: bool = False, backend: str = "auto",
                  verify: bool = True, fallback: str = "warn",
                  min_distance: Optional[float] = 0.5, deterministic: bool = True,
                  graphs: Optional[bool] = None, skin: float = 0.3,
@@ -90,11 +95,13 @@ class MACEAccelCalculator(Calculator):
         self.backend = self.report.backend
         self.compute_stress = bool(compute_stress)
         self.min_distance = min_distance
+        self.timings = CallTimings()
         self._resident = ResidentBatch(self.info, self.head, self.info.dtype, self.device,
                                        skin=_check_skin(skin),
                                        exact_skin=skin_is_exact(self.model))
         self.graphs = _resolve_graphs(graphs, self.device)
         self._graphed = None
+        self._host: Optional[torch.Tensor] = None  # pinned buffer the packed results land in
         if self.graphs:
             from mace_accel.capture import GraphedCall
 
@@ -111,6 +118,7 @@ class MACEAccelCalculator(Calculator):
         ``energies [N]`` (eV, per-atom energies including the atomic reference energies),
         ``stress [6]`` (Voigt xx, yy, zz, yz, xz, xy; eV/Å^3; ASE's sign: positive = tensile).
         """
+        t_start = time.perf_counter()
         Calculator.calculate(self, atoms, properties, system_changes)
         atoms = self.atoms
         new_topology = (self._resident.topology(atoms) != self._resident._topology
@@ -126,31 +134,114 @@ class MACEAccelCalculator(Calculator):
                 f"{atoms.pbc.tolist()}, volume={abs(np.linalg.det(atoms.cell.array)):.3g} Å^3)")
         want_stress = stress_ok and (self.compute_stress or "stress" in properties)
 
-        batch = self._resident.batch(atoms)
-        if not new_topology and self.min_distance:
-            if self._resident.shortest_distance(batch) < self.min_distance:
-                validate_atoms(atoms, self.info, min_distance=self.min_distance)  # says who
+        t_checked = time.perf_counter()
+        # the neighbour list's reuse is checked on the device and read back with the results
+        # (one synchronisation a step); a stale list, rare, costs a rebuild and a second call
+        for attempt in range(2):
+            batch = self._resident.batch(atoms, defer_check=attempt == 0 and not new_topology)
+            t_listed = time.perf_counter()
+            results, shortest, stale = self._call(batch, len(atoms), want_stress)
+            if not stale:
+                break
+            self._resident.rebuild_next()
+        if not new_topology and self.min_distance and shortest < self.min_distance:
+            validate_atoms(atoms, self.info, min_distance=self.min_distance)  # says who
+        self.results = results
+        self.timings.add(t_start, t_checked, t_listed, time.perf_counter())
+
+    def _call(self, batch: Dict[str, torch.Tensor], n_atoms: int, want_stress: bool
+              ) -> Tuple[dict, float, bool]:
+        """One model call (a graph replay, or eager), its results copied to the host at once
+        with the shortest interatomic distance and the deferred neighbour-list verdict.
+
+        Returns:
+            ``(ASE results, shortest distance in Å, whether the neighbour list was stale)``.
+        """
+        stale = self._resident.stale
         if self._graphed is not None:
             out = self._graphed(batch, compute_stress=want_stress)
-        else:
-            out = self.model(batch, training=False, compute_force=True,
-                             compute_stress=want_stress)
-        self.results = _results(out, len(atoms), want_stress)
+            flat, was_stale = self._fetch(out["packed"], stale)
+            packed, shortest = unpack(flat, n_atoms, out["n_pad"], want_stress)
+            return _ase_results(packed, want_stress), shortest, was_stale
+        out = self.model(batch, training=False, compute_force=True, compute_stress=want_stress)
+        extra = [self._resident.shortest_distance(batch)]
+        if stale is not None:
+            extra.append(stale)
+        results, values = _results(out, n_atoms, want_stress, extra)
+        return results, float(values[0]), stale is not None and bool(values[1])
+
+    def _fetch(self, packed: torch.Tensor, stale: Optional[torch.Tensor]
+               ) -> Tuple[np.ndarray, bool]:
+        """``packed`` (and the 0-dim ``stale`` flag) to pinned host memory, then one wait."""
+        size = int(packed.numel())
+        if self._host is None or self._host.numel() < size + 1:
+            self._host = torch.empty(size + 1, dtype=torch.float64, pin_memory=True)
+        self._host[:size].copy_(packed, non_blocking=True)
+        if stale is not None:
+            self._host[size:size + 1].copy_(stale.reshape(1), non_blocking=True)
+        torch.cuda.current_stream(packed.device).synchronize()
+        host = self._host.numpy()
+        return host[:size], stale is not None and bool(host[size])
 
 
-def _results(out, n_atoms: int, with_stress: bool) -> dict:
-    """ASE results from the model's outputs, with one copy from the device."""
+@dataclasses.dataclass
+class CallTimings:
+    """Where the calculator's calls spent their time (host clock; each call ends with the one
+    copy of its results from the device, so the model part includes the GPU's work).
+
+    Attributes:
+        calls: number of calls.
+        checks_s: input checks and ASE bookkeeping.
+        neighbours_s: the batch update: positions to the device, neighbour list (reuse check
+            or rebuild).
+        model_s: the model call (graph replay or eager) and the results' copy to the host.
+    """
+
+    calls: int = 0
+    checks_s: float = 0.0
+    neighbours_s: float = 0.0
+    model_s: float = 0.0
+
+    def add(self, start: float, checked: float, listed: float, done: float) -> None:
+        self.calls += 1
+        self.checks_s += checked - start
+        self.neighbours_s += listed - checked
+        self.model_s += done - listed
+
+    def per_call_ms(self) -> Dict[str, float]:
+        """Mean milliseconds per call of each part (empty before the first call)."""
+        if not self.calls:
+            return {}
+        return {name: 1e3 * getattr(self, f"{name}_s") / self.calls
+                for name in ("checks", "neighbours", "model")}
+
+
+def _results(out, n_atoms: int, with_stress: bool,
+             extra: Sequence[torch.Tensor] = ()) -> Tuple[dict, np.ndarray]:
+    """ASE results from the model's outputs, and the values of the 0-dim tensors ``extra``,
+    with one copy from the device."""
     parts = [out["energy"].detach().reshape(-1)[:1], out["node_energy"].detach().reshape(-1),
              out["forces"].detach().reshape(-1)]
     if with_stress:
         parts.append(out["stress"].detach().reshape(-1)[:9])
+    parts += [t.reshape(1) for t in extra]
     flat = torch.cat([p.to(torch.float64) for p in parts]).cpu().numpy()
-    energy = float(flat[0])
-    results = {"energy": energy, "free_energy": energy,
-               "energies": flat[1:1 + n_atoms].copy(),
-               "forces": flat[1 + n_atoms:1 + 4 * n_atoms].reshape(n_atoms, 3).copy()}
+    values, flat = flat[len(flat) - len(extra):], flat[:len(flat) - len(extra)]
+    out = {"energy": float(flat[0]), "node_energy": flat[1:1 + n_atoms],
+           "forces": flat[1 + n_atoms:1 + 4 * n_atoms].reshape(n_atoms, 3)}
     if with_stress:
-        results["stress"] = full_3x3_to_voigt_6_stress(flat[1 + 4 * n_atoms:].reshape(3, 3))
+        out["stress"] = flat[1 + 4 * n_atoms:].reshape(3, 3)
+    return _ase_results(out, with_stress), values
+
+
+def _ase_results(out: dict, with_stress: bool) -> dict:
+    """ASE's result names and conventions from host arrays of the model's outputs."""
+    energy = float(out["energy"])
+    results = {"energy": energy, "free_energy": energy,
+               "energies": np.array(out["node_energy"], dtype=np.float64),
+               "forces": np.array(out["forces"], dtype=np.float64)}
+    if with_stress:
+        results["stress"] = full_3x3_to_voigt_6_stress(np.asarray(out["stress"]).reshape(3, 3))
     return results
 
 

@@ -43,15 +43,21 @@ LABELS = ("energy", "forces", "stress", "virials", "dipole", "polarizability")
 
 
 # padding edges per padding atom at most: each atom's edges are one thread block's work in the
-# fused convolution, so piling every padding edge onto one atom would make a long tail
-PAD_EDGES_PER_ATOM = 32
+# fused convolution, so piling every padding edge onto one atom would make a long tail (a real
+# atom of a dense solid has ~80 edges at 6 Å)
+PAD_EDGES_PER_ATOM = 96
 
 
 def padded_shape(n_atoms: int, n_edges: int) -> Tuple[int, int]:
     """``(N_pad, E_pad)``: the bucket of a structure, with at least one padding atom and at
-    most :data:`PAD_EDGES_PER_ATOM` padding edges on each padding atom."""
+    most :data:`PAD_EDGES_PER_ATOM` padding edges on each padding atom.
+
+    ``N_pad`` depends on ``n_edges`` only through its bucket: enough padding atoms for any edge
+    count of the bucket, so that MD, whose edge count wanders within a bucket as the
+    neighbour list is rebuilt, keeps replaying one graph."""
     e_pad = bucket(n_edges)
-    dummies = max(1, -(-(e_pad - n_edges) // PAD_EDGES_PER_ATOM))
+    widest = e_pad - bucket_below(e_pad)  # most padding edges any count in this bucket needs
+    dummies = max(1, -(-widest // PAD_EDGES_PER_ATOM))
     return bucket(n_atoms + dummies), e_pad
 
 
@@ -66,6 +72,19 @@ def bucket(n: int, minimum: int = 16, steps_per_octave: int = 8) -> int:
     return int(math.ceil(size / 8) * 8)
 
 
+def bucket_below(size: int, minimum: int = 16, steps_per_octave: int = 8) -> int:
+    """The ladder size just below the rung ``size`` of :func:`bucket` (0 below the smallest)."""
+    if size <= minimum:
+        return 0
+    k = math.ceil(steps_per_octave * math.log2(size / minimum) - 1e-9)  # a rung of size
+    while k > 0:  # rounding to 8 merges some small rungs: step down to a smaller one
+        k -= 1
+        below = int(math.ceil(minimum * 2 ** (k / steps_per_octave) / 8) * 8)
+        if below < size:
+            return below
+    return 0
+
+
 @dataclasses.dataclass
 class _Captured:
     graph: Optional[torch.cuda.CUDAGraph]
@@ -76,6 +95,39 @@ class _Captured:
     # what each static input was last filled from: (tensor, its version); an unchanged source
     # (the same tensor, not modified since) is not copied again (MD: only positions change)
     sources: Dict[str, Tuple[Tensor, int]] = dataclasses.field(default_factory=dict)
+    # every result in one float64 vector, packed inside the graph (see pack())
+    packed: Optional[Tensor] = None
+
+
+def pack(inputs: Dict[str, Tensor], out: Dict[str, Tensor], compute_stress: bool) -> Tensor:
+    """All results of a padded call in one float64 vector, so that a step copies them to the
+    host with one copy: ``[energy, shortest edge (Å), stress (9, if computed),
+    node energies (N_pad), forces (3 N_pad)]`` (:func:`unpack` reads it).
+
+    The shortest edge is over every edge, padding included (padding edges are longer than
+    the cutoff), so it is the real structure's shortest interatomic distance."""
+    pos = inputs["positions"].detach().to(torch.float64)
+    ei = inputs["edge_index"]
+    vectors = pos[ei[1]] - pos[ei[0]] + inputs["shifts"].to(torch.float64)
+    parts = [out["energy"][:1], vectors.norm(dim=1).min().reshape(1)]
+    if compute_stress:
+        parts.append(out["stress"][:1].reshape(-1))
+    parts += [out["node_energy"].reshape(-1), out["forces"].reshape(-1)]
+    return torch.cat([p.detach().to(torch.float64).reshape(-1) for p in parts])
+
+
+def unpack(flat, n_atoms: int, n_pad: int, with_stress: bool) -> Tuple[Dict[str, object], float]:
+    """``(results, shortest edge)`` from a packed vector copied to the host (numpy float64):
+    ``energy`` (float), ``node_energy [n_atoms]``, ``forces [n_atoms, 3]``, ``stress [3, 3]``
+    (if packed), as copies."""
+    head = 11 if with_stress else 2
+    results: Dict[str, object] = {"energy": float(flat[0])}
+    if with_stress:
+        results["stress"] = flat[2:11].reshape(3, 3).copy()
+    results["node_energy"] = flat[head:head + n_atoms].copy()
+    forces = flat[head + n_pad:head + 4 * n_pad].reshape(n_pad, 3)
+    results["forces"] = forces[:n_atoms].copy()
+    return results, float(flat[1])
 
 
 class GraphedCall:
@@ -88,8 +140,8 @@ class GraphedCall:
 
     Call it with a one-structure mace batch dict (as :func:`mace_accel.models.batch.atoms_to_batch`
     makes it, on the model's device) and get ``{"energy": [1], "forces": [N, 3],
-    "node_energy": [N], "stress": [1, 3, 3] (if asked)}`` (views of the static outputs: copy
-    them before the next call).
+    "node_energy": [N], "stress": [1, 3, 3] (if asked), "packed": [P] (:func:`pack`),
+    "n_pad": N_pad}`` (views of the static outputs: copy them before the next call).
     """
 
     def __init__(self, model: torch.nn.Module, r_max: float, max_graphs: int = 8) -> None:
@@ -115,7 +167,8 @@ class GraphedCall:
         entry.graph.replay()
         out = {"energy": entry.outputs["energy"][:1],
                "forces": entry.outputs["forces"][:n_atoms],
-               "node_energy": entry.outputs["node_energy"][:n_atoms]}
+               "node_energy": entry.outputs["node_energy"][:n_atoms],
+               "packed": entry.packed, "n_pad": key[0]}
         if compute_stress:
             out["stress"] = entry.outputs["stress"][:1]
         return out
@@ -202,6 +255,7 @@ class GraphedCall:
         out = self._run(entry.inputs, compute_stress)
         result = {"energy": out["energy"][:1], "forces": out["forces"][:n_atoms],
                   "node_energy": out["node_energy"][:n_atoms],
+                  "packed": pack(entry.inputs, out, compute_stress), "n_pad": key[0],
                   "padding": {"energy": out["energy"][1:], "forces": out["forces"][n_atoms:]}}
         if compute_stress:
             result["stress"] = out["stress"][:1]
@@ -232,6 +286,7 @@ class GraphedCall:
         forget_cached_graph()
         with torch.cuda.graph(entry.graph, pool=self._pool):
             entry.outputs = self._run(entry.inputs, compute_stress)
+            entry.packed = pack(entry.inputs, entry.outputs, compute_stress)
         forget_cached_graph()  # its tensors live in the graph's pool: no eager call reuses them
         self._graphs[key] = entry
         self.n_captures += 1

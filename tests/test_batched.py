@@ -169,7 +169,7 @@ def test_single_frame_out_of_memory_is_a_clear_error(monkeypatch):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_edges": 0}, "max_edges"), ({"max_edges": True}, "max_edges"),
-    ({"memory_fraction": 1.5}, "memory_fraction"),
+    ({"memory_fraction": 1.5}, "memory_fraction"), ({"workers": 0}, "workers"),
 ])
 def test_bad_options(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -183,3 +183,24 @@ def test_empty_iterable_and_generator(evaluator):
     assert [r["energy"] for r in from_generator] == [r["energy"]
                                                      for r in evaluator.evaluate(frames)]
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gpu_batched_equals_calculator_and_measures_memory(dtype):
+    """On a GPU the fused kernels evaluate the batch; the first chunk measures the budget."""
+    frames = _frames(9)
+    evaluator = BatchEvaluator(None, device="cuda", default_dtype=dtype, fallback="error",
+                               probe_edges=2000)
+    assert evaluator.backend == "cuda"
+    results = evaluator.evaluate(frames)
+    assert evaluator.budget.source == "measured" and evaluator.budget.bytes_per_edge > 0
+    assert evaluator.budget.max_edges > 2000
+    calc = MACEAccelCalculator(None, device="cuda", default_dtype=dtype, fallback="error",
+                               graphs=False, verify=False)
+    tol = 1e-9 if dtype == "float64" else 1e-4
+    for atoms, got in zip(frames, results):
+        atoms = atoms.copy()
+        atoms.calc = calc
+        assert got["energy"] == pytest.approx(atoms.get_potential_energy(), abs=tol * len(atoms))
+        np.testing.assert_allclose(got["forces"], atoms.get_forces(), atol=tol * 10)

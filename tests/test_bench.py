@@ -343,6 +343,27 @@ def test_md_with_the_mace_accel_calculator(tiny_model):
                     allow_reference=True)
     assert record.backend == REFERENCE_NAME and record.status == "ok", record.status
     assert record.steps_per_s > 0
+    # the step splits into the calculator and the rest, the calculator into its parts
+    assert record.calc_ms + record.rest_ms == pytest.approx(record.ms_per_step)
+    parts = record.checks_ms + record.neighbours_ms + record.model_ms
+    assert 0 < parts <= record.calc_ms and record.model_ms > record.neighbours_ms
+
+
+def test_nve_drift_of_accelerated_and_e3nn_models(tiny_model):
+    """Both drift backends run the same trajectory (same seed): the accelerated model and
+    the reverted (e3nn) one agree to round-off, so their drifts agree too."""
+    from mace_accel.bench.md import nve_drift
+
+    atoms = build_system(_info((28, 29), 4.0), 32).atoms
+    records = [nve_drift(b, tiny_model, atoms, "cpu", "tiny", steps=20, sample_every=5)
+               for b in ("mace-accel", "e3nn-graphs")]
+    for r in records:
+        assert r.status == "ok", r.status
+        assert np.isfinite(r.drift_meV_per_atom_per_ns) and r.max_dev_meV_per_atom >= 0
+    assert records[0].max_dev_meV_per_atom == pytest.approx(records[1].max_dev_meV_per_atom,
+                                                            rel=1e-6, abs=1e-9)
+    with pytest.raises(ConfigError, match="drift backend"):
+        nve_drift("cueq", tiny_model, atoms, "cpu", "tiny")
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -405,3 +426,18 @@ def test_bench_on_gpu_side_by_side(tmp_path, tiny_source):
         assert m.status == "ok" and m.stop_reason == UPPER_BOUND and m.max_atoms == 4 * 6**3
     for md in result.md:
         assert md.status == "ok" or md.status.startswith("not installed"), md.status
+
+
+def test_throughput_batched_vs_one_by_one(tiny_model):
+    from mace_accel.bench.throughput import make_frames, run_throughput
+
+    frames = make_frames(tiny_model, 6)
+    assert all(64 <= len(a) <= 256 for a in frames)
+    records = run_throughput(tiny_model, "cpu", "tiny", n_frames=6, one_by_one_frames=3,
+                             log=lambda line: None)
+    batched, ours, cueq = records
+    assert batched.status == "ok" and batched.frames == 6 and batched.model_calls < 6
+    assert ours.status == "ok" and ours.model_calls == ours.frames == 3
+    assert batched.frames_per_s > 0 and ours.atoms_per_s > 0
+    if bench_backends.missing_requirement("cueq") is not None:
+        assert cueq.status.startswith("not installed")

@@ -248,7 +248,8 @@ def _md_like_steps(atoms, n: int = 4, seed: int = 0):
 def test_resident_steps_match_a_fresh_calculator(model_file, skin):
     """Positions and cell changed step by step (as MD and cell relaxations do) give what a new
     calculator computes from scratch; the neighbour list is rebuilt only when needed."""
-    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64", skin=skin)
+    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64", skin=skin,
+                               compute_stress=True)  # one call per step gives forces and stress
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
     atoms.numbers[::3] = 8
     atoms.calc = calc
@@ -265,6 +266,47 @@ def test_resident_steps_match_a_fresh_calculator(model_file, skin):
     assert calc._resident.n_templates == 1
     builds = calc._resident.neighbours.n_builds
     assert builds == (4 if skin == 0 else 2)  # skin: the first list and the cell change
+
+
+def test_deferred_list_check_catches_a_large_move(model_file):
+    """The list's reuse is decided on the device and read back with the results: a move of
+    more than half the skin makes that call stale; it rebuilds and gives the fresh result."""
+    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64", skin=0.4)
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
+    atoms.calc = calc
+    atoms.get_forces()
+    atoms.positions[3] += [0.05, 0.0, 0.0]  # within skin / 2: reused
+    atoms.get_forces()
+    assert calc._resident.neighbours.n_builds == 1
+    atoms.positions[3] += [0.25, 0.0, 0.0]  # beyond: stale, rebuilt within the same call
+    forces = atoms.get_forces()
+    assert calc._resident.neighbours.n_builds == 2
+    fresh = atoms.copy()
+    fresh.calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64",
+                                     verify=False)
+    assert rel(forces, fresh.get_forces()) < TOL
+
+
+def test_stress_only_when_asked_by_default(model_file):
+    """The default leaves the stress out of energy/forces calls (MD does not use it) and
+    computes it when asked, equal to a calculator that always computes it; the call timings
+    count every call."""
+    lazy = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+    eager = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64",
+                                verify=False, compute_stress=True)
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
+    atoms.rattle(0.05, seed=2)
+    atoms.calc = lazy
+    forces = atoms.get_forces()
+    assert "stress" not in lazy.results and lazy.timings.calls == 1
+    stress = atoms.get_stress()
+    assert lazy.timings.calls == 2
+    other = atoms.copy()
+    other.calc = eager
+    assert rel(other.get_forces(), forces) < TOL and "stress" in eager.results
+    assert rel(other.get_stress(), stress) < TOL
+    parts = lazy.timings.per_call_ms()
+    assert set(parts) == {"checks", "neighbours", "model"} and all(v > 0 for v in parts.values())
 
 
 def test_new_numbers_or_atom_count_rebuild_the_batch(model_file):

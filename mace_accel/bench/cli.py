@@ -122,6 +122,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="atom counts for --md (default: 256)")
     more.add_argument("--md-steps", type=int, default=20, help="timed MD steps (default: 20)")
     more.add_argument("--md-warmup", type=int, default=5, help="untimed MD steps (default: 5)")
+    more.add_argument("--md-compile", action="store_true",
+                      help="with --md and cueq: also time mace's MACECalculator(enable_cueq=True, "
+                           "compile_mode='reduce-overhead') (compiling takes minutes)")
+    more.add_argument("--md-drift-steps", type=int, default=0, metavar="N",
+                      help="with --md: also run N NVE steps (e.g. 10000) with mace-accel and "
+                           "with e3nn behind the same calculator, and fit the energy drift "
+                           "(default: 0, none)")
+    more.add_argument("--throughput", type=int, default=0, metavar="FRAMES",
+                      help="also time FRAMES structures of 64-256 atoms evaluated batched "
+                           "(BatchEvaluator) vs one calculator call per structure (ours and "
+                           "mace's with cueq, on the first 200) (default: 0, none)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"),
                         help="output folder (default: ./bench_out)")
     parser.add_argument("--summarize", type=Path, default=None, metavar="JSON",
@@ -174,7 +185,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed, time_limit_s=args.time_limit, max_size=args.max_size,
         max_size_cells=args.max_size_cells, max_size_time_limit_s=args.max_size_time_limit,
         md=args.md, md_sizes=args.md_sizes, md_steps=args.md_steps, md_warmup=args.md_warmup,
-        profile=args.profile)
+        md_compile=args.md_compile, md_drift_steps=args.md_drift_steps,
+        throughput_frames=args.throughput, profile=args.profile)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

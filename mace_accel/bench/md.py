@@ -2,9 +2,18 @@
 host-device transfers and the integrator, i.e. what a user running MD gets.
 
 Calculators: ``mace-accel`` = :class:`mace_accel.MACEAccelCalculator`; ``e3nn``, ``cueq`` and
-``oeq`` = mace's ``MACECalculator`` without and with ``enable_cueq`` / ``enable_oeq``. As in
-:mod:`.backends`, a missing package is reported ``not installed`` (mace's calculator would
-otherwise run plain e3nn under the cueq name) and nothing is dropped.
+``oeq`` = mace's ``MACECalculator`` without and with ``enable_cueq`` / ``enable_oeq``;
+``cueq-compile`` = mace's ``MACECalculator(enable_cueq=True, compile_mode="reduce-overhead")``
+(torch.compile with CUDA graphs: the strongest thing a mace user has today; compiling takes
+minutes, spent in the warm-up steps). As in :mod:`.backends`, a missing package is reported
+``not installed`` (mace's calculator would otherwise run plain e3nn under the cueq name) and
+nothing is dropped.
+
+Each step's time is split into the calculator (``calc_ms``: everything inside ``calculate``)
+and the rest (the integrator, ASE's bookkeeping); for mace-accel the calculator's part is split
+again into checks, neighbour list and model (:class:`mace_accel.calculator.CallTimings`).
+
+:func:`nve_drift` runs a long NVE trajectory and fits the drift of the total energy.
 """
 
 from __future__ import annotations
@@ -47,7 +56,15 @@ class MDRecord:
     ms_per_step: Optional[float] = None
     steps_per_s: Optional[float] = None
     ns_per_day: Optional[float] = None
+    calc_ms: Optional[float] = None
+    rest_ms: Optional[float] = None
+    checks_ms: Optional[float] = None
+    neighbours_ms: Optional[float] = None
+    model_ms: Optional[float] = None
     detail: str = ""
+
+
+MD_BACKENDS = BACKENDS + ("cueq-compile",)
 
 
 def _mace_calculator(backend: str, model: torch.nn.Module, device: str, dtype: torch.dtype):
@@ -56,9 +73,11 @@ def _mace_calculator(backend: str, model: torch.nn.Module, device: str, dtype: t
     import_mace()
     from mace.calculators import MACECalculator
 
+    extra = {"compile_mode": "reduce-overhead"} if backend == "cueq-compile" else {}
     return MACECalculator(models=copy.deepcopy(model), device=device,
-                          default_dtype=DTYPE_NAMES[dtype], enable_cueq=backend == "cueq",
-                          enable_oeq=backend == "oeq")
+                          default_dtype=DTYPE_NAMES[dtype],
+                          enable_cueq=backend in ("cueq", "cueq-compile"),
+                          enable_oeq=backend == "oeq", **extra)
 
 
 def _accel_calculator(backend: str, model: torch.nn.Module, device: str, dtype: torch.dtype):
@@ -80,6 +99,23 @@ def _thermalize(atoms, temperature_K: float, seed: int) -> None:
         vd.MaxwellBoltzmannDistribution(atoms, temperature_K=temperature_K, rng=rng)
 
 
+class _CalcClock:
+    """Wraps ``calc.calculate`` to add up the wall time spent inside it."""
+
+    def __init__(self, calc) -> None:
+        self.seconds = 0.0
+        inner = calc.calculate
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        calc.calculate = timed
+
+
 def _steps(atoms, calc, n: int, timestep_fs: float) -> float:
     """Run ``n`` velocity-Verlet steps; returns the wall time in seconds."""
     from ase import units
@@ -90,6 +126,10 @@ def _steps(atoms, calc, n: int, timestep_fs: float) -> float:
     t0 = time.perf_counter()
     dyn.run(n)
     return time.perf_counter() - t0
+
+
+def _backend_name(backend: str) -> str:
+    return "cueq" if backend == "cueq-compile" else backend
 
 
 def run_md(backend: str, model: torch.nn.Module, atoms, device: torch.device | str,
@@ -108,12 +148,12 @@ def run_md(backend: str, model: torch.nn.Module, atoms, device: torch.device | s
     Returns:
         an :class:`MDRecord`; failures are in its ``status``, never raised.
     """
-    if backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    if backend not in MD_BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(MD_BACKENDS)}")
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     record = MDRecord(label, DTYPE_NAMES[dtype], backend, OK, len(atoms), steps, warmup_steps,
                       timestep_fs)
-    missing = missing_requirement(backend)
+    missing = missing_requirement(_backend_name(backend))
     if missing is not None:
         record.status = f"not installed: {missing}"
         return record
@@ -131,7 +171,11 @@ def run_md(backend: str, model: torch.nn.Module, atoms, device: torch.device | s
             else:
                 calc = _mace_calculator(backend, model, dev, dtype)
             _steps(atoms, calc, warmup_steps, timestep_fs)
+            if hasattr(calc, "timings"):  # count the timed steps only
+                calc.timings = type(calc.timings)()
+            clock = _CalcClock(calc)
             seconds = _steps(atoms, calc, steps, timestep_fs)
+            timings = getattr(calc, "timings", None)
     except Exception as exc:  # reported in the record; the other calculators still run
         record.status = failure_status(exc)
         return record
@@ -141,4 +185,98 @@ def run_md(backend: str, model: torch.nn.Module, atoms, device: torch.device | s
     record.ms_per_step = 1e3 * seconds / steps
     record.steps_per_s = steps / seconds
     record.ns_per_day = record.steps_per_s * timestep_fs * 86400 * 1e-6
+    record.calc_ms = 1e3 * clock.seconds / steps
+    record.rest_ms = record.ms_per_step - record.calc_ms
+    if timings is not None and timings.calls:
+        split = timings.per_call_ms()
+        record.checks_ms, record.neighbours_ms, record.model_ms = (
+            split["checks"], split["neighbours"], split["model"])
+    return record
+
+
+DRIFT_BACKENDS = ("mace-accel", "e3nn-graphs")
+
+
+@dataclasses.dataclass
+class DriftRecord:
+    """Energy conservation of an NVE run (velocity Verlet).
+
+    Attributes:
+        drift_meV_per_atom_per_ns: slope of a straight line fitted to the total energy per
+            atom against time.
+        max_dev_meV_per_atom: largest deviation of the total energy per atom from its start.
+        steps_per_s: of the whole run, samples included.
+    """
+
+    model: str
+    dtype: str
+    backend: str
+    status: str
+    atoms: int
+    steps: int
+    timestep_fs: float
+    temperature_K: float
+    drift_meV_per_atom_per_ns: Optional[float] = None
+    max_dev_meV_per_atom: Optional[float] = None
+    steps_per_s: Optional[float] = None
+    detail: str = ""
+
+
+def nve_drift(backend: str, model: torch.nn.Module, atoms, device: torch.device | str,
+              label: str, steps: int = 10_000, timestep_fs: float = 1.0,
+              temperature_K: float = 300.0, sample_every: int = 10,
+              seed: int = 0) -> DriftRecord:
+    """Total-energy drift of ``steps`` NVE velocity-Verlet steps.
+
+    Backends: ``mace-accel`` (:class:`~mace_accel.MACEAccelCalculator`, fused kernels and CUDA
+    graphs on a GPU) and ``e3nn-graphs``: the same calculator with the surgery reverted, i.e.
+    mace's own e3nn code behind the same integrator, neighbour list and CUDA graphs, so that
+    only the model's arithmetic differs (mace's ``MACECalculator`` would take an hour for 10,000
+    steps of e3nn).
+
+    Returns:
+        a :class:`DriftRecord`; failures are in its ``status``, never raised.
+    """
+    from ase import units
+    from ase.md.verlet import VelocityVerlet
+
+    from mace_accel.surgery import revert
+
+    if backend not in DRIFT_BACKENDS:
+        raise ConfigError(f"unknown drift backend {backend!r}; choose from "
+                          f"{', '.join(DRIFT_BACKENDS)}")
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    record = DriftRecord(label, DTYPE_NAMES[dtype], backend, OK, len(atoms), steps, timestep_fs,
+                         temperature_K)
+    atoms = atoms.copy()
+    _thermalize(atoms, temperature_K, seed)
+    energies: list = []
+    calc = None
+    try:
+        with preserve_default_dtype(), mace_device(device) as dev:
+            calc = _accel_calculator("auto", model, dev, dtype)
+            if backend == "e3nn-graphs":
+                revert(calc.model)
+            record.detail = f"backend {calc.backend}, graphs {calc.graphs}"
+            atoms.calc = calc
+            dyn = VelocityVerlet(atoms, timestep=timestep_fs * units.fs)
+            dyn.attach(lambda: energies.append(atoms.get_total_energy()), interval=sample_every)
+            t0 = time.perf_counter()
+            dyn.run(steps)
+            seconds = time.perf_counter() - t0
+    except Exception as exc:  # reported in the record
+        record.status = failure_status(exc)
+        return record
+    finally:
+        atoms.calc = calc = None
+        free_memory(device)
+    per_atom = np.asarray(energies) / len(atoms)
+    if not np.all(np.isfinite(per_atom)):
+        record.status = "failed: the total energy became NaN or infinite"
+        return record
+    t_ns = np.arange(len(per_atom)) * sample_every * timestep_fs * 1e-6
+    if len(per_atom) > 1:
+        record.drift_meV_per_atom_per_ns = 1e3 * float(np.polyfit(t_ns, per_atom, 1)[0])
+    record.max_dev_meV_per_atom = 1e3 * float(np.abs(per_atom - per_atom[0]).max())
+    record.steps_per_s = steps / seconds
     return record

@@ -44,7 +44,13 @@ JSON schema ``mace-accel-bench``, version 1 (``bench.json``)::
                     status, max_cells, max_atoms, max_edges, first_oom_cells, stop_reason,
                     trials: [{cells, fits, atoms, edges, peak_mem_mb} or {cells, fits, error}] ],
       "md": [ with --md: model, dtype, backend, status, atoms, steps, warmup_steps, timestep_fs,
-              ms_per_step, steps_per_s, ns_per_day, detail ]
+              ms_per_step, steps_per_s, ns_per_day, calc_ms, rest_ms, checks_ms, neighbours_ms,
+              model_ms, detail ],
+      "throughput": [ with --throughput: model, dtype, mode, status, frames, atoms, seconds,
+                      frames_per_s, atoms_per_s, model_calls, detail ],
+      "drift": [ with --md-drift-steps: model, dtype, backend, status, atoms, steps,
+                 timestep_fs, temperature_K, drift_meV_per_atom_per_ns, max_dev_meV_per_atom,
+                 steps_per_s, detail ]
     }
 
 Floats that are not finite are written as the strings "nan"/"inf" (valid JSON, and visible).
@@ -118,6 +124,8 @@ def result_to_dict(result: BenchResult) -> dict:
         "records": [dataclasses.asdict(r) for r in result.records],
         "max_size": [dataclasses.asdict(r) for r in result.max_size],
         "md": [dataclasses.asdict(r) for r in result.md],
+        "drift": [dataclasses.asdict(r) for r in result.drift],
+        "throughput": [dataclasses.asdict(r) for r in result.throughput],
     })
 
 
@@ -131,7 +139,8 @@ def write_json(result: BenchResult, path: Path) -> Path:
 
 def load_json(path: Path) -> BenchResult:
     """Read a ``bench.json`` back (for ``--summarize``); checks the schema and its version."""
-    from mace_accel.bench.md import MDRecord
+    from mace_accel.bench.md import DriftRecord, MDRecord
+    from mace_accel.bench.throughput import ThroughputRecord
     from mace_accel.bench.runner import MaxSizeRecord
     from mace_accel.errors import InputError
 
@@ -147,7 +156,9 @@ def load_json(path: Path) -> BenchResult:
     return BenchResult(config=doc["config"], environment=doc["environment"],
                        records=[CaseRecord(**r) for r in doc["records"]],
                        max_size=[MaxSizeRecord(**r) for r in doc["max_size"]],
-                       md=[MDRecord(**r) for r in doc["md"]])
+                       md=[MDRecord(**r) for r in doc["md"]],
+                       drift=[DriftRecord(**r) for r in doc.get("drift", [])],
+                       throughput=[ThroughputRecord(**r) for r in doc.get("throughput", [])])
 
 
 def _fmt(value: Optional[float], spec: str, none: str = "-") -> str:
@@ -204,19 +215,48 @@ def render_max_size_table(records) -> str:
 
 
 def render_md_table(records) -> str:
-    header = ("model", "dtype", "atoms", "backend", "ms/step", "steps/s", "ns/day", "status")
+    header = ("model", "dtype", "atoms", "backend", "ms/step", "steps/s", "ns/day", "calc ms",
+              "rest ms", "nlist ms", "model ms", "status")
     rows = [(r.model, r.dtype, str(r.atoms), r.backend, _fmt(r.ms_per_step, ".2f"),
-             _fmt(r.steps_per_s, ".2f"), _fmt(r.ns_per_day, ".3f"), _short(r.status, 50))
+             _fmt(r.steps_per_s, ".2f"), _fmt(r.ns_per_day, ".3f"),
+             _fmt(getattr(r, "calc_ms", None), ".2f"), _fmt(getattr(r, "rest_ms", None), ".2f"),
+             _fmt(getattr(r, "neighbours_ms", None), ".2f"),
+             _fmt(getattr(r, "model_ms", None), ".2f"), _short(r.status, 50))
             for r in records]
-    return _table(header, rows, (False, False, True, False, True, True, True, False))
+    return _table(header, rows, (False, False, True, False) + (True,) * 7 + (False,))
+
+
+def render_throughput_table(records) -> str:
+    header = ("model", "dtype", "mode", "frames", "atoms", "frames/s", "atoms/s", "calls",
+              "status")
+    rows = [(r.model, r.dtype, r.mode, str(r.frames), str(r.atoms), _fmt(r.frames_per_s, ".1f"),
+             _fmt(r.atoms_per_s, ".0f"), _fmt(r.model_calls, "d"), _short(r.status, 50))
+            for r in records]
+    return _table(header, rows, (False, False, False, True, True, True, True, True, False))
+
+
+def render_drift_table(records) -> str:
+    header = ("model", "dtype", "atoms", "backend", "steps", "drift meV/atom/ns",
+              "max dev meV/atom", "steps/s", "status")
+    rows = [(r.model, r.dtype, str(r.atoms), r.backend, str(r.steps),
+             _fmt(r.drift_meV_per_atom_per_ns, ".3g"), _fmt(r.max_dev_meV_per_atom, ".3g"),
+             _fmt(r.steps_per_s, ".1f"), _short(r.status, 50)) for r in records]
+    return _table(header, rows, (False, False, True, False, True, True, True, True, False))
 
 
 def render_summary(result: BenchResult) -> str:
     """All tables of a run, the energy+forces table last (it is what a reader looks for)."""
     parts = []
     if result.md:
-        parts += ["MD throughput (ASE calculators, velocity Verlet, 1 fs):",
-                  render_md_table(result.md), ""]
+        parts += ["MD throughput (ASE calculators, velocity Verlet, 1 fs; ms per step split "
+                  "into the calculator and the rest, and mace-accel's calculator into neighbour "
+                  "list and model):", render_md_table(result.md), ""]
+    if result.throughput:
+        parts += ["Throughput of many small structures (64-256 atoms):",
+                  render_throughput_table(result.throughput), ""]
+    if result.drift:
+        parts += ["NVE energy drift (velocity Verlet, 1 fs):", render_drift_table(result.drift),
+                  ""]
     if result.max_size:
         parts += ["Largest system that fits in GPU memory:",
                   render_max_size_table(result.max_size), ""]

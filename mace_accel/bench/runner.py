@@ -67,6 +67,9 @@ class BenchConfig:
     md_sizes: Sequence[int] = (256,)
     md_steps: int = 20
     md_warmup: int = 5
+    md_compile: bool = False
+    md_drift_steps: int = 0
+    throughput_frames: int = 0
     profile: bool = False
 
     def __post_init__(self) -> None:
@@ -87,6 +90,8 @@ class BenchConfig:
         for what, value, low in (("--warmup", self.warmup, 0), ("--repeats", self.repeats, 1),
                                  ("--md-steps", self.md_steps, 1),
                                  ("--md-warmup", self.md_warmup, 0),
+                                 ("--md-drift-steps", self.md_drift_steps, 0),
+                                 ("--throughput", self.throughput_frames, 0),
                                  ("--max-size-cells", self.max_size_cells, 1)):
             if int(value) < low:
                 raise ConfigError(f"{what} must be >= {low}, got {value}")
@@ -179,6 +184,8 @@ class BenchResult:
     records: List[CaseRecord] = dataclasses.field(default_factory=list)
     max_size: List[MaxSizeRecord] = dataclasses.field(default_factory=list)
     md: List[object] = dataclasses.field(default_factory=list)
+    drift: List[object] = dataclasses.field(default_factory=list)
+    throughput: List[object] = dataclasses.field(default_factory=list)
 
 
 def compute_speedups(records: Sequence[CaseRecord]) -> None:
@@ -244,6 +251,10 @@ class BenchRunner:
             compute_speedups(self.result.records)
         elif isinstance(record, MaxSizeRecord):
             self.result.max_size.append(record)
+        elif type(record).__name__ == "DriftRecord":
+            self.result.drift.append(record)
+        elif type(record).__name__ == "ThroughputRecord":
+            self.result.throughput.append(record)
         else:
             self.result.md.append(record)
         self.on_update(self.result)
@@ -289,6 +300,8 @@ class BenchRunner:
             self._run_backend(backend, model, info, source.label, dtype_name, cases)
         if cfg.md:
             self._run_md(model, info, source.label, dtype_name, systems)
+        if cfg.throughput_frames and not self.deadline.expired():
+            self._run_throughput(model, source.label)
         del model, cases
         free_memory(self.device)
 
@@ -454,13 +467,16 @@ class BenchRunner:
 
     def _run_md(self, model: torch.nn.Module, info: ModelInfo, label: str, dtype_name: str,
                 systems: Dict[int, BenchSystem]) -> None:
-        from mace_accel.bench.md import MDRecord, run_md
+        from mace_accel.bench.md import DRIFT_BACKENDS, MDRecord, nve_drift, run_md
 
         cfg = self.config
+        backends = list(cfg.backends)
+        if cfg.md_compile and "cueq" in backends:
+            backends.append("cueq-compile")
         for size in cfg.md_sizes:
             if size not in systems:
                 systems[size] = build_system(info, size, kind=cfg.system, seed=cfg.seed)
-            for backend in cfg.backends:
+            for backend in backends:
                 if self.deadline.expired():
                     record = MDRecord(label, dtype_name,
                                       expected_name(backend, cfg.allow_reference, self.device),
@@ -474,6 +490,31 @@ class BenchRunner:
                          + (f"{record.steps_per_s:.2f} steps/s" if record.status == OK
                             else record.status))
                 self._add(record)
+        if not cfg.md_drift_steps:
+            return
+        system = systems[cfg.md_sizes[0]]
+        for backend in DRIFT_BACKENDS:
+            if self.deadline.expired():
+                break
+            self.log(f"   NVE {backend} {system.n_atoms} atoms, {cfg.md_drift_steps} steps ...")
+            record = nve_drift(backend, model, system.atoms, self.device, label,
+                               steps=cfg.md_drift_steps, seed=cfg.seed)
+            self.log(f"   NVE {backend:<22} drift "
+                     + (f"{record.drift_meV_per_atom_per_ns:.3g} meV/atom/ns"
+                        if record.status == OK else record.status))
+            self._add(record)
+
+
+    def _run_throughput(self, model: torch.nn.Module, label: str) -> None:
+        from mace_accel.bench.throughput import run_throughput
+
+        n = self.config.throughput_frames
+        self.log(f"   throughput: {n} frames of 64-256 atoms, batched vs one call per frame "
+                 f"(first {min(n, 200)})")
+        for record in run_throughput(model, self.device, label, n_frames=n,
+                                     one_by_one_frames=min(n, 200), seed=self.config.seed,
+                                     log=self.log):
+            self._add(record)
 
 
 def run_bench(config: BenchConfig, sources: Sequence[ModelSource],

@@ -19,7 +19,8 @@ vesin is imported inside the functions: importing this module does no work.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence, Tuple
+import threading
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -147,6 +148,22 @@ def _vesin_calculator(cutoff: float):
     return NeighborList(cutoff=cutoff, full_list=True)
 
 
+_PER_THREAD = threading.local()
+
+
+def _thread_calculator(cutoff: float):
+    """This thread's vesin ``NeighborList`` at ``cutoff``, kept between calls: vesin keeps its
+    buffers (on a GPU, device memory) in the object, so one per call would allocate them anew."""
+    cache = getattr(_PER_THREAD, "calculators", None)
+    if cache is None:
+        cache = _PER_THREAD.calculators = {}
+    if cutoff not in cache:
+        if len(cache) >= 8:  # a handful of cutoffs in practice; never grow without bound
+            cache.clear()
+        cache[cutoff] = _vesin_calculator(cutoff)
+    return cache[cutoff]
+
+
 def _empty(positions: Tensor) -> Tuple[Tensor, Tensor]:
     """No edges: ``([2, 0] int64, [0, 3] positions' dtype)`` on positions' device."""
     return (torch.zeros((2, 0), dtype=torch.int64, device=positions.device),
@@ -214,7 +231,7 @@ def neighbour_list(positions: Tensor, cell: Tensor, pbc: Pbc,
     _check_positions_finite(positions)
     if positions.shape[0] == 0:
         return _empty(positions)  # vesin refuses an empty system
-    return _compute(_vesin_calculator(cutoff), positions, cell64, pbc)
+    return _compute(_thread_calculator(cutoff), positions, cell64, pbc)
 
 
 def within_cutoff(positions: Tensor, cell: Tensor, edge_index: Tensor, unit_shifts: Tensor,
@@ -290,28 +307,38 @@ class VerletNeighbourList:
         """Forget the list: the next :meth:`update` rebuilds."""
         self._reference = self._cell = self._pbc = self._edges = None
 
-    def update(self, positions: Tensor, cell: Tensor, pbc: Pbc) -> Tuple[Tensor, Tensor, bool]:
+    def update(self, positions: Tensor, cell: Tensor, pbc: Pbc,
+               defer: bool = False) -> Tuple[Tensor, Tensor, Union[bool, Tensor]]:
         """The list for the current geometry, rebuilt only if needed.
 
         Args:
             positions: ``[N, 3]`` floating, CPU or CUDA.
             cell: ``[3, 3]`` rows are the cell vectors.
             pbc: periodicity along a, b, c.
+            defer: do not wait for the device to decide whether the last list may be reused:
+                reuse it and return, as the third element, a 0-dim bool tensor on the device
+                that is True if it may NOT be (the caller reads it with its own results, and
+                if True calls :meth:`reset` and updates again). Saves one synchronisation a
+                step.
 
         Returns:
             ``(edge_index [2, E] int64, unit_shifts [E, 3], rebuilt)`` on positions' device,
-            as :func:`neighbour_list` at ``cutoff + skin``. A reused list returns the very
-            same tensor objects as the call that built it (callers may cache what they derive
-            from them; they must not modify them in place).
+            as :func:`neighbour_list` at ``cutoff + skin``; with ``defer`` and a list to reuse,
+            ``rebuilt`` is the deferred verdict tensor described above. A reused list returns
+            the very same tensor objects as the call that built it (callers may cache what
+            they derive from them; they must not modify them in place).
 
         Raises:
             InputError: as :func:`neighbour_list`.
         """
         _check_positions_shape(positions)
         pbc = _check_pbc(pbc)
-        if self._can_reuse(positions, cell, pbc):
-            edge_index, unit_shifts = self._edges
-            return edge_index, unit_shifts, False
+        if self._same_layout(positions, cell, pbc):
+            if defer and positions.shape[0]:
+                return (*self._edges, self._stale(positions, cell))
+            if self._can_reuse(positions, cell):
+                edge_index, unit_shifts = self._edges
+                return edge_index, unit_shifts, False
         return (*self._build(positions, cell, pbc), True)
 
     def _build(self, positions: Tensor, cell: Tensor, pbc: Pbc) -> Tuple[Tensor, Tensor]:
@@ -332,8 +359,9 @@ class VerletNeighbourList:
         self.n_builds += 1
         return edges
 
-    def _can_reuse(self, positions: Tensor, cell: Tensor, pbc: Pbc) -> bool:
-        """Whether the last list still holds every pair closer than ``cutoff``."""
+    def _same_layout(self, positions: Tensor, cell: Tensor, pbc: Pbc) -> bool:
+        """Host-side conditions of a reuse: a list exists, a skin, the same periodicity, atom
+        count, dtypes and devices."""
         ref, ref_cell = self._reference, self._cell
         if ref is None or self.skin == 0.0 or pbc != self._pbc:
             return False
@@ -341,17 +369,22 @@ class VerletNeighbourList:
                 or positions.device != ref.device):
             return False
         cell = torch.as_tensor(cell)
-        if (cell.shape != ref_cell.shape or cell.dtype != ref_cell.dtype
-                or cell.device != ref_cell.device):
-            return False
+        return (cell.shape == ref_cell.shape and cell.dtype == ref_cell.dtype
+                and cell.device == ref_cell.device)
+
+    def _stale(self, positions: Tensor, cell: Tensor) -> Tensor:
+        """0-dim bool on the device: an atom moved more than ``skin / 2`` since the build, or
+        the cell changed (NaN positions count as moved)."""
+        moved = (positions.detach() - self._reference).square().sum(dim=1).amax()
+        stale = ~(moved <= (0.5 * self.skin) ** 2)
+        cell = torch.as_tensor(cell)
+        if cell.device == positions.device:
+            return stale | (cell.detach() != self._cell).any()
+        return stale | (not torch.equal(cell, self._cell))
+
+    def _can_reuse(self, positions: Tensor, cell: Tensor) -> bool:
+        """Whether the last list still holds every pair closer than ``cutoff`` (layout checked
+        by :meth:`_same_layout`): one number back from the device."""
         if positions.shape[0] == 0:
-            return torch.equal(cell, ref_cell)
-        moved = (positions.detach() - ref).square().sum(dim=1).amax().to(torch.float64)
-        if cell.device == positions.device:  # one number back from the device for both
-            cell_changed = (cell.detach() != ref_cell).any().to(torch.float64)
-            moved, changed = torch.stack([moved, cell_changed]).tolist()
-        else:
-            changed = not torch.equal(cell, ref_cell)
-            moved = float(moved)
-        # NaN positions give NaN here, which fails <=: they go to a rebuild, which rejects them
-        return not changed and moved <= (0.5 * self.skin) ** 2
+            return torch.equal(torch.as_tensor(cell), self._cell)
+        return not bool(self._stale(positions, cell))

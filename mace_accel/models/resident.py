@@ -65,30 +65,39 @@ class ResidentBatch:
         self.n_templates = 0
         self._cell: Optional[Tuple[np.ndarray, Dict[str, Tensor]]] = None
         self._edges: Optional[Tuple] = None
+        # positions on the host (pinned on a GPU: an asynchronous copy) and on the device
+        self._staging: Optional[Tuple[Tensor, Tensor]] = None
+        self.stale: Optional[Tensor] = None
 
     @staticmethod
     def topology(atoms) -> Tuple:
         """What forces a new template: atomic numbers and periodicity (and so the atom count)."""
         return (np.asarray(atoms.numbers).tobytes(), tuple(bool(p) for p in atoms.pbc))
 
-    def batch(self, atoms) -> Dict[str, Tensor]:
-        """The batch dict for ``atoms`` (validated by the caller)."""
+    def batch(self, atoms, defer_check: bool = False) -> Dict[str, Tensor]:
+        """The batch dict for ``atoms`` (validated by the caller).
+
+        With ``defer_check``, a neighbour list that may be reused is reused without waiting for
+        the device's verdict; :attr:`stale` then holds it (a 0-dim bool tensor on the device,
+        None if nothing was deferred): if it reads True, the caller discards what it computed
+        from this batch, calls :meth:`rebuild_next` and asks again."""
         topology = self.topology(atoms)
         if self._template is None or topology != self._topology:
             self._template = atoms_to_batch(atoms, self.info, head=self.head, dtype=self.dtype,
                                             device=self.device)
             self._topology = topology
             self._cell = self._edges = None
+            self._staging = None
             self.n_templates += 1
         out = dict(self._template)
-        positions64 = torch.from_numpy(np.ascontiguousarray(atoms.positions, dtype=np.float64))
-        positions64 = positions64.to(self.device)
+        positions64 = self._positions_to_device(atoms)
         cell_np = np.ascontiguousarray(atoms.cell.array, dtype=np.float64)
         if self._cell is None or not np.array_equal(cell_np, self._cell[0]):
             self._cell = (cell_np.copy(), self._cell_fields(cell_np))
         cell64 = self._cell[1]["cell64"]
-        edge_index, unit_shifts, _ = self.neighbours.update(positions64, cell64,
-                                                            tuple(bool(p) for p in atoms.pbc))
+        edge_index, unit_shifts, rebuilt = self.neighbours.update(
+            positions64, cell64, tuple(bool(p) for p in atoms.pbc), defer=defer_check)
+        self.stale = rebuilt if torch.is_tensor(rebuilt) else None
         if not self.exact_skin and self.skin > 0:
             edge_index, unit_shifts = within_cutoff(positions64, cell64, edge_index,
                                                     unit_shifts, self.info.r_max)
@@ -104,6 +113,25 @@ class ResidentBatch:
         out.update({k: v for k, v in self._cell[1].items() if k in out})
         out["positions"] = positions64.to(self.dtype)
         return out
+
+    def rebuild_next(self) -> None:
+        """Make the next :meth:`batch` build a new neighbour list (a deferred check failed)."""
+        self.neighbours.reset()
+        self.stale = None
+
+    def _positions_to_device(self, atoms) -> Tensor:
+        """``[N, 3]`` float64 positions on the device, copied through a pinned host buffer (the
+        caller's results copy, later in the step, orders it before the next overwrite)."""
+        positions = np.asarray(atoms.positions, dtype=np.float64)
+        if self.device.type != "cuda":
+            return torch.from_numpy(np.ascontiguousarray(positions)).to(self.device)
+        if self._staging is None or self._staging[0].shape != positions.shape:
+            host = torch.empty(positions.shape, dtype=torch.float64, pin_memory=True)
+            self._staging = (host, torch.empty_like(host, device=self.device))
+        host, device = self._staging
+        host.numpy()[...] = positions
+        device.copy_(host, non_blocking=True)
+        return device
 
     def _cell_fields(self, cell_np: np.ndarray) -> Dict[str, Tensor]:
         """The cell and what mace derives from it (volume, rcell) on the device."""
@@ -121,13 +149,15 @@ class ResidentBatch:
                 t["rcell"].shape)
         return fields
 
-    def shortest_distance(self, batch: Dict[str, Tensor]) -> float:
+    def shortest_distance(self, batch: Dict[str, Tensor]) -> Tensor:
         """The shortest interatomic distance (periodic images included) among the edges of
-        ``batch``, in Å (inf without edges): O(edges) on the device, one number to the host.
-        Any pair closer than the cutoff is an edge, so this is the structure's shortest one."""
+        ``batch``, in Å (inf without edges), as a 0-dim float64 tensor on the device: O(edges),
+        no synchronisation (the caller copies it out with the results). Any pair closer than
+        the cutoff is an edge, so this is the structure's shortest one."""
         edge_index = batch["edge_index"]
         if edge_index.shape[1] == 0:
-            return math.inf
-        pos = batch["positions"].to(torch.float64)
-        vectors = pos[edge_index[1]] - pos[edge_index[0]] + batch["shifts"].to(torch.float64)
-        return float(vectors.norm(dim=1).min())
+            return torch.full((), math.inf, dtype=torch.float64, device=edge_index.device)
+        pos = batch["positions"].detach().to(torch.float64)
+        vectors = (pos[edge_index[1]] - pos[edge_index[0]]
+                   + batch["shifts"].detach().to(torch.float64))
+        return vectors.norm(dim=1).min()

@@ -76,7 +76,7 @@ def _check_elements(numbers: np.ndarray, info: ModelInfo) -> None:
     from ase.data import chemical_symbols
 
     known = set(info.atomic_numbers)
-    unknown = sorted(set(int(z) for z in numbers) - known)
+    unknown = sorted(set(np.unique(numbers).tolist()) - known)  # unique first: O(N) in numpy
     if not unknown:
         return
     names = ", ".join(f"{_symbol(z, chemical_symbols)} (Z={z})" for z in unknown)

@@ -75,8 +75,11 @@ class CudaSymmetricContraction:
             raise KernelError(f"x: expected shape (n_nodes, {s.num_features}, "
                               f"{s.num_components}), got {tuple(x.shape)}")
         n = int(x.shape[0])
-        if n > INT32_MAX // max(1, s.num_features * max(s.num_components, s.dim_out)):
-            raise KernelError(f"{n} nodes exceed the kernels' int32 index range")
+        # the largest per-node buffer of inference: x / dx [C, D], out / dg [dim_out]
+        per_node = max(s.num_features * s.num_components, s.dim_out)
+        if n > INT32_MAX // max(1, per_node):
+            raise KernelError(f"{n} nodes exceed the kernels' int32 index range (at most "
+                              f"{INT32_MAX // max(1, per_node)} for this block)")
         tensors = dict(x=(x, (n, s.num_features, s.num_components)), **others)
         if weights is not None:
             if len(weights) != len(s.weight_shapes):
@@ -136,6 +139,10 @@ class CudaSymmetricContraction:
         if v is not None:
             others["v"] = (v, tuple(x.shape))
         n = self._check(x, elem, None, **others)
+        if n > INT32_MAX // (self.k_total * s.num_features):  # q [N, K_total, C] (training)
+            raise KernelError(f"{n} nodes exceed the weight-gradient kernel's int32 index range "
+                              f"(at most {INT32_MAX // (self.k_total * s.num_features)} for "
+                              "this block); train on smaller batches")
         directional = v is not None
         q = self._empty(n, self.k_total, s.num_features)
         args = (ptr(x),) + ((ptr(v),) if directional else ()) + (ptr(g), ptr(q))
