@@ -178,7 +178,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from mace_accel.runs.config import parse_override
+    from mace_accel.runs.config import load_run_config, parse_override
+    from mace_accel.runs.distributed import check_shareable, current_world, run_distributed
     from mace_accel.runs.tasks import dry_run, run
 
     overrides = dict(parse_override(s) for s in args.set or [])
@@ -186,8 +187,54 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(dry_run(args.config, overrides, overrides_base=cwd, overwrite=args.overwrite))
         return EXIT_OK
+    world = current_world()
+    if world is not None:  # a rank of a torchrun launch: the run is shared over the ranks
+        try:
+            result = run_distributed(args.config, overrides, overrides_base=cwd,
+                                     overwrite=args.overwrite)
+        except MaceAccelError:
+            if world.rank == 0:
+                raise
+            return EXIT_USER_ERROR  # every rank stops with the same error; rank 0 says it
+        if result is not None:
+            print(result)
+        return EXIT_OK
+    if args.gpus is not None and args.gpus > 1:
+        check_shareable(load_run_config(args.config, overrides, overrides_base=cwd))
+        return _launch_ranks(args)
     print(run(args.config, overrides, overrides_base=cwd, overwrite=args.overwrite))
     return EXIT_OK
+
+
+def _launch_ranks(args: argparse.Namespace) -> int:
+    """Start ``args.gpus`` ranks of this run with torchrun (one node) and wait for them; a
+    failure is reported as the one line rank 0 left, not as torchrun's report."""
+    import subprocess
+    import tempfile
+
+    from mace_accel.runs.distributed import ERROR_FILE_ENV
+
+    argv = ["run", str(Path(args.config).resolve())]
+    for item in args.set or []:
+        argv += ["--set", item]
+    if args.overwrite:
+        argv.append("--overwrite")
+    with tempfile.TemporaryDirectory(prefix="mace-accel-") as tmp:
+        error_file = Path(tmp) / "error.txt"
+        env = dict(os.environ, **{ERROR_FILE_ENV: str(error_file)})
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={args.gpus}", "-m", "mace_accel.cli", *argv]
+        done = subprocess.run(command, env=env, stderr=subprocess.PIPE, text=True)
+        if done.returncode == 0:
+            sys.stderr.write(done.stderr)
+            return EXIT_OK
+        if error_file.is_file():
+            _print_error(error_file.read_text())
+            return EXIT_USER_ERROR
+        sys.stderr.write(done.stderr[-6000:])
+        _print_error(f"the {args.gpus} processes of the run stopped (exit {done.returncode}); "
+                     "torchrun's report is above")
+        return done.returncode or EXIT_OS_ERROR
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,10 +307,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="if the outputs folder holds an earlier run's files, delete them first "
                    "(default: refuse the folder; other files are never deleted)")
+    p.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
+                   help="singlepoint: share the frames over N GPUs of this node (starts N "
+                   "processes with torchrun; with `device: cpu`, N CPU processes)")
     p.set_defaults(func=cmd_run)
 
     _register_bench(sub)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

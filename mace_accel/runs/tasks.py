@@ -483,8 +483,11 @@ def run_singlepoint(cfg: RunConfig, frames: List[Any], evaluator, log: RunLog,
             write_frame(handle, frame)
             log.write(f"frame {i}: {len(atoms)} atoms, energy {result['energy']:.8f} eV")
     os.replace(partial, out)
-    log.write(f"{len(frames)} frame(s) in {evaluator.n_calls} batched model call(s); "
-              f"{_budget_text(evaluator.budget)}")
+    ranks = getattr(evaluator, "n_ranks", 1)
+    log.write(f"{len(frames)} frame(s) in {evaluator.n_calls} batched model call(s)"
+              + (f" over {ranks} processes (torch.distributed; budget of rank 0: "
+                 if ranks > 1 else "; ") + _budget_text(evaluator.budget)
+              + (")" if ranks > 1 else ""))
     if skipped_stress:
         log.write(f"stress left out for {skipped_stress} frame(s) without a 3D periodic cell")
     return ({"frames": len(frames), "model_calls": evaluator.n_calls,

@@ -1,0 +1,120 @@
+"""Runs shared over several processes (``mace-accel run --gpus N``, torchrun, torch.distributed):
+on the CPU, N gloo processes stand in for N GPUs. The results equal a one-process run, in
+input order; a failure on one rank stops every rank with that rank's error and writes nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import ase.io
+import numpy as np
+import pytest
+import torch
+import yaml
+from ase.build import bulk
+
+from mace_accel.models.architectures import small_test_model
+from mace_accel.runs.distributed import share_frames
+
+CPU = {"device": "cpu", "backend": "reference", "dtype": "float64", "progress": False,
+       "verify": False}
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    model = small_test_model("RealAgnosticResidualInteractionBlock", elements=(28, 29),
+                             hidden_irreps="4x0e+4x1o", seed=5)
+    path = tmp_path_factory.mktemp("model") / "cuni.model"
+    torch.save(model, path)
+    return path
+
+
+def _frames(n: int = 7):
+    """Cu/Ni fcc cells of 4 to 36 atoms (uneven sizes), rattled."""
+    rng = np.random.default_rng(1)
+    frames = []
+    for k in range(n):
+        atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((1 + k % 3, 1 + (k * 2) % 3, 1))
+        atoms.numbers[rng.random(len(atoms)) < 0.4] = 28
+        atoms.rattle(0.03, seed=k)
+        frames.append(atoms)
+    return frames
+
+
+def _run_file(folder: Path, model: Path, frames, **keys) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    ase.io.write(folder / "frames.extxyz", frames)
+    data = {"task": "singlepoint", "struct": "frames.extxyz", "model": str(model),
+            "outputs": "out", **CPU, **keys}
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _cli(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mace_accel.cli", *map(str, argv)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_share_frames_balances_atoms_and_keeps_every_frame_once():
+    sizes = [36, 4, 8, 24, 12, 16, 4, 36, 8]
+    shares = share_frames(sizes, 3)
+    assert sorted(i for share in shares for i in share) == list(range(len(sizes)))
+    assert all(share == sorted(share) for share in shares)
+    loads = [sum(sizes[i] for i in share) for share in shares]
+    assert max(loads) - min(loads) <= max(sizes)  # greedy: within one frame of balanced
+    assert share_frames(sizes, 3) == shares  # deterministic
+    assert share_frames(sizes, 20)[15] == []  # more ranks than frames: some get none
+    assert share_frames([], 2) == [[], []]
+
+
+def test_two_processes_give_the_one_process_results_in_order(model_file, tmp_path):
+    frames = _frames()
+    one = _run_file(tmp_path / "one", model_file, frames)
+    two = _run_file(tmp_path / "two", model_file, frames)
+    done = _cli("run", one)
+    assert done.returncode == 0, done.stderr
+    done = _cli("run", two, "--gpus", 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "singlepoint finished" in done.stdout and done.stdout.count("finished") == 1
+    a = ase.io.read(tmp_path / "one" / "out" / "results.extxyz", ":")
+    b = ase.io.read(tmp_path / "two" / "out" / "results.extxyz", ":")
+    assert len(a) == len(b) == len(frames)
+    for x, y, atoms in zip(a, b, frames):
+        np.testing.assert_allclose(y.positions, atoms.positions, atol=1e-8)  # input order
+        assert y.get_potential_energy() == pytest.approx(x.get_potential_energy(), abs=1e-10)
+        np.testing.assert_allclose(y.get_forces(), x.get_forces(), atol=1e-8)
+    log = (tmp_path / "two" / "out" / "run.log").read_text()
+    assert "over 2 processes (torch.distributed" in log
+
+
+def test_a_failure_on_one_rank_stops_all_and_writes_nothing(model_file, tmp_path):
+    frames = _frames()
+    on_rank_1 = share_frames([len(a) for a in frames], 2)[1][0]
+    bad = frames[on_rank_1]
+    bad.positions[1] = bad.positions[0] + [0.1, 0.0, 0.0]  # overlapping atoms
+    path = _run_file(tmp_path, model_file, frames)
+    done = _cli("run", path, "--gpus", 2)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1 of 2 failed while "
+                                                     "checking the frames"), done.stderr
+    assert f"frame {on_rank_1} of" in errors[0] and "apart" in errors[0], last
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_only_singlepoint_is_shared(model_file, tmp_path):
+    path = _run_file(tmp_path, model_file, _frames(1), task="md")
+    done = _cli("run", path, "--gpus", 2)
+    assert done.returncode == 2
+    assert "only singlepoint is shared over several GPUs" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpus_must_be_a_positive_number(model_file, tmp_path):
+    path = _run_file(tmp_path, model_file, _frames(1))
+    done = _cli("run", path, "--gpus", 0)
+    assert done.returncode == 2 and "--gpus: must be at least 1" in done.stderr
