@@ -30,6 +30,7 @@ import torch
 from mace_accel.errors import ConfigError, InputError
 from mace_accel.models.frames import (FrameBatcher, HostFrame, host_frame, species_table,
                                       split_results)
+from mace_accel.models.outputs import evaluate as evaluate_model
 from mace_accel.models.prepared import PreparedModel, prepare_model
 from mace_accel.options import AccelOptions, make_options
 
@@ -220,8 +221,7 @@ class BatchEvaluator:
         if measuring:
             baseline = _start_peak(p.device)
         t0 = time.perf_counter()
-        out = p.model(batch, training=False, compute_force=True,
-                      compute_stress=any(stress))
+        out = evaluate_model(p.model, batch, any(stress))  # edges come grouped by structure
         results = split_results(out, frames, stress)
         self.n_calls += 1
         if measuring:

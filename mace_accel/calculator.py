@@ -22,6 +22,7 @@ from ase.stress import full_3x3_to_voigt_6_stress
 
 from mace_accel.capture import unpack
 from mace_accel.errors import ConfigError
+from mace_accel.models.outputs import evaluate as evaluate_model
 from mace_accel.models.prepared import prepare_model
 from mace_accel.models.resident import ResidentBatch, skin_is_exact
 from mace_accel.models.validation import validate_atoms, validate_geometry
@@ -163,7 +164,7 @@ class MACEAccelCalculator(Calculator):
             flat, was_stale = self._fetch(out["packed"], stale)
             packed, shortest = unpack(flat, n_atoms, out["n_pad"], want_stress)
             return _ase_results(packed, want_stress), shortest, was_stale
-        out = self.model(batch, training=False, compute_force=True, compute_stress=want_stress)
+        out = evaluate_model(self.model, batch, want_stress)
         extra = [self._resident.shortest_distance(batch)]
         if stale is not None:
             extra.append(stale)

@@ -29,6 +29,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from mace_accel.models.outputs import evaluate as evaluate_model
 from mace_accel.ops.graph import forget_cached_graph
 
 log = logging.getLogger(__name__)
@@ -263,8 +264,7 @@ class GraphedCall:
 
     # -- capture --------------------------------------------------------------------------------
     def _run(self, inputs: Dict[str, Tensor], compute_stress: bool) -> Dict[str, Tensor]:
-        out = self.model(dict(inputs), training=False, compute_force=True,
-                         compute_stress=compute_stress)
+        out = evaluate_model(self.model, dict(inputs), compute_stress)  # stress from the edges
         keep = ("energy", "forces", "node_energy") + (("stress",) if compute_stress else ())
         return {k: out[k] for k in keep}
 

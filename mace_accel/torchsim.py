@@ -38,6 +38,7 @@ from mace_accel.calculator import _check_skin
 from mace_accel.errors import InputError
 from mace_accel.models.frames import BatchDefaults, assemble_batch, species_table
 from mace_accel.models.neighbours import neighbour_list
+from mace_accel.models.outputs import evaluate as evaluate_model
 from mace_accel.models.prepared import PreparedModel, prepare_model
 from mace_accel.models.resident import skin_is_exact
 from mace_accel.models.validation import _check_elements
@@ -194,8 +195,11 @@ class AcceleratedMaceModel(ModelInterface):
                                systems.counts, edge_index, unit_shifts, shifts,
                                self._defaults, self.prepared.info, self._dtype)
         with torch.enable_grad():  # forces and stress are gradients, even under no_grad
-            out = self.model(batch, training=False, compute_force=self._compute_forces,
-                             compute_stress=self._compute_stress)
+            if self._compute_forces and self._compute_stress:  # edges come grouped by system
+                out = evaluate_model(self.model, batch, compute_stress=True)
+            else:
+                out = self.model(batch, training=False, compute_force=self._compute_forces,
+                                 compute_stress=self._compute_stress)
         self.n_calls += 1
         results = {"energy": out["energy"].detach()}
         if self._compute_forces:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Multi-GPU checks for the GPU machine (nvidia-h200-x2 / -x4): batched evaluation over 1, 2, 4
-# GPUs (scripts/bench_multi_gpu.py under torchrun), then `mace-accel run --gpus N` end to end on
+# GPUs (mace_accel.bench.multi_gpu under torchrun), then `mace-accel run --gpus N` end to end on
 # a small singlepoint run (NCCL), its results compared with a one-process run.
 # Usage: bash scripts/multi_gpu_check.sh [FRAMES]   (logs under $OUT, default ./out)
 set -u -o pipefail
@@ -12,7 +12,7 @@ echo "== $gpus GPU(s)"
 for n in 1 2 4; do
   [ "$n" -le "$gpus" ] || continue
   timeout 200 python -m torch.distributed.run --standalone --nproc-per-node "$n" \
-    scripts/bench_multi_gpu.py --frames "$frames" > "$OUT/multi_gpu_$n.log" 2>&1
+    -m mace_accel.bench.multi_gpu --frames "$frames" > "$OUT/multi_gpu_$n.log" 2>&1
   grep -E "^multi-gpu" "$OUT/multi_gpu_$n.log" || tail -n 5 "$OUT/multi_gpu_$n.log"
 done
 work="$OUT/run_gpus"; mkdir -p "$work"

@@ -25,6 +25,7 @@ from mace_accel.bench.systems import build_system
 from mace_accel.bench.timing import time_calls
 from mace_accel.calculator import MACEAccelCalculator, CallTimings
 from mace_accel.models.batch import model_info
+from mace_accel.models.outputs import evaluate as evaluate_model
 
 
 def profile(model_name: str, size: int, steps: int, dtype: str) -> None:
@@ -63,7 +64,8 @@ def profile(model_name: str, size: int, steps: int, dtype: str) -> None:
 
 
 def stress_profile(model_name: str, size: int, dtype: str) -> None:
-    """The CUDA kernels of one eager call with and without stress, most time first."""
+    """The CUDA kernels of one eager call (as the calculator makes it) with and without stress,
+    most time first."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     source = resolve_model_source(model_name)
@@ -72,8 +74,7 @@ def stress_profile(model_name: str, size: int, dtype: str) -> None:
     calc = MACEAccelCalculator(model, device="cuda", default_dtype=dtype, graphs=False)
     batch = calc._resident.batch(atoms)
     for stress in (False, True):
-        call = lambda: calc.model(dict(batch), training=False, compute_force=True,  # noqa: E731
-                                  compute_stress=stress)
+        call = lambda: evaluate_model(calc.model, dict(batch), stress)  # noqa: E731
         for _ in range(3):
             call()
         torch.cuda.synchronize()

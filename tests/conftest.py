@@ -69,3 +69,16 @@ def molecule_atoms():
     atoms.rattle(stdev=0.02, seed=2)
     atoms.positions += np.array([0.1, -0.2, 0.3])
     return atoms
+
+
+@pytest.fixture(scope="session")
+def model_file(tmp_path_factory):
+    """A tiny float64 Cu/Ni model (4x0e+4x1o, random weights, seed 5) saved to disk, for runs
+    and command-line tests (modules may define their own ``model_file``)."""
+    from mace_accel.models.architectures import small_test_model
+
+    model = small_test_model("RealAgnosticResidualInteractionBlock", elements=(28, 29),
+                             hidden_irreps="4x0e+4x1o", seed=5)
+    path = tmp_path_factory.mktemp("model") / "cuni.model"
+    torch.save(model, path)
+    return path

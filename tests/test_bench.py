@@ -441,3 +441,21 @@ def test_throughput_batched_vs_one_by_one(tiny_model):
     assert batched.frames_per_s > 0 and ours.atoms_per_s > 0
     if bench_backends.missing_requirement("cueq") is not None:
         assert cueq.status.startswith("not installed")
+
+
+def test_throughput_over_gpus_reports_what_it_could_not_run_and_parses_results():
+    from mace_accel.bench.multi_gpu import RESULT_PREFIX, launch, parse_result
+    from mace_accel.bench.throughput import ThroughputRecord
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    record = launch("mp-small", available + 1, 10, "float32", "mp-small")
+    assert record.status == f"not run: {available + 1} GPU(s) asked, {available} visible"
+    assert record.frames_per_s is None
+    fresh = ThroughputRecord("m", "float32", "batched, 2 GPU(s)", "ok", 100, 0)
+    line = RESULT_PREFIX + json.dumps({"gpus": 2, "frames": 100, "atoms": 5000,
+                                       "seconds": 2.0, "calls": 3})
+    got = parse_result(f"noise\n{line}\n", "", 0, fresh)
+    assert (got.frames_per_s, got.atoms_per_s, got.model_calls) == (50.0, 2500.0, 3)
+    failed = parse_result("", "Traceback...\nRuntimeError: NCCL error", 1,
+                          ThroughputRecord("m", "float32", "batched, 2 GPU(s)", "ok", 100, 0))
+    assert failed.status == "failed (exit 1): RuntimeError: NCCL error"

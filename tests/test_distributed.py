@@ -11,24 +11,13 @@ from pathlib import Path
 import ase.io
 import numpy as np
 import pytest
-import torch
 import yaml
 from ase.build import bulk
 
-from mace_accel.models.architectures import small_test_model
 from mace_accel.runs.distributed import share_frames
 
 CPU = {"device": "cpu", "backend": "reference", "dtype": "float64", "progress": False,
        "verify": False}
-
-
-@pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
-    model = small_test_model("RealAgnosticResidualInteractionBlock", elements=(28, 29),
-                             hidden_irreps="4x0e+4x1o", seed=5)
-    path = tmp_path_factory.mktemp("model") / "cuni.model"
-    torch.save(model, path)
-    return path
 
 
 def _frames(n: int = 7):

@@ -30,15 +30,6 @@ STRUCTURES = REPO / "configs" / "structures"
 CPU = {"device": "cpu", "backend": "reference", "dtype": "float64", "progress": False}
 
 
-@pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
-    model = small_test_model("RealAgnosticResidualInteractionBlock", elements=(28, 29),
-                             hidden_irreps="4x0e+4x1o", seed=5)
-    path = tmp_path_factory.mktemp("model") / "cuni.model"
-    torch.save(model, path)
-    return path
-
-
 def write_run(folder: Path, model: Path, task: str = "md", struct: str = "cu_ni_fcc32.extxyz",
               name: str = "run.yaml", **keys) -> Path:
     """A run file in ``folder`` (structure copied next to it), outputs in folder/out."""

@@ -227,10 +227,12 @@ class ModelSource:
     Attributes:
         label: the name used in reports (an architecture name or a file name).
         load: ``load(dtype, device) -> model``.
+        spec: what :func:`resolve_model_source` resolves to it again (for child processes).
     """
 
     label: str
     load: Callable[[torch.dtype, torch.device], torch.nn.Module]
+    spec: str = ""
 
 
 def resolve_model_source(spec: str) -> ModelSource:
@@ -250,7 +252,7 @@ def resolve_model_source(spec: str) -> ModelSource:
                 cache["base"] = build_architecture(spec, dtype=torch.float64, device="cpu")
             return copy.deepcopy(cache["base"]).to(device=device, dtype=dtype).eval()
 
-        return ModelSource(spec, load_architecture)
+        return ModelSource(spec, load_architecture, spec)
     path = Path(spec).expanduser()
     if not path.is_file():
         raise ConfigError(f"--models: {spec!r} is neither a known architecture "
@@ -261,4 +263,4 @@ def resolve_model_source(spec: str) -> ModelSource:
 
         return load_model(str(path), device, dtype).eval()
 
-    return ModelSource(path.name, load_checkpoint)
+    return ModelSource(path.name, load_checkpoint, str(path.resolve()))

@@ -133,6 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="also time FRAMES structures of 64-256 atoms evaluated batched "
                            "(BatchEvaluator) vs one calculator call per structure (ours and "
                            "mace's with cueq, on the first 200) (default: 0, none)")
+    more.add_argument("--throughput-gpus", type=_csv(int), default=[], metavar="N,...",
+                      help="with --throughput: also evaluate the frames batched over N GPUs "
+                           "(torchrun, one process per GPU), for each N given, e.g. 1,2,4")
     parser.add_argument("--out", type=Path, default=Path("bench_out"),
                         help="output folder (default: ./bench_out)")
     parser.add_argument("--summarize", type=Path, default=None, metavar="JSON",
@@ -186,7 +189,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_size_cells=args.max_size_cells, max_size_time_limit_s=args.max_size_time_limit,
         md=args.md, md_sizes=args.md_sizes, md_steps=args.md_steps, md_warmup=args.md_warmup,
         md_compile=args.md_compile, md_drift_steps=args.md_drift_steps,
-        throughput_frames=args.throughput, profile=args.profile)
+        throughput_frames=args.throughput, throughput_gpus=args.throughput_gpus,
+        profile=args.profile)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

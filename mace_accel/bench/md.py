@@ -42,8 +42,8 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
 
 
 @dataclasses.dataclass
-class MDRecord:
-    """MD throughput of one calculator on one system (schema: see :mod:`.report`)."""
+class _Trajectory:
+    """What every MD record names: model, dtype, calculator, outcome, system size, steps."""
 
     model: str
     dtype: str
@@ -51,6 +51,12 @@ class MDRecord:
     status: str
     atoms: int
     steps: int
+
+
+@dataclasses.dataclass
+class MDRecord(_Trajectory):
+    """MD throughput of one calculator on one system (schema: see :mod:`.report`)."""
+
     warmup_steps: int
     timestep_fs: float
     ms_per_step: Optional[float] = None
@@ -198,7 +204,7 @@ DRIFT_BACKENDS = ("mace-accel", "e3nn-graphs")
 
 
 @dataclasses.dataclass
-class DriftRecord:
+class DriftRecord(_Trajectory):
     """Energy conservation of an NVE run (velocity Verlet).
 
     Attributes:
@@ -208,12 +214,6 @@ class DriftRecord:
         steps_per_s: of the whole run, samples included.
     """
 
-    model: str
-    dtype: str
-    backend: str
-    status: str
-    atoms: int
-    steps: int
     timestep_fs: float
     temperature_K: float
     drift_meV_per_atom_per_ns: Optional[float] = None

@@ -70,6 +70,7 @@ class BenchConfig:
     md_compile: bool = False
     md_drift_steps: int = 0
     throughput_frames: int = 0
+    throughput_gpus: Sequence[int] = ()
     profile: bool = False
 
     def __post_init__(self) -> None:
@@ -301,7 +302,7 @@ class BenchRunner:
         if cfg.md:
             self._run_md(model, info, source.label, dtype_name, systems)
         if cfg.throughput_frames and not self.deadline.expired():
-            self._run_throughput(model, source.label)
+            self._run_throughput(model, source)
         del model, cases
         free_memory(self.device)
 
@@ -505,9 +506,10 @@ class BenchRunner:
             self._add(record)
 
 
-    def _run_throughput(self, model: torch.nn.Module, label: str) -> None:
+    def _run_throughput(self, model: torch.nn.Module, source: ModelSource) -> None:
         from mace_accel.bench.throughput import run_throughput
 
+        label = source.label
         n = self.config.throughput_frames
         self.log(f"   throughput: {n} frames of 64-256 atoms, batched vs one call per frame "
                  f"(first {min(n, 200)})")
@@ -515,6 +517,19 @@ class BenchRunner:
                                      one_by_one_frames=min(n, 200), seed=self.config.seed,
                                      log=self.log):
             self._add(record)
+        if self.config.throughput_gpus:
+            from mace_accel.bench.multi_gpu import launch
+            from mace_accel.bench.throughput import _line
+
+            dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+            for n_gpus in self.config.throughput_gpus:
+                if not source.spec:
+                    self.log(f"   throughput over GPUs: {label} cannot be reloaded in other "
+                             "processes; skipped")
+                    break
+                record = launch(source.spec, n_gpus, n, str(dtype).split(".")[1], label)
+                self.log(_line(record))
+                self._add(record)
 
 
 def run_bench(config: BenchConfig, sources: Sequence[ModelSource],
