@@ -179,7 +179,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from mace_accel.runs.config import load_run_config, parse_override
-    from mace_accel.runs.distributed import check_shareable, current_world, run_distributed
+    from mace_accel.runs.distributed import check_launch, current_world
     from mace_accel.runs.tasks import dry_run, run
 
     overrides = dict(parse_override(s) for s in args.set or [])
@@ -189,52 +189,76 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_OK
     world = current_world()
     if world is not None:  # a rank of a torchrun launch: the run is shared over the ranks
-        try:
-            result = run_distributed(args.config, overrides, overrides_base=cwd,
-                                     overwrite=args.overwrite)
-        except MaceAccelError:
-            if world.rank == 0:
-                raise
-            return EXIT_USER_ERROR  # every rank stops with the same error; rank 0 says it
-        if result is not None:
-            print(result)
-        return EXIT_OK
+        return _run_rank(args, overrides, cwd, world)
     if args.gpus is not None and args.gpus > 1:
-        check_shareable(load_run_config(args.config, overrides, overrides_base=cwd))
+        check_launch(load_run_config(args.config, overrides, overrides_base=cwd), args.gpus)
         return _launch_ranks(args)
     print(run(args.config, overrides, overrides_base=cwd, overwrite=args.overwrite))
     return EXIT_OK
 
 
+def _run_rank(args: argparse.Namespace, overrides: Dict[str, Any], cwd: Path, world) -> int:
+    """One rank of a shared run. An error the ranks agreed on is said once: by the launcher
+    of ``--gpus`` (rank 0 hands it over, and every rank exits 0 so that torchrun does not add
+    its own failure report), else by rank 0."""
+    from mace_accel.runs.distributed import RankFailed, hand_to_launcher, run_distributed
+
+    try:
+        result = run_distributed(args.config, overrides, overrides_base=cwd,
+                                 overwrite=args.overwrite)
+    except RankFailed as exc:
+        if hand_to_launcher(world, exc):
+            return EXIT_OK
+        if world.rank == 0:
+            _print_error(str(exc))
+        return exc.exit_code
+    if result is not None:
+        print(result)
+    return EXIT_OK
+
+
 def _launch_ranks(args: argparse.Namespace) -> int:
-    """Start ``args.gpus`` ranks of this run with torchrun (one node) and wait for them; a
-    failure is reported as the one line rank 0 left, not as torchrun's report."""
+    """Start ``args.gpus`` ranks of this run with torchrun on this node, their output going
+    straight to ours, and wait for them; an error they agreed on is printed as one line."""
     import subprocess
     import tempfile
 
-    from mace_accel.runs.distributed import ERROR_FILE_ENV
+    from mace_accel.runs.distributed import ERROR_FILE_ENV, launcher_error
 
     argv = ["run", str(Path(args.config).resolve())]
     for item in args.set or []:
         argv += ["--set", item]
     if args.overwrite:
         argv.append("--overwrite")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={args.gpus}", "-m", "mace_accel.cli", *argv]
     with tempfile.TemporaryDirectory(prefix="mace-accel-") as tmp:
-        error_file = Path(tmp) / "error.txt"
+        error_file = Path(tmp) / "error.json"
         env = dict(os.environ, **{ERROR_FILE_ENV: str(error_file)})
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={args.gpus}", "-m", "mace_accel.cli", *argv]
-        done = subprocess.run(command, env=env, stderr=subprocess.PIPE, text=True)
-        if done.returncode == 0:
-            sys.stderr.write(done.stderr)
-            return EXIT_OK
-        if error_file.is_file():
-            _print_error(error_file.read_text())
-            return EXIT_USER_ERROR
-        sys.stderr.write(done.stderr[-6000:])
-        _print_error(f"the {args.gpus} processes of the run stopped (exit {done.returncode}); "
-                     "torchrun's report is above")
-        return done.returncode or EXIT_OS_ERROR
+        # torchrun would set 1 thread per process (with a banner); a fair share of the cores
+        # matters when the processes are CPU ones
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.gpus)))
+        process = subprocess.Popen(command, env=env)
+        try:
+            code = process.wait()
+        except KeyboardInterrupt:  # a terminal's Ctrl-C reaches torchrun too: let it stop
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            raise Interrupted("the run's processes were stopped; rank 0 writes only once "
+                              "every frame is evaluated (see run.log in the outputs folder "
+                              "if it had begun)") from None
+        error = launcher_error(error_file)
+    if error is not None:
+        _print_error(str(error))
+        return error.exit_code
+    if code == 0:
+        return EXIT_OK
+    _print_error(f"the {args.gpus} processes of the run stopped (torchrun exit {code}); "
+                 "torchrun's report is above")
+    return EXIT_OS_ERROR
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: refuse the folder; other files are never deleted)")
     p.add_argument("--gpus", type=_positive_int, default=None, metavar="N",
                    help="singlepoint: share the frames over N GPUs of this node (starts N "
-                   "processes with torchrun; with `device: cpu`, N CPU processes)")
+                   "processes with torchrun; with `device: cpu`, N CPU processes: a testing aid)")
     p.set_defaults(func=cmd_run)
 
     _register_bench(sub)

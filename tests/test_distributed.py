@@ -4,6 +4,8 @@ input order; a failure on one rank stops every rank with that rank's error and w
 
 from __future__ import annotations
 
+import errno
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,9 @@ import pytest
 import yaml
 from ase.build import bulk
 
-from mace_accel.runs.distributed import share_frames
+from mace_accel.errors import InputError
+from mace_accel.runs.distributed import RankFailed, World, _Group, share_frames
+from mace_accel.runs.tasks import run
 
 CPU = {"device": "cpu", "backend": "reference", "dtype": "float64", "progress": False,
        "verify": False}
@@ -63,8 +67,7 @@ def test_two_processes_give_the_one_process_results_in_order(model_file, tmp_pat
     frames = _frames()
     one = _run_file(tmp_path / "one", model_file, frames)
     two = _run_file(tmp_path / "two", model_file, frames)
-    done = _cli("run", one)
-    assert done.returncode == 0, done.stderr
+    run(one)  # the one-process reference, in this process (no second start-up to wait for)
     done = _cli("run", two, "--gpus", 2)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "singlepoint finished" in done.stdout and done.stdout.count("finished") == 1
@@ -87,19 +90,31 @@ def test_a_failure_on_one_rank_stops_all_and_writes_nothing(model_file, tmp_path
     path = _run_file(tmp_path, model_file, frames)
     done = _cli("run", path, "--gpus", 2)
     assert done.returncode == 2, done.stderr[-3000:]
-    last = done.stderr.strip().splitlines()[-1]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: rank 1 of 2 failed while "
-                                                     "checking the frames"), done.stderr
-    assert f"frame {on_rank_1} of" in errors[0] and "apart" in errors[0], last
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert len(errors) == 1, done.stderr  # said once, by the launcher; no torchrun report
+    assert errors[0].startswith("error: rank 1 of 2 failed while checking the frames"), errors
+    assert f"frame {on_rank_1} of" in errors[0] and "apart" in errors[0], errors
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+    assert not (tmp_path / "out").exists()  # no results, no .partial, not even the folder
 
 
-def test_only_singlepoint_is_shared(model_file, tmp_path):
-    path = _run_file(tmp_path, model_file, _frames(1), task="md")
+@pytest.mark.parametrize("task", ["geomopt", "md"])
+def test_only_singlepoint_is_shared(model_file, tmp_path, task):
+    path = _run_file(tmp_path, model_file, _frames(1), task=task)
     done = _cli("run", path, "--gpus", 2)
     assert done.returncode == 2
-    assert "only singlepoint is shared over several GPUs" in done.stderr
+    assert f"task {task} runs in one process; only singlepoint is shared" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without GPUs")
+def test_gpus_needs_that_many_gpus_unless_cpu(model_file, tmp_path):
+    path = _run_file(tmp_path, model_file, _frames(2), device="auto")
+    done = _cli("run", path, "--gpus", 2)
+    assert done.returncode == 2, done.stderr
+    assert "--gpus 2 needs 2 GPUs on this node" in done.stderr and "sees 0" in done.stderr
+    assert "`device: cpu`" in done.stderr
+    assert "torchrun" not in done.stderr.replace("start at most", "")  # nothing was started
     assert not (tmp_path / "out").exists()
 
 
@@ -107,3 +122,34 @@ def test_gpus_must_be_a_positive_number(model_file, tmp_path):
     path = _run_file(tmp_path, model_file, _frames(1))
     done = _cli("run", path, "--gpus", 0)
     assert done.returncode == 2 and "--gpus: must be at least 1" in done.stderr
+
+
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    """A gloo group of this process alone, as torchrun would set it up."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                       "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    group = _Group(World(rank=0, size=1, local_rank=0, local_size=1))
+    yield group
+    group.close()
+
+
+def test_agree_names_the_rank_and_keeps_the_kind_of_failure(one_rank_group):
+    assert one_rank_group.agree("adding", lambda: 1 + 1) == 2
+
+    def bad_frame():
+        raise InputError("frame 3 of 'x.extxyz': atoms 0 and 1 are 0.1 A apart")
+
+    def disk_full():
+        raise OSError(errno.ENOSPC, "No space left on device", "/out/results.extxyz")
+
+    with pytest.raises(RankFailed, match=r"^rank 0 of 1 failed while checking: frame 3 of") as e:
+        one_rank_group.agree("checking", bad_frame)
+    assert e.value.exit_code == 2  # a user mistake
+    with pytest.raises(RankFailed, match="results.extxyz': No space left on device") as e:
+        one_rank_group.agree("writing", disk_full)
+    assert e.value.exit_code == 1  # not one
