@@ -1,6 +1,9 @@
 """Patch kind for MACE's interaction blocks (every interaction-block class of mace-torch 0.3.x).
 
-Parts: ``conv`` (the e3nn ``conv_tp`` becomes a :class:`FusedConvTP`). Every interaction-block
+Parts: ``conv`` (the e3nn ``conv_tp`` becomes a :class:`FusedConvTP`) and ``radial_mlp``
+(``conv_tp_weights`` becomes a :class:`~mace_accel.patches.radial_mlp.FusedRadialMLP`),
+``linears`` (``linear_up``, ``linear``) and ``skip`` (``skip_tp``), see
+:mod:`mace_accel.patches.linears`. Every interaction-block
 class calls ``self.conv_tp(node_feats, edge_attrs, tp_weights, edge_index)`` instead of gather +
 TP + scatter when the block has a ``conv_fusion`` attribute, so the patch swaps ``conv_tp`` and
 sets that attribute; revert puts the original back and removes it. The block's ``forward`` is
@@ -15,7 +18,12 @@ import torch
 
 from mace_accel.ops.conv_tp.spec import spec_from_e3nn
 from mace_accel.options import AccelOptions
+from mace_accel.ops.irreps_linear.spec import linear_spec, skip_reason, skip_spec
 from mace_accel.patches.conv_tp import FusedConvTP
+from mace_accel.patches.linears import FusedLinear, FusedSkip, linear_reason
+from mace_accel.patches.radial_mlp import PART as RADIAL
+from mace_accel.patches.radial_mlp import FusedRadialMLP
+from mace_accel.patches.radial_mlp import spec_or_reason as radial_spec_or_reason
 from mace_accel.patches.registry import PartPlan, SubmodulePatch
 
 INTERACTION_BLOCK_CLASSES = (
@@ -44,7 +52,37 @@ class InteractionBlockPatch(SubmodulePatch):
             or type(module).__name__.endswith("InteractionBlock"))
 
     def plan_parts(self, module: torch.nn.Module, options: AccelOptions) -> List[PartPlan]:
-        return [self._plan_conv(module, options), *left_parts(module, LEFT_IN_INTERACTION)]
+        return [self._plan_conv(module, options), self._plan_radial(module, options),
+                plan_linears(module, ("linear_up", "linear"), options),
+                self._plan_skip(module, options)]
+
+    def _plan_skip(self, module: torch.nn.Module, options: AccelOptions) -> PartPlan:
+        skip = getattr(module, "skip_tp", None)
+        if not isinstance(skip, torch.nn.Module):
+            return PartPlan("skip", reason="the block has no skip_tp module")
+        if not options.fuses("skip"):
+            return PartPlan("skip", reason="not asked for (options.parts)")
+        if linear_reason(skip) is None:  # the skip of the non-linear blocks is a plain linear
+            return PartPlan("skip", children={"skip_tp": lambda: FusedLinear(skip, options)},
+                            detail="skip_tp: " + linear_spec(skip).describe())
+        reason = skip_reason(skip)
+        if reason is not None:
+            return PartPlan("skip", reason=reason)
+        return PartPlan("skip", children={"skip_tp": lambda: FusedSkip(skip, options)},
+                        detail="skip_tp: " + skip_spec(skip).describe())
+
+    def _plan_radial(self, module: torch.nn.Module, options: AccelOptions) -> PartPlan:
+        if not options.fuses(RADIAL):
+            return PartPlan(RADIAL, reason="not asked for (options.parts)")
+        net = getattr(module, "conv_tp_weights", None)
+        if not isinstance(net, torch.nn.Module):
+            return PartPlan(RADIAL, reason="the block has no conv_tp_weights module")
+        spec, reason = radial_spec_or_reason(net)
+        if spec is None:
+            return PartPlan(RADIAL, reason=reason)
+        return PartPlan(RADIAL, children={
+            "conv_tp_weights": lambda: FusedRadialMLP(net, spec, options)},
+            detail=spec.describe())
 
     def _plan_conv(self, module: torch.nn.Module, options: AccelOptions) -> PartPlan:
         if not options.fuses("conv"):
@@ -72,23 +110,25 @@ class InteractionBlockPatch(SubmodulePatch):
             module.conv_fusion = True
 
 
-# parts of a block that no fused op replaces yet: (part, child modules, what runs instead)
-LEFT_IN_INTERACTION = (
-    ("radial_mlp", ("conv_tp_weights",),
-     "no fused kernel yet; mace's radial MLP runs as torch GEMMs and writes the per-edge TP "
-     "weights [E, weight_numel] to memory"),
-    ("linears", ("linear_up", "linear"),
-     "no fused kernel yet; e3nn o3.Linear runs as torch ops"),
-    ("skip", ("skip_tp",),
-     "no fused kernel yet; the element-dependent skip tensor product runs as e3nn's"),
-)
-
-
-def left_parts(module: torch.nn.Module, table) -> List[PartPlan]:
-    """A "left" :class:`PartPlan` for each part of ``table`` the block has (a record of what
-    still runs unfused, and why)."""
-    return [PartPlan(part, reason=reason) for part, children, reason in table
-            if any(isinstance(getattr(module, c, None), torch.nn.Module) for c in children)]
+def plan_linears(module: torch.nn.Module, names, options: AccelOptions) -> PartPlan:
+    """Part ``linears``: each e3nn ``o3.Linear`` child of ``names`` becomes a
+    :class:`~mace_accel.patches.linears.FusedLinear`; the detail names any left and why."""
+    if not options.fuses("linears"):
+        return PartPlan("linears", reason="not asked for (options.parts)")
+    children, details, left = {}, [], []
+    for name in names:
+        child = getattr(module, name, None)
+        if not isinstance(child, torch.nn.Module):
+            continue
+        reason = linear_reason(child)
+        if reason is not None:
+            left.append(f"{name} left: {reason}")
+            continue
+        children[name] = (lambda c=child: FusedLinear(c, options))
+        details.append(f"{name}: {linear_spec(child).describe()}")
+    if not children:
+        return PartPlan("linears", reason="; ".join(left) or "the block has no linears")
+    return PartPlan("linears", children=children, detail="; ".join(details + left))
 
 
 def conv_skip_reason(module: torch.nn.Module) -> Optional[str]:

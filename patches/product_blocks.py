@@ -22,7 +22,8 @@ from mace_accel.ops.symmetric_contraction import autograd
 from mace_accel.ops.symmetric_contraction.spec import SCSpec, spec_from_mace
 from mace_accel.options import AccelOptions
 from mace_accel.patches.adopt import FusedModule
-from mace_accel.patches.interaction_blocks import left_parts
+from mace_accel.patches.interaction_blocks import plan_linears
+from mace_accel.patches.linears import check_one_hot
 from mace_accel.patches.registry import PartPlan, SubmodulePatch
 
 PART = "symmetric_contraction"
@@ -65,7 +66,7 @@ class FusedSymmetricContraction(FusedModule):
             raise InputError(f"node_attrs must have shape [{x.shape[0]}, {s.num_elements}], got "
                              f"{tuple(y.shape)}")
         if self.options.check_indices:
-            _check_one_hot(y)
+            check_one_hot(y, "symmetric contraction")
         elem = y.argmax(dim=-1).to(torch.int32)
         weights = [w.to(x.dtype) for w in self.weights()]
         return autograd.symmetric_contraction(self._key, x, elem, weights, self.backend)
@@ -73,14 +74,6 @@ class FusedSymmetricContraction(FusedModule):
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         self._key = autograd.register_spec(self.spec)  # a new process has an empty registry
-
-
-def _check_one_hot(y: torch.Tensor) -> None:
-    ones = (y == 1).sum(dim=-1)
-    if not bool(((y == 0) | (y == 1)).all()) or not bool((ones == 1).all()):
-        raise InputError("node_attrs are not one-hot: the fused symmetric contraction gathers "
-                         "one element's weights per node; revert the model to run mace's "
-                         "weighted mix of elements")
 
 
 class ProductBlockPatch(SubmodulePatch):
@@ -94,7 +87,8 @@ class ProductBlockPatch(SubmodulePatch):
             or type(module).__name__.endswith("ProductBasisBlock"))
 
     def plan_parts(self, module: torch.nn.Module, options: AccelOptions) -> List[PartPlan]:
-        return [self._plan_contraction(module, options), *left_parts(module, LEFT_IN_PRODUCT)]
+        return [self._plan_contraction(module, options),
+                plan_linears(module, ("linear",), options)]
 
     def _plan_contraction(self, module: torch.nn.Module, options: AccelOptions) -> PartPlan:
         if not options.fuses(PART):
@@ -106,9 +100,6 @@ class ProductBlockPatch(SubmodulePatch):
         return PartPlan(PART, children={
             "symmetric_contractions": lambda: FusedSymmetricContraction(original, spec, options)},
             detail=spec.describe())
-
-
-LEFT_IN_PRODUCT = (("linears", ("linear",), "no fused kernel yet; e3nn o3.Linear runs as torch ops"),)
 
 
 def _spec_or_reason(module: torch.nn.Module):

@@ -127,13 +127,15 @@ class Kernel:
             self._module.load(cubin)
             self._function = self._module.get_function(name)
 
-    def launch(self, grid: int, block: int, args: tuple) -> None:
+    def launch(self, grid, block: int, args: tuple) -> None:
+        """``grid``: blocks along x, or a tuple (x, y[, z])."""
         import cupy
 
         stream = _cupy_stream(torch.cuda.current_stream(self.device_index).cuda_stream,
                               self.device_index)
         with cupy.cuda.Device(self.device_index):
-            self._function((grid,), (block,), args, stream=stream)
+            self._function(grid if isinstance(grid, tuple) else (grid,), (block,), args,
+                           stream=stream)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,115 @@
+"""The equivariant linear map as a ``torch.library`` custom op with autograd.
+
+``out = L_W(x)`` is linear in ``x`` and in ``W``. Backward: ``d x = L_{W^T}(g)`` (the same op
+for the transposed spec, :meth:`~.spec.LinearSpec.transposed`), ``d W`` from torch ops
+(training only). Both are differentiable, so double backward (training on forces) follows.
+``backend`` picks the generated CUDA kernel or the plain-torch :func:`reference`.
+Shapes: ``x [N, dim_in]``, ``w [weight_numel]`` (effective weights), ``elem [N]`` int32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mace_accel.ops import registry
+from mace_accel.ops.irreps_linear.spec import LinearSpec
+
+FAMILY = "irreps_linear"
+Tensor = torch.Tensor
+
+
+def register_spec(spec: LinearSpec) -> str:
+    """The registry key of ``spec``; its transpose is registered too (for the backward)."""
+    registry.register(FAMILY, spec.transposed())
+    return registry.register(FAMILY, spec)
+
+
+def _cuda(key: str, t: Tensor):
+    from mace_accel.ops.irreps_linear.cuda import CudaIrrepsLinear
+
+    return registry.cached((key, t.dtype, t.device),
+                           lambda: CudaIrrepsLinear(registry.lookup(key), t.dtype, t.device))
+
+
+def _blocks(spec: LinearSpec, ins, w: Tensor):
+    z, a, b = spec.num_elements, spec.in_blocks[ins.i_in].mul, spec.out_blocks[ins.i_out].mul
+    return w[ins.w_offset:ins.w_offset + z * a * b].view(z, a, b)
+
+
+def reference(spec: LinearSpec, x: Tensor, w: Tensor, elem: Tensor) -> Tensor:
+    """``[N, dim_out]`` with plain differentiable torch ops."""
+    n = x.shape[0]
+    outs = [x.new_zeros((n, b.mul, b.d)) for b in spec.out_blocks]
+    for ins in spec.instructions:
+        a = spec.in_blocks[ins.i_in]
+        xb = x[:, a.offset:a.offset + a.size].reshape(n, a.mul, a.d)
+        wb = _blocks(spec, ins, w)
+        if spec.indexed:
+            outs[ins.i_out] = outs[ins.i_out] + torch.einsum("nud,nuv->nvd", xb,
+                                                             wb[elem.long()])
+        else:
+            outs[ins.i_out] = outs[ins.i_out] + torch.einsum("nud,uv->nvd", xb, wb[0])
+    return torch.cat([o.reshape(n, -1) for o in outs], dim=1) if outs else x.new_zeros((n, 0))
+
+
+def weight_grad(spec: LinearSpec, x: Tensor, g: Tensor, elem: Tensor) -> Tensor:
+    """``d W [weight_numel]`` of ``<g, L_W(x)>`` (torch ops, differentiable)."""
+    n = x.shape[0]
+    parts = []
+    for ins in spec.instructions:
+        a, b = spec.in_blocks[ins.i_in], spec.out_blocks[ins.i_out]
+        xb = x[:, a.offset:a.offset + a.size].reshape(n, a.mul, a.d)
+        gb = g[:, b.offset:b.offset + b.size].reshape(n, b.mul, b.d)
+        if spec.indexed:
+            onehot = torch.nn.functional.one_hot(elem.long(), spec.num_elements).to(x.dtype)
+            gw = torch.einsum("nz,nud,nvd->zuv", onehot, xb, gb)
+        else:
+            gw = torch.einsum("nud,nvd->uv", xb, gb)[None]
+        parts.append(gw.reshape(-1))
+    return torch.cat(parts)
+
+
+@torch.library.custom_op("mace_accel::irreps_linear", mutates_args=())
+def linear_op(x: Tensor, w: Tensor, wt: Tensor, elem: Tensor, key: str,
+              backend: str) -> Tensor:
+    """``[N, dim_out]``: the map of spec ``key`` applied to ``x``. ``wt`` is ``w`` transposed
+    (:func:`~.spec.transpose_weights`): not read here, it is what the backward applies (passed
+    in so that callers can cache it; derived from ``w`` differentiably when training)."""
+    spec = registry.lookup(key)
+    if backend == "reference":
+        return reference(spec, x, w, elem)
+    return _cuda(key, x).apply(x, w, elem)
+
+
+@linear_op.register_fake
+def _(x, w, wt, elem, key, backend):
+    return x.new_empty((x.shape[0], registry.lookup(key).dim_out))
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, w, wt, elem, key, backend = inputs
+    ctx.save_for_backward(x, w, wt, elem)
+    ctx.key, ctx.backend = key, backend
+
+
+def _backward(ctx, g):
+    x, w, wt, elem = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    spec = registry.lookup(ctx.key)
+    g = g.contiguous()
+    gx = gw = None
+    if need_x:
+        key_t = registry.register(FAMILY, spec.transposed())
+        gx = linear_op(g, wt, w, elem, key_t, ctx.backend)
+    if need_w:
+        gw = weight_grad(spec, x, g, elem)
+    return gx, gw, None, None, None, None
+
+
+linear_op.register_autograd(_backward, setup_context=_setup)
+
+
+def irreps_linear(key: str, x: Tensor, w: Tensor, wt: Tensor, elem: Tensor,
+                  backend: str = "cuda") -> Tensor:
+    """Differentiable map ``[N, dim_out]`` (see module docstring); ``x`` is made contiguous."""
+    return linear_op(x.contiguous(), w, wt, elem, key, backend)

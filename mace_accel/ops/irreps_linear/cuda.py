@@ -1,0 +1,72 @@
+"""The CUDA side of the equivariant linear maps: one generated kernel per spec, dtype, device,
+launched on torch's current stream (allocates nothing but its output; graph-capturable)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mace_accel.errors import KernelError
+from mace_accel.ops.irreps_linear import codegen
+from mace_accel.ops.irreps_linear.spec import LinearSpec
+from mace_accel.ops.runtime import (
+    INT32_MAX,
+    Kernel,
+    cupy_unavailable_reason,
+    device_index,
+    device_limits,
+    i32,
+    ptr,
+)
+from mace_accel.options import dtype_name
+
+Tensor = torch.Tensor
+
+
+class CudaIrrepsLinear:
+    """The kernel of one :class:`LinearSpec` (a map or its transpose) for a dtype and device."""
+
+    def __init__(self, spec: LinearSpec, dtype: torch.dtype, device: torch.device) -> None:
+        reason = cupy_unavailable_reason()
+        if reason is not None:
+            raise KernelError(reason)
+        if dtype not in (torch.float32, torch.float64):
+            raise KernelError(f"the CUDA kernels run float32 or float64, got {dtype}")
+        self.spec, self.dtype = spec, dtype
+        self.device = torch.device("cuda", device_index(device))
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.plan = codegen.plan_kernel(spec, dtype_name(dtype), device_limits(self.device).arch)
+        self._kernel: Optional[Kernel] = None
+
+    def _check(self, name: str, t: Tensor, shape, dtype: torch.dtype) -> None:
+        if t.dtype != dtype:
+            raise KernelError(f"{name}: expected {dtype}, got {t.dtype} ({self.spec.describe()})")
+        if t.device != self.device:
+            raise KernelError(f"{name}: expected device {self.device}, got {t.device}")
+        if tuple(t.shape) != tuple(shape):
+            raise KernelError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)} "
+                              f"({self.spec.describe()})")
+        if not t.is_contiguous():
+            raise KernelError(f"{name}: the kernel reads row-major contiguous tensors")
+
+    def apply(self, x: Tensor, w: Tensor, elem: Tensor) -> Tensor:
+        """``out [N, dim_out]`` of ``x [N, dim_in]``, effective weights ``w [weight_numel]`` and
+        ``elem [N]`` int32 (read only for element-indexed weights)."""
+        s = self.spec
+        n = int(x.shape[0]) if x.dim() == 2 else -1
+        self._check("x", x, (n, s.dim_in), self.dtype)
+        self._check("weights", w, (s.weight_numel,), self.dtype)
+        if s.indexed:
+            self._check("elem", elem, (n,), torch.int32)
+        if n * max(s.dim_in, s.dim_out) > INT32_MAX or s.weight_numel > INT32_MAX:
+            raise KernelError(f"{n} nodes exceed the linear kernel's int32 row count")
+        out = torch.empty((n, s.dim_out), dtype=self.dtype, device=self.device)
+        if n == 0:
+            return out
+        if self._kernel is None:
+            self._kernel = Kernel(codegen.render_kernel(self.plan), codegen.kernel_name(self.plan),
+                                  self.device, self.plan.arch)
+        self._kernel.launch(self.plan.grid(n, self.sms), self.plan.threads,
+                            (ptr(x), ptr(w), ptr(elem if s.indexed else None), ptr(out), i32(n)))
+        return out

@@ -1,0 +1,117 @@
+"""The radial MLP of an interaction block (e3nn ``FullyConnectedNet`` with SiLU) in the fewest
+kernels: one GEMM per layer and one SiLU per hidden layer forward, one GEMM and one SiLU
+derivative per layer backward.
+
+e3nn's net scales every layer's weights by ``1/sqrt(fan_in)`` and every hidden activation by
+two constants (the SiLU's second-moment normalisation and ``sqrt(var_out)``), which costs three
+elementwise passes over ``[E, hidden]`` per hidden layer, forward and backward. Here the
+constants are folded into the next layer's weights once (:func:`effective_weights`), so the
+passes are gone; the result equals e3nn's to rounding.
+
+``radial_mlp(x, weights)`` is an ``autograd.Function``: the backward gives the gradient of the
+input (forces, stress) and of the weights (training); with ``create_graph`` it rebuilds the
+pre-activations from the inputs, so double backward (training on forces) is exact.
+Shapes: ``x [E, h0]``, ``weights[i] [h_i, h_{i+1}]``, output ``[E, h_L]``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+
+def effective_weights(weights: Sequence[Tensor], scales: Sequence[float]) -> List[Tensor]:
+    """Layer weights with every constant folded in: ``weights[i] * scales[i]`` (``scales``
+    from :func:`layer_scales`). Differentiable in ``weights``."""
+    return [w * s for w, s in zip(weights, scales)]
+
+
+def layer_scales(fan_in: Sequence[int], var_in: Sequence[float], var_out: Sequence[float],
+                 act_cst: Sequence[float]) -> List[float]:
+    """The factor of each layer's raw weight in the folded net.
+
+    e3nn's hidden layer i computes ``h_i = silu(h_{i-1} @ W_i / sqrt(fan_in_i var_in_i)) *
+    cst_i * sqrt(var_out_i)`` and the last ``h_{L-1} @ W_L / sqrt(fan_in_L var_in_L /
+    var_out_L)``. Folding ``cst_i sqrt(var_out_i)`` of hidden layer i into layer i+1 leaves
+    ``h_i = silu(h_{i-1} @ W'_i)``.
+
+    Args:
+        fan_in, var_in, var_out: per layer (e3nn ``_Layer.h_in``, ``var_in``, ``var_out``).
+        act_cst: per hidden layer, the activation's normalisation constant (1 if none).
+    """
+    n = len(fan_in)
+    scales = []
+    carry = 1.0  # the constant of the previous hidden layer's output
+    for i in range(n):
+        if i < n - 1:
+            scale = carry / (fan_in[i] * var_in[i]) ** 0.5
+            carry = act_cst[i] * var_out[i] ** 0.5
+        else:
+            scale = carry / (fan_in[i] * var_in[i] / var_out[i]) ** 0.5
+        scales.append(scale)
+    return scales
+
+
+def _pre_activations(x: Tensor, weights: Sequence[Tensor]) -> Tuple[List[Tensor], Tensor]:
+    """``(z_1..z_{L-1}, out)``: the hidden pre-activations and the output."""
+    pre = []
+    h = x
+    for w in weights[:-1]:
+        z = torch.mm(h, w)
+        pre.append(z)
+        h = F.silu(z)
+    return pre, torch.mm(h, weights[-1])
+
+
+def _silu_grad(g: Tensor, z: Tensor) -> Tensor:
+    """``g * silu'(z)``: one fused kernel, or differentiable ops under ``create_graph``
+    (aten's ``silu_backward`` has no derivative)."""
+    if not torch.is_grad_enabled():
+        return torch.ops.aten.silu_backward(g, z)
+    s = torch.sigmoid(z)
+    return g * s * (1 + z * (1 - s))
+
+
+class _RadialMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, *weights: Tensor) -> Tensor:
+        pre, out = _pre_activations(x, weights)
+        ctx.save_for_backward(x, *weights, *pre)
+        ctx.n_layers = len(weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        n = ctx.n_layers
+        saved = ctx.saved_tensors
+        x, weights, pre = saved[0], saved[1:1 + n], list(saved[1 + n:])
+        if torch.is_grad_enabled():  # create_graph: pre-activations connected to x and W
+            pre, _ = _pre_activations(x, weights)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1:]
+        lowest = 0 if need_x else next((i for i, w in enumerate(need_w) if w), n)
+        grads_w: List[Optional[Tensor]] = [None] * n
+        g = grad.contiguous()
+        for i in range(n - 1, lowest - 1, -1):
+            if need_w[i]:
+                h_in = x if i == 0 else F.silu(pre[i - 1])
+                grads_w[i] = torch.mm(h_in.t(), g)
+            if i == lowest:
+                break
+            g = torch.mm(g, weights[i].t())
+            g = _silu_grad(g, pre[i - 1])
+        grad_x = torch.mm(g, weights[0].t()) if need_x else None
+        return (grad_x, *grads_w)
+
+
+def radial_mlp(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
+    """``[E, h_L]``: the folded SiLU MLP of ``x [E, h0]`` (see module docstring)."""
+    return _RadialMLP.apply(x, *weights)
+
+
+def reference(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
+    """The same net as plain differentiable torch ops (for tests)."""
+    return _pre_activations(x, weights)[1]

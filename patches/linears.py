@@ -1,0 +1,130 @@
+"""``FusedLinear`` and ``FusedSkip``: e3nn ``o3.Linear`` and MACE's element-dependent skip tensor
+product (``FullyConnectedTensorProduct(node_feats, one-hot Zx0e)``) as one generated kernel
+per pass (:mod:`mace_accel.ops.irreps_linear`).
+
+e3nn's linear splits the row per irrep, runs a GEMM per path between copies, and its backward
+fills and adds full-size zero gradients per path; the skip tensor product multiplies by the
+whole one-hot (a GEMM ``Z`` times larger than needed). Here each is one kernel forward and one
+backward. The effective weights (path weights folded in, and their transpose for the backward)
+are cached while the parameters are unchanged and need no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from mace_accel.errors import InputError
+from mace_accel.ops.irreps_linear import autograd
+from mace_accel.ops.irreps_linear import spec as linear_spec
+from mace_accel.ops.irreps_linear.spec import LinearSpec, transpose_weights
+from mace_accel.options import AccelOptions
+from mace_accel.patches.adopt import FusedModule
+
+
+def check_one_hot(y: torch.Tensor, who: str) -> None:
+    """Raise :class:`InputError` unless every row of ``y`` is one-hot."""
+    ones = (y == 1).sum(dim=-1)
+    if not bool(((y == 0) | (y == 1)).all()) or not bool((ones == 1).all()):
+        raise InputError(f"node_attrs are not one-hot: the fused {who} gathers one element's "
+                         "weights per node; revert the model to run mace's weighted mix of "
+                         "elements")
+
+
+class _EffectiveWeights:
+    """The op's weights and their transpose from a module's parameters, cached for inference."""
+
+    def __init__(self, spec: LinearSpec, build: Callable[[], torch.Tensor]) -> None:
+        self.spec, self.build = spec, build
+        self.key: Optional[tuple] = None
+        self.value: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    def get(self, params: List[torch.Tensor], dtype: torch.dtype):
+        if (torch.is_grad_enabled() and any(p.requires_grad for p in params)) or \
+                torch.compiler.is_compiling():
+            w = self.build().to(dtype)
+            return w, transpose_weights(self.spec, w)
+        key = (dtype, tuple((p.data_ptr(), p._version, p.device) for p in params))
+        if self.value is None or self.key != key:
+            with torch.no_grad():
+                w = self.build().to(dtype).contiguous()
+                self.value = (w, transpose_weights(self.spec, w).contiguous())
+            self.key = key
+        return self.value
+
+
+class _FusedLinearBase(FusedModule):
+    part = "linears"
+
+    def __init__(self, original: torch.nn.Module, spec: LinearSpec, build,
+                 options: AccelOptions) -> None:
+        super().__init__(original, options)
+        self.spec = spec
+        self.irreps_in = getattr(original, "irreps_in", getattr(original, "irreps_in1", None))
+        self.irreps_out = getattr(original, "irreps_out", None)
+        self._key = autograd.register_spec(spec)
+        self._build = build
+
+    def describe(self) -> str:
+        return self.spec.describe()
+
+    def _weights(self, dtype: torch.dtype):
+        cache = self._kernels.get("weights")
+        if cache is None:
+            cache = self._kernels["weights"] = _EffectiveWeights(
+                self.spec, lambda: self._build(self.original_view()))
+        return cache.get(list(self._parameters.values()), dtype)
+
+    def original_view(self) -> torch.nn.Module:
+        """The original module with this module's (possibly moved or cast) tensors."""
+        return self.sync_original()
+
+    def _apply_map(self, x: torch.Tensor, elem: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.spec.dim_in:
+            raise InputError(f"node features must have shape [n_nodes, {self.spec.dim_in}] for "
+                             f"{self.describe()}, got {tuple(x.shape)}")
+        w, wt = self._weights(x.dtype)
+        return autograd.irreps_linear(self._key, x, w, wt, elem, self.backend)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._key = autograd.register_spec(self.spec)  # a new process has an empty registry
+
+
+class FusedLinear(_FusedLinearBase):
+    """An e3nn ``o3.Linear``: ``x [N, dim_in] -> [N, dim_out]``."""
+
+    def __init__(self, original: torch.nn.Module, options: AccelOptions) -> None:
+        super().__init__(original, linear_spec.linear_spec(original), linear_spec.linear_weights,
+                         options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._apply_map(x, x.new_empty((0,), dtype=torch.int32))
+
+
+class FusedSkip(_FusedLinearBase):
+    """MACE's skip tensor product ``(node_feats [N, dim_in], node_attrs [N, Z] one-hot)``."""
+
+    part = "skip"
+
+    def __init__(self, original: torch.nn.Module, options: AccelOptions) -> None:
+        super().__init__(original, linear_spec.skip_spec(original), linear_spec.skip_weights,
+                         options)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        z = self.spec.num_elements
+        if y.dim() != 2 or y.shape[0] != x.shape[0] or y.shape[1] != z:
+            raise InputError(f"node_attrs must have shape [{x.shape[0]}, {z}], got "
+                             f"{tuple(y.shape)}")
+        if self.options.check_indices:
+            check_one_hot(y, "skip connection")
+        return self._apply_map(x, y.argmax(dim=-1).to(torch.int32))
+
+
+def linear_reason(module: object) -> Optional[str]:
+    """Why ``module`` cannot become a :class:`FusedLinear`, or None."""
+    cls = type(module)
+    if cls.__name__ != "Linear" or not cls.__module__.startswith("e3nn."):
+        return f"{cls.__module__}.{cls.__name__} is not an e3nn o3.Linear"
+    return linear_spec.linear_reason(module)

@@ -1,0 +1,125 @@
+"""``FusedRadialMLP``: the module that replaces an interaction block's ``conv_tp_weights`` (an
+e3nn ``FullyConnectedNet`` with SiLU), computing the per-edge TP weights with the constants
+folded into the weights (:mod:`mace_accel.ops.radial_mlp`).
+
+The folded weights are cached while the parameters are unchanged and nobody asks for their
+gradient (inference), so a call (and a captured CUDA graph) runs only the GEMMs and SiLUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Tuple
+
+import torch
+
+from mace_accel.errors import InputError
+from mace_accel.ops import radial_mlp
+from mace_accel.options import AccelOptions
+from mace_accel.patches.adopt import FusedModule
+
+PART = "radial_mlp"
+
+
+@dataclasses.dataclass(frozen=True)
+class RadialMLPSpec:
+    """The layer sizes ``hs`` ``[h0, ..., h_L]`` and the folded weights' scales."""
+
+    hs: Tuple[int, ...]
+    scales: Tuple[float, ...]
+
+    def describe(self) -> str:
+        return (f"MLP {'->'.join(map(str, self.hs))} (SiLU), constants folded: "
+                f"{len(self.hs) - 1} GEMMs + {len(self.hs) - 2} SiLU per pass")
+
+
+def _is_silu(f) -> bool:
+    return f is torch.nn.functional.silu or isinstance(f, torch.nn.SiLU)
+
+
+def spec_or_reason(net: torch.nn.Module) -> Tuple[Optional[RadialMLPSpec], Optional[str]]:
+    """``(spec, None)`` for an e3nn ``FullyConnectedNet`` with SiLU hidden layers and a linear
+    last layer, else ``(None, why not)``."""
+    cls = type(net)
+    if cls.__name__ != "FullyConnectedNet" or not cls.__module__.startswith("e3nn."):
+        return None, (f"conv_tp_weights is {cls.__module__}.{cls.__name__}, not e3nn's "
+                      "FullyConnectedNet (mace's LayerNorm RadialMLP runs as it is)")
+    layers = [m for _, m in sorted(net._modules.items(), key=lambda kv: int(kv[0][5:]))
+              if m is not None] if all(k.startswith("layer") for k in net._modules) else []
+    if not layers:
+        return None, "FullyConnectedNet without layer0..layerN children"
+    cst: List[float] = []
+    for i, layer in enumerate(layers):
+        act = getattr(layer, "act", None)
+        last = i == len(layers) - 1
+        if last:
+            if act is not None:
+                return None, "the last layer has an activation (out_act=True)"
+            continue
+        if act is None:
+            return None, f"hidden layer {i} has no activation"
+        f = getattr(act, "f", act)
+        if not _is_silu(f):
+            return None, f"hidden layer {i} uses {getattr(f, '__name__', f)!r}, not SiLU"
+        cst.append(1.0 if getattr(act, "_is_id", False) or not hasattr(act, "cst")
+                   else float(act.cst))
+    hs = (int(layers[0].h_in), *(int(layer.h_out) for layer in layers))
+    scales = radial_mlp.layer_scales([float(m.h_in) for m in layers],
+                                     [float(m.var_in) for m in layers],
+                                     [float(m.var_out) for m in layers], cst)
+    return RadialMLPSpec(hs, tuple(scales)), None
+
+
+def _column_major(w: torch.Tensor) -> torch.Tensor:
+    """``w [k, n]`` stored transposed (a view of a contiguous ``[n, k]``): cuBLAS runs both the
+    forward ``h @ w`` and the backward ``g @ w.t()`` faster so (measured on an H100 for the
+    MACE-MP shapes: the 64->1280 forward 2.93 -> 2.64 ms, its backward 2.04 -> 1.83 ms at 539k
+    edges, fp32)."""
+    return w.t().contiguous().t()
+
+
+class FusedRadialMLP(FusedModule):
+    """The block's radial MLP: ``edge_feats [E, h0] -> tp_weights [E, h_L]``.
+
+    Args:
+        original: the e3nn ``FullyConnectedNet``.
+        spec: its :class:`RadialMLPSpec`.
+        options: the acceleration options.
+    """
+
+    part = PART
+
+    def __init__(self, original: torch.nn.Module, spec: RadialMLPSpec,
+                 options: AccelOptions) -> None:
+        super().__init__(original, options)
+        self.spec = spec
+        self.hs = list(spec.hs)
+        self._names = sorted(original._modules, key=lambda k: int(k[5:]))
+
+    def describe(self) -> str:
+        return self.spec.describe()
+
+    def _raw_weights(self) -> List[torch.Tensor]:
+        return [self._modules[name].weight for name in self._names]
+
+    def _weights(self, dtype: torch.dtype) -> List[torch.Tensor]:
+        raw = self._raw_weights()
+        if (torch.is_grad_enabled() and any(w.requires_grad for w in raw)) or \
+                torch.compiler.is_compiling():
+            return [_column_major(w.to(dtype))
+                    for w in radial_mlp.effective_weights(raw, self.spec.scales)]
+        key = (dtype, tuple((w.data_ptr(), w._version, w.device) for w in raw))
+        cached = self._kernels.get("weights")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                folded = [_column_major(w.to(dtype)) for w in
+                          radial_mlp.effective_weights(raw, self.spec.scales)]
+            cached = self._kernels["weights"] = (key, folded)
+        return cached[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[E, h_L]`` per-edge TP weights of the radial features ``x [E, h0]``."""
+        if x.dim() != 2 or x.shape[1] != self.hs[0]:
+            raise InputError(f"edge_feats must have shape [n_edges, {self.hs[0]}] for the "
+                             f"radial MLP, got {tuple(x.shape)}")
+        return radial_mlp.radial_mlp(x, self._weights(x.dtype))

@@ -1,0 +1,136 @@
+"""The equivariant linear op (:mod:`mace_accel.ops.irreps_linear`) on the CPU: the reference
+equals e3nn's ``o3.Linear`` and MACE's one-hot skip tensor product through the fused modules,
+the backward is the transposed map, double backward is exact, weights are cached only when
+nothing can change them, bad input is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mace_accel.errors import InputError
+from mace_accel.ops.irreps_linear import autograd, codegen
+from mace_accel.ops.irreps_linear.catalog import CATALOG
+from mace_accel.ops.irreps_linear.spec import skip_reason, transpose_weights
+from mace_accel.options import AccelOptions
+from mace_accel.patches.linears import FusedLinear, FusedSkip, linear_reason
+
+OPTIONS = AccelOptions(backend="reference", verify=False)
+
+
+def _o3():
+    from mace_accel._e3nn_compat import o3
+
+    return o3()
+
+
+def _linear(irreps_in="8x0e+8x1o+4x0e+8x2e", irreps_out="6x0e+8x1o+5x2e+3x3o"):
+    torch.manual_seed(0)
+    o3 = _o3()
+    return o3.Linear(o3.Irreps(irreps_in), o3.Irreps(irreps_out)).double()
+
+
+def _skip():
+    torch.manual_seed(0)
+    o3 = _o3()
+    return o3.FullyConnectedTensorProduct(o3.Irreps("8x0e+8x1o+8x2e+4x3o"), o3.Irreps("5x0e"),
+                                          o3.Irreps("8x0e+6x1o+8x2e")).double()
+
+
+def test_linear_equals_e3nn_with_gradients():
+    lin = _linear()
+    fused = FusedLinear(lin, OPTIONS)
+    x = torch.randn(9, lin.irreps_in.dim, dtype=torch.float64, requires_grad=True)
+    ref, out = lin(x), fused(x)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-13)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, [x, lin.weight], g),
+                    torch.autograd.grad(ref, [x, lin.weight], g)):
+        assert torch.allclose(a, b, rtol=1e-11, atol=1e-12)
+
+
+def test_skip_equals_e3nn_tensor_product_with_one_hot_attributes():
+    skip = _skip()
+    fused = FusedSkip(skip, OPTIONS)
+    x = torch.randn(7, skip.irreps_in1.dim, dtype=torch.float64, requires_grad=True)
+    y = torch.nn.functional.one_hot(torch.tensor([0, 4, 1, 2, 3, 4, 0]), 5).double()
+    ref, out = skip(x, y), fused(x, y)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-13)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, [x, skip.weight], g),
+                    torch.autograd.grad(ref, [x, skip.weight], g)):
+        assert torch.allclose(a, b, rtol=1e-11, atol=1e-12)
+
+
+def test_double_backward_matches_e3nn():
+    skip = _skip()
+    fused = FusedSkip(skip, OPTIONS)
+    x = torch.randn(6, skip.irreps_in1.dim, dtype=torch.float64, requires_grad=True)
+    y = torch.nn.functional.one_hot(torch.tensor([0, 4, 1, 2, 3, 4]), 5).double()
+    v = torch.randn_like(x)
+    results = []
+    for call in (lambda: skip(x, y), lambda: fused(x, y)):
+        (gx,) = torch.autograd.grad(call().pow(2).sum(), x, create_graph=True)
+        results.append(torch.autograd.grad((gx * v).sum(), [x, skip.weight]))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_transposed_spec_is_the_adjoint(name):
+    spec = CATALOG[name]
+    key = autograd.register_spec(spec)
+    key_t = autograd.register_spec(spec.transposed())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, spec.dim_in, generator=gen, dtype=torch.float64)
+    g = torch.randn(4, spec.dim_out, generator=gen, dtype=torch.float64)
+    w = torch.randn(spec.weight_numel, generator=gen, dtype=torch.float64)
+    elem = torch.randint(0, spec.num_elements, (4,), generator=gen, dtype=torch.int32)
+    wt = transpose_weights(spec, w)
+    lhs = (autograd.linear_op(x, w, wt, elem, key, "reference") * g).sum()
+    rhs = (autograd.linear_op(g, wt, w, elem, key_t, "reference") * x).sum()
+    assert torch.allclose(lhs, rhs, rtol=1e-12)
+
+
+def test_weights_are_cached_until_a_parameter_changes():
+    lin = _linear()
+    lin.weight.requires_grad_(False)
+    fused = FusedLinear(lin, OPTIONS)
+    x = torch.randn(3, lin.irreps_in.dim, dtype=torch.float64)
+    fused(x)
+    first = fused._kernels["weights"].value
+    fused(x)
+    assert fused._kernels["weights"].value is first
+    with torch.no_grad():
+        lin.weight.mul_(3.0)
+    assert torch.allclose(fused(x), lin(x), rtol=1e-12, atol=1e-13)
+    assert fused._kernels["weights"].value is not first
+
+
+def test_skip_refuses_attributes_that_are_not_one_hot():
+    fused = FusedSkip(_skip(), OPTIONS.replace(check_indices=True))
+    x = torch.randn(2, fused.spec.dim_in, dtype=torch.float64)
+    with pytest.raises(InputError, match="not one-hot"):
+        fused(x, torch.full((2, 5), 0.2, dtype=torch.float64))
+    with pytest.raises(InputError, match=r"node_attrs must have shape \[2, 5\]"):
+        fused(x, torch.zeros(2, 4, dtype=torch.float64))
+
+
+def test_modules_the_op_cannot_take_are_named():
+    o3 = _o3()
+    with_bias = o3.Linear(o3.Irreps("4x0e"), o3.Irreps("4x0e"), biases=True)
+    assert "biases" in linear_reason(with_bias)
+    assert "not an e3nn o3.Linear" in linear_reason(torch.nn.Linear(2, 2))
+    vector_attrs = o3.FullyConnectedTensorProduct(o3.Irreps("4x0e"), o3.Irreps("1x1o"),
+                                                  o3.Irreps("4x1o"))
+    assert "not one block of scalars" in skip_reason(vector_attrs)
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_plan_fits_the_static_shared_memory(name):
+    for spec in (CATALOG[name], CATALOG[name].transposed()):
+        for dtype, size in (("float32", 4), ("float64", 8)):
+            plan = codegen.plan_kernel(spec, dtype)
+            assert plan.tile_nodes * plan.max_block * size <= codegen.TILE_BYTES or \
+                plan.tile_nodes == 1
+            assert plan.grid(10**6)[1] == len(spec.out_blocks)
