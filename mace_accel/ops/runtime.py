@@ -62,6 +62,35 @@ def device_limits(device: torch.device) -> DeviceLimits:
                         warp_size=int(attrs["WarpSize"]))
 
 
+def kernel_device(dtype: torch.dtype, device: torch.device) -> torch.device:
+    """The CUDA device an op family's kernels run on, once cupy/NVRTC and ``dtype`` are
+    checked (raises :class:`KernelError` naming what is missing)."""
+    reason = cupy_unavailable_reason()
+    if reason is not None:
+        raise KernelError(reason)
+    if dtype not in (torch.float32, torch.float64):
+        raise KernelError(f"the CUDA kernels run float32 or float64, got {dtype}")
+    return torch.device("cuda", device_index(device))
+
+
+def check_tensor(name: str, t: torch.Tensor, shape: Tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, what: str = "") -> None:
+    """Raise :class:`KernelError` unless ``t`` is a contiguous ``dtype`` tensor of ``shape`` on
+    ``device`` (what every kernel checks before launch; ``what`` names the problem)."""
+    where = f" ({what})" if what else ""
+    if not isinstance(t, torch.Tensor):
+        raise KernelError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise KernelError(f"{name}: expected {dtype}, got {t.dtype}{where}")
+    if t.device != device:
+        raise KernelError(f"{name}: expected device {device}, got {t.device}")
+    if tuple(t.shape) != tuple(shape):
+        raise KernelError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}{where}")
+    if not t.is_contiguous():
+        raise KernelError(f"{name}: the kernels read row-major contiguous tensors; call "
+                          ".contiguous() first")
+
+
 def device_index(device: torch.device) -> int:
     device = torch.device(device)
     return device.index if device.index is not None else torch.cuda.current_device()

@@ -25,8 +25,8 @@ from mace_accel.ops.graph import KernelGraph
 from mace_accel.ops.runtime import (
     INT32_MAX,
     Kernel,
-    cupy_unavailable_reason,
-    device_index,
+    check_tensor,
+    kernel_device,
     device_limits,
     i32,
     ptr,
@@ -45,14 +45,10 @@ class CudaConvPrimitives:
 
     def __init__(self, spec: TPSpec, dtype: torch.dtype, device: torch.device,
                  deterministic: bool = True) -> None:
-        reason = cupy_unavailable_reason()
-        if reason is not None:
-            raise KernelError(reason)
-        if dtype not in (torch.float32, torch.float64):
-            raise KernelError(f"the CUDA kernels run float32 or float64, got {dtype}")
+        device = kernel_device(dtype, device)
         self.spec, self.dtype = spec, dtype
         self.deterministic = deterministic
-        self.device = torch.device("cuda", device_index(device))
+        self.device = device
         limits = device_limits(self.device)
         self.arch = limits.arch
         self.plan: ConvPlan = plan_kernels(spec, dtype_name(dtype), limits)
@@ -75,15 +71,7 @@ class CudaConvPrimitives:
         rows = {"x": (n, s.dim_in1), "y": (e, s.dim_in2), "w": (e, s.weight_numel),
                 "g": (n, s.dim_out)}
         for name, t in tensors.items():
-            if t.dtype != self.dtype:
-                raise KernelError(f"{name}: expected {self.dtype}, got {t.dtype}")
-            if t.device != self.device:
-                raise KernelError(f"{name}: expected device {self.device}, got {t.device}")
-            if tuple(t.shape) != rows[name]:
-                raise KernelError(f"{name}: expected shape {rows[name]}, got {tuple(t.shape)}")
-            if not t.is_contiguous():
-                raise KernelError(f"{name}: the kernels read row-major contiguous tensors; "
-                                  "call .contiguous() first")
+            check_tensor(name, t, rows[name], self.dtype, self.device)
         if n > INT32_MAX or e > INT32_MAX:
             raise KernelError(f"{n} nodes / {e} edges exceed the kernels' int32 indexing")
         lengths = {"sender": e, "recv_ptr": n + 1, "recv_perm": e, "send_ptr": n + 1,

@@ -19,8 +19,8 @@ from mace_accel.ops.edge_features.spec import RadialSpec, SHSpec
 from mace_accel.ops.runtime import (
     INT32_MAX,
     Kernel,
-    cupy_unavailable_reason,
-    device_index,
+    check_tensor,
+    kernel_device,
     device_limits,
     i32,
     ptr,
@@ -37,16 +37,12 @@ class _EdgeKernels:
 
     def __init__(self, spec: Union[SHSpec, RadialSpec], dtype: torch.dtype,
                  device: torch.device) -> None:
-        reason = cupy_unavailable_reason()
-        if reason is not None:
-            raise KernelError(reason)
-        if dtype not in (torch.float32, torch.float64):
-            raise KernelError(f"the CUDA kernels run float32 or float64, got {dtype}")
+        device = kernel_device(dtype, device)
         reason = spec.unsupported_reason()
         if reason is not None:
             raise KernelError(f"{spec.describe()} cannot be fused: {reason}")
         self.spec, self.dtype = spec, dtype
-        self.device = torch.device("cuda", device_index(device))
+        self.device = device
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.plan: EdgePlan = plan_for(spec, dtype_name(dtype), device_limits(self.device), sms)
         self._kernels: Dict[str, Kernel] = {}
@@ -69,19 +65,7 @@ class _EdgeKernels:
         if n_edges > INT32_MAX:
             raise KernelError(f"{n_edges} edges exceed the kernels' int32 edge count")
         for name, (t, shape) in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                raise KernelError(f"{name}: expected a tensor, got {type(t).__name__}")
-            if t.dtype != self.dtype:
-                raise KernelError(f"{name}: expected {self.dtype}, got {t.dtype} "
-                                  f"({self.spec.describe()})")
-            if t.device != self.device:
-                raise KernelError(f"{name}: expected device {self.device}, got {t.device}")
-            if tuple(t.shape) != shape:
-                raise KernelError(f"{name}: expected shape {shape}, got {tuple(t.shape)} "
-                                  f"({self.spec.describe()})")
-            if not t.is_contiguous():
-                raise KernelError(f"{name}: the kernels read row-major contiguous tensors; "
-                                  "call .contiguous() first")
+            check_tensor(name, t, shape, self.dtype, self.device, self.spec.describe())
 
     def _empty(self, *shape: int) -> Tensor:
         return torch.empty(shape, dtype=self.dtype, device=self.device)

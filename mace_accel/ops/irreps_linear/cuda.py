@@ -13,8 +13,8 @@ from mace_accel.ops.irreps_linear.spec import LinearSpec
 from mace_accel.ops.runtime import (
     INT32_MAX,
     Kernel,
-    cupy_unavailable_reason,
-    device_index,
+    check_tensor,
+    kernel_device,
     device_limits,
     i32,
     ptr,
@@ -28,27 +28,15 @@ class CudaIrrepsLinear:
     """The kernel of one :class:`LinearSpec` (a map or its transpose) for a dtype and device."""
 
     def __init__(self, spec: LinearSpec, dtype: torch.dtype, device: torch.device) -> None:
-        reason = cupy_unavailable_reason()
-        if reason is not None:
-            raise KernelError(reason)
-        if dtype not in (torch.float32, torch.float64):
-            raise KernelError(f"the CUDA kernels run float32 or float64, got {dtype}")
+        device = kernel_device(dtype, device)
         self.spec, self.dtype = spec, dtype
-        self.device = torch.device("cuda", device_index(device))
+        self.device = device
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.plan = codegen.plan_kernel(spec, dtype_name(dtype), device_limits(self.device).arch)
         self._kernel: Optional[Kernel] = None
 
     def _check(self, name: str, t: Tensor, shape, dtype: torch.dtype) -> None:
-        if t.dtype != dtype:
-            raise KernelError(f"{name}: expected {dtype}, got {t.dtype} ({self.spec.describe()})")
-        if t.device != self.device:
-            raise KernelError(f"{name}: expected device {self.device}, got {t.device}")
-        if tuple(t.shape) != tuple(shape):
-            raise KernelError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)} "
-                              f"({self.spec.describe()})")
-        if not t.is_contiguous():
-            raise KernelError(f"{name}: the kernel reads row-major contiguous tensors")
+        check_tensor(name, t, shape, dtype, self.device, self.spec.describe())
 
     def apply(self, x: Tensor, w: Tensor, elem: Tensor) -> Tensor:
         """``out [N, dim_out]`` of ``x [N, dim_in]``, effective weights ``w [weight_numel]`` and

@@ -18,8 +18,8 @@ from mace_accel.errors import KernelError
 from mace_accel.ops.runtime import (
     INT32_MAX,
     Kernel,
-    cupy_unavailable_reason,
-    device_index,
+    check_tensor,
+    kernel_device,
     device_limits,
     i32,
     ptr,
@@ -41,13 +41,9 @@ class CudaSymmetricContraction:
     """
 
     def __init__(self, spec: SCSpec, dtype: torch.dtype, device: torch.device) -> None:
-        reason = cupy_unavailable_reason()
-        if reason is not None:
-            raise KernelError(reason)
-        if dtype not in (torch.float32, torch.float64):
-            raise KernelError(f"the CUDA kernels run float32 or float64, got {dtype}")
+        device = kernel_device(dtype, device)
         self.spec, self.dtype = spec, dtype
-        self.device = torch.device("cuda", device_index(device))
+        self.device = device
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.plan = codegen.plan_kernels(spec, dtype_name(dtype), device_limits(self.device),
                                          multiprocessors=sms)
@@ -94,18 +90,7 @@ class CudaSymmetricContraction:
 
     def _check_tensor(self, name: str, t: Tensor, shape: Tuple[int, ...],
                       dtype: torch.dtype) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise KernelError(f"{name}: expected a tensor, got {type(t).__name__}")
-        if t.dtype != dtype:
-            raise KernelError(f"{name}: expected {dtype}, got {t.dtype} ({self.spec.describe()})")
-        if t.device != self.device:
-            raise KernelError(f"{name}: expected device {self.device}, got {t.device}")
-        if tuple(t.shape) != tuple(shape):
-            raise KernelError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)} "
-                              f"({self.spec.describe()})")
-        if not t.is_contiguous():
-            raise KernelError(f"{name}: the kernels read row-major contiguous tensors; call "
-                              ".contiguous() first")
+        check_tensor(name, t, shape, dtype, self.device, self.spec.describe())
 
     def _empty(self, *shape: int) -> Tensor:
         return torch.empty(shape, dtype=self.dtype, device=self.device)
