@@ -30,7 +30,8 @@ class RadialMLPSpec:
 
     def describe(self) -> str:
         return (f"MLP {'->'.join(map(str, self.hs))} (SiLU), constants folded: "
-                f"{len(self.hs) - 1} GEMMs + {len(self.hs) - 2} SiLU per pass")
+                f"{len(self.hs) - 1} GEMMs + {len(self.hs) - 2} SiLU per pass; the TP weights "
+                f"[E, {self.hs[-1]}] are still written")
 
 
 def _is_silu(f) -> bool:
