@@ -36,6 +36,7 @@ class FusedConvTP(FusedModule):
         self.irreps_in2 = getattr(original, "irreps_in2", None)
         self.irreps_out = getattr(original, "irreps_out", None)
         self.weight_numel = spec.weight_numel
+        self._key = autograd.register_spec(spec)
 
     def describe(self) -> str:
         return self.spec.describe()
@@ -51,7 +52,7 @@ class FusedConvTP(FusedModule):
         """
         self._check(node_feats, edge_attrs, tp_weights, edge_index)
         graph = graph_from_edge_index(edge_index, node_feats.shape[0], self.options.check_indices)
-        return autograd.conv_tp(autograd.register_spec(self.spec), graph, node_feats, edge_attrs,
+        return autograd.conv_tp(self._key, graph, node_feats, edge_attrs,
                                 tp_weights, backend=self.options.backend,
                                 deterministic=self.options.deterministic)
 
@@ -75,3 +76,7 @@ class FusedConvTP(FusedModule):
         devices = {node_feats.device, edge_attrs.device, tp_weights.device, edge_index.device}
         if len(devices) != 1:
             raise InputError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._key = autograd.register_spec(self.spec)  # a new process has an empty registry

@@ -117,6 +117,8 @@ class FusedRadialEmbedding(FusedModule):
                      for v in values) + (self.apply_cutoff,)
 
     def _current_key(self) -> str:
+        if torch.compiler.is_compiling():  # no _version guards in a graph: the spec as fused
+            return self._key
         seen = self._buffers_seen()
         if self._kernels.get("seen") != seen:  # first call, or the buffers changed
             if "seen" in self._kernels:

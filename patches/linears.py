@@ -57,28 +57,27 @@ class _EffectiveWeights:
 class _FusedLinearBase(FusedModule):
     part = "linears"
 
-    def __init__(self, original: torch.nn.Module, spec: LinearSpec, build,
-                 options: AccelOptions) -> None:
+    def __init__(self, original: torch.nn.Module, spec: LinearSpec, scales: List[float],
+                 z_inside: bool, options: AccelOptions) -> None:
         super().__init__(original, options)
         self.spec = spec
         self.irreps_in = getattr(original, "irreps_in", getattr(original, "irreps_in1", None))
         self.irreps_out = getattr(original, "irreps_out", None)
         self._key = autograd.register_spec(spec)
-        self._build = build
+        self._scales, self._z_inside = list(scales), z_inside
 
     def describe(self) -> str:
         return self.spec.describe()
 
+    def _build(self) -> torch.Tensor:
+        return linear_spec.effective_weights(self.spec, self._parameters["weight"], self._scales,
+                                             self._z_inside)
+
     def _weights(self, dtype: torch.dtype):
         cache = self._kernels.get("weights")
         if cache is None:
-            cache = self._kernels["weights"] = _EffectiveWeights(
-                self.spec, lambda: self._build(self.original_view()))
-        return cache.get(list(self._parameters.values()), dtype)
-
-    def original_view(self) -> torch.nn.Module:
-        """The original module with this module's (possibly moved or cast) tensors."""
-        return self.sync_original()
+            cache = self._kernels["weights"] = _EffectiveWeights(self.spec, self._build)
+        return cache.get([self._parameters["weight"]], dtype)
 
     def _apply_map(self, x: torch.Tensor, elem: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.spec.dim_in:
@@ -96,8 +95,8 @@ class FusedLinear(_FusedLinearBase):
     """An e3nn ``o3.Linear``: ``x [N, dim_in] -> [N, dim_out]``."""
 
     def __init__(self, original: torch.nn.Module, options: AccelOptions) -> None:
-        super().__init__(original, linear_spec.linear_spec(original), linear_spec.linear_weights,
-                         options)
+        super().__init__(original, linear_spec.linear_spec(original),
+                         linear_spec.linear_scales(original), False, options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._apply_map(x, x.new_empty((0,), dtype=torch.int32))
@@ -109,8 +108,8 @@ class FusedSkip(_FusedLinearBase):
     part = "skip"
 
     def __init__(self, original: torch.nn.Module, options: AccelOptions) -> None:
-        super().__init__(original, linear_spec.skip_spec(original), linear_spec.skip_weights,
-                         options)
+        super().__init__(original, linear_spec.skip_spec(original),
+                         linear_spec.skip_scales(original), True, options)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         z = self.spec.num_elements

@@ -122,7 +122,8 @@ def graph_from_edge_index(edge_index: torch.Tensor, n_nodes: int,
         raise InputError(f"edge_index must have shape [2, n_edges], got {tuple(edge_index.shape)}")
     if edge_index.dtype not in (torch.int32, torch.int64):
         raise InputError(f"edge_index must be int32 or int64, got {edge_index.dtype}")
-    if _LAST is not None:
+    compiling = torch.compiler.is_compiling()  # dynamo cannot guard on _version: no reuse
+    if _LAST is not None and not compiling:
         ref, version, nodes, graph = _LAST
         if ref() is edge_index and version == edge_index._version and nodes == n_nodes:
             return graph
@@ -134,5 +135,6 @@ def graph_from_edge_index(edge_index: torch.Tensor, n_nodes: int,
             )
     ei = edge_index.to(torch.int64)
     graph = ConvGraph(sender=ei[0].contiguous(), receiver=ei[1].contiguous(), n_nodes=int(n_nodes))
-    _LAST = (weakref.ref(edge_index), edge_index._version, int(n_nodes), graph)
+    if not compiling:
+        _LAST = (weakref.ref(edge_index), edge_index._version, int(n_nodes), graph)
     return graph

@@ -9,6 +9,8 @@ Shapes: ``x [N, dim_in]``, ``w [weight_numel]`` (effective weights), ``elem [N]`
 
 from __future__ import annotations
 
+from typing import Dict
+
 import torch
 
 from mace_accel.ops import registry
@@ -18,10 +20,16 @@ FAMILY = "irreps_linear"
 Tensor = torch.Tensor
 
 
+# key -> key of the transposed spec (both ways), filled at registration: the backward looks it
+# up without hashing a spec (which a traced backward could not do)
+_TRANSPOSED: Dict[str, str] = {}
+
+
 def register_spec(spec: LinearSpec) -> str:
     """The registry key of ``spec``; its transpose is registered too (for the backward)."""
-    registry.register(FAMILY, spec.transposed())
-    return registry.register(FAMILY, spec)
+    key, key_t = registry.register(FAMILY, spec), registry.register(FAMILY, spec.transposed())
+    _TRANSPOSED[key], _TRANSPOSED[key_t] = key_t, key
+    return key
 
 
 def _cuda(key: str, t: Tensor):
@@ -99,8 +107,7 @@ def _backward(ctx, g):
     g = g.contiguous()
     gx = gw = None
     if need_x:
-        key_t = registry.register(FAMILY, spec.transposed())
-        gx = linear_op(g, wt, w, elem, key_t, ctx.backend)
+        gx = linear_op(g, wt, w, elem, _TRANSPOSED[ctx.key], ctx.backend)
     if need_w:
         gw = weight_grad(spec, x, g, elem)
     return gx, gw, None, None, None, None

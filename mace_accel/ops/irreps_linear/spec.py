@@ -6,14 +6,15 @@ Covers e3nn's ``o3.Linear`` (one weight set) and the element-dependent skip conn
 a linear map whose weights are picked by the node's element: ``Z`` weight sets.
 
 The op takes the *effective* weights: per instruction ``[Z, mul_in, mul_out]`` with e3nn's path
-weights folded in, concatenated (:func:`linear_weights`, :func:`skip_weights`).
+weights folded in, concatenated (:func:`effective_weights` with :func:`linear_scales` or
+:func:`skip_scales`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -158,14 +159,29 @@ def linear_spec(module: torch.nn.Module) -> LinearSpec:
                             for i, o in zip(ins, offsets)))
 
 
-def linear_weights(module: torch.nn.Module) -> torch.Tensor:
-    """The effective weights of an e3nn ``o3.Linear`` (path weights folded in; flat)."""
+def linear_scales(module: torch.nn.Module) -> List[float]:
+    """Per instruction of an e3nn ``o3.Linear``, the factor of its weights (the path weight)."""
+    return [float(i.path_weight) for i in module.instructions]
+
+
+def effective_weights(spec: LinearSpec, weight: torch.Tensor, scales: Sequence[float],
+                      z_inside: bool = False) -> torch.Tensor:
+    """The op's weights (flat, per instruction ``[Z, mul_in, mul_out]``) from a module's flat
+    ``weight`` and per-instruction ``scales`` (tensor ops only: differentiable and traceable).
+
+    Args:
+        z_inside: the module stores each path as ``[mul_in, Z, mul_out]`` (e3nn's tensor
+            product with the element one-hot as second input) instead of ``[Z, mul_in,
+            mul_out]``.
+    """
     parts, at = [], 0
-    for i in module.instructions:
-        n = int(i.path_shape[0]) * int(i.path_shape[1])
-        parts.append(module.weight[at:at + n] * float(i.path_weight))
-        at += n
-    return torch.cat(parts) if parts else module.weight[:0]
+    for (z, a, b), scale in zip(spec.weight_shapes(), scales):
+        w = weight[at:at + z * a * b]
+        if z_inside:
+            w = w.view(a, z, b).transpose(0, 1)
+        parts.append(w.reshape(-1) * scale)
+        at += z * a * b
+    return torch.cat(parts) if parts else weight[:0]
 
 
 # -- MACE's element-dependent skip (FullyConnectedTensorProduct with Zx0e) ---------------------
@@ -212,15 +228,10 @@ def _cg_l0l(l: int) -> float:
     return c
 
 
-def skip_weights(module: torch.nn.Module) -> torch.Tensor:
-    """The effective weights ``[Z, mul_in, mul_out]`` per path of the skip tensor product:
-    e3nn's ``[mul_in, Z, mul_out]`` reordered, the path weight and the Clebsch-Gordan
-    coefficient of ``l x 0 -> l`` (``w3j[m, 0, m]``, the same for every ``m``) folded in."""
-    parts, at = [], 0
-    for i in module.instructions:
-        a, z, b = (int(s) for s in i.path_shape)
-        w = module.weight[at:at + a * z * b].view(a, z, b).transpose(0, 1)
-        cg = _cg_l0l(module.irreps_in1[i.i_in1][1].l)
-        parts.append(w.reshape(-1) * (float(i.path_weight) * cg))
-        at += a * z * b
-    return torch.cat(parts) if parts else module.weight[:0]
+def skip_scales(module: torch.nn.Module) -> List[float]:
+    """Per path of MACE's skip tensor product, the factor of its weights: the path weight times
+    the Clebsch-Gordan coefficient of ``l x 0 -> l`` (``w3j[m, 0, m]``, the same for every
+    ``m``). The weights themselves are ``[mul_in, Z, mul_out]`` (``z_inside`` of
+    :func:`effective_weights`)."""
+    return [float(i.path_weight) * _cg_l0l(module.irreps_in1[i.i_in1][1].l)
+            for i in module.instructions]
