@@ -10,7 +10,7 @@ first use after loading.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Callable, Dict, List
 
 import torch
 
@@ -79,6 +79,22 @@ class FusedModule(torch.nn.Module):
         self.__dict__.update(state)
         for name, m in self.original._modules.items():
             self._modules[name] = m
+
+    def _derived(self, name: str, params: List[torch.Tensor], dtype: torch.dtype,
+                 build: Callable[[torch.dtype], Any]) -> Any:
+        """``build(dtype)``: tensors derived from ``params`` (folded weights, say). Cached under
+        ``name`` per dtype while the parameters are the same unmodified tensors and nobody needs
+        their gradient (inference); rebuilt on every call while a gradient is needed (training:
+        differentiable) or dynamo traces (it cannot guard on ``_version``)."""
+        if (torch.is_grad_enabled() and any(p.requires_grad for p in params)) or \
+                torch.compiler.is_compiling():
+            return build(dtype)
+        key = (dtype, tuple((p.data_ptr(), p._version, p.device) for p in params))
+        cached = self._kernels.get(name)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = self._kernels[name] = (key, build(dtype))
+        return cached[1]
 
     def _kernel_cache(self, key: Any, build) -> Any:
         """``self._kernels[key]``, built once by ``build()`` (per dtype and device)."""

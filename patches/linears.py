@@ -11,7 +11,7 @@ are cached while the parameters are unchanged and need no gradient.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -32,28 +32,6 @@ def check_one_hot(y: torch.Tensor, who: str) -> None:
                          "elements")
 
 
-class _EffectiveWeights:
-    """The op's weights and their transpose from a module's parameters, cached for inference."""
-
-    def __init__(self, spec: LinearSpec, build: Callable[[], torch.Tensor]) -> None:
-        self.spec, self.build = spec, build
-        self.key: Optional[tuple] = None
-        self.value: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-
-    def get(self, params: List[torch.Tensor], dtype: torch.dtype):
-        if (torch.is_grad_enabled() and any(p.requires_grad for p in params)) or \
-                torch.compiler.is_compiling():
-            w = self.build().to(dtype)
-            return w, transpose_weights(self.spec, w)
-        key = (dtype, tuple((p.data_ptr(), p._version, p.device) for p in params))
-        if self.value is None or self.key != key:
-            with torch.no_grad():
-                w = self.build().to(dtype).contiguous()
-                self.value = (w, transpose_weights(self.spec, w).contiguous())
-            self.key = key
-        return self.value
-
-
 class _FusedLinearBase(FusedModule):
     part = "linears"
 
@@ -69,15 +47,15 @@ class _FusedLinearBase(FusedModule):
     def describe(self) -> str:
         return self.spec.describe()
 
-    def _build(self) -> torch.Tensor:
-        return linear_spec.effective_weights(self.spec, self._parameters["weight"], self._scales,
-                                             self._z_inside)
+    def _weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The op's effective weights and their transpose (what the backward applies)."""
+        def build(dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+            w = linear_spec.effective_weights(self.spec, weight, self._scales,
+                                              self._z_inside).to(dtype).contiguous()
+            return w, transpose_weights(self.spec, w).contiguous()
 
-    def _weights(self, dtype: torch.dtype):
-        cache = self._kernels.get("weights")
-        if cache is None:
-            cache = self._kernels["weights"] = _EffectiveWeights(self.spec, self._build)
-        return cache.get([self._parameters["weight"]], dtype)
+        weight = self._parameters["weight"]
+        return self._derived("weights", [weight], dtype, build)
 
     def _apply_map(self, x: torch.Tensor, elem: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.spec.dim_in:

@@ -104,19 +104,12 @@ class FusedRadialMLP(FusedModule):
         return [self._modules[name].weight for name in self._names]
 
     def _weights(self, dtype: torch.dtype) -> List[torch.Tensor]:
-        raw = self._raw_weights()
-        if (torch.is_grad_enabled() and any(w.requires_grad for w in raw)) or \
-                torch.compiler.is_compiling():
+        def fold(dtype: torch.dtype) -> List[torch.Tensor]:
             return [_column_major(w.to(dtype))
                     for w in radial_mlp.effective_weights(raw, self.spec.scales)]
-        key = (dtype, tuple((w.data_ptr(), w._version, w.device) for w in raw))
-        cached = self._kernels.get("weights")
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                folded = [_column_major(w.to(dtype)) for w in
-                          radial_mlp.effective_weights(raw, self.spec.scales)]
-            cached = self._kernels["weights"] = (key, folded)
-        return cached[1]
+
+        raw = self._raw_weights()
+        return self._derived("weights", raw, dtype, fold)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[E, h_L]`` per-edge TP weights of the radial features ``x [E, h0]``."""

@@ -98,13 +98,13 @@ def test_weights_are_cached_until_a_parameter_changes():
     fused = FusedLinear(lin, OPTIONS)
     x = torch.randn(3, lin.irreps_in.dim, dtype=torch.float64)
     fused(x)
-    first = fused._kernels["weights"].value
+    first = fused._kernels["weights"][1]
     fused(x)
-    assert fused._kernels["weights"].value is first
+    assert fused._kernels["weights"][1] is first
     with torch.no_grad():
         lin.weight.mul_(3.0)
     assert torch.allclose(fused(x), lin(x), rtol=1e-12, atol=1e-13)
-    assert fused._kernels["weights"].value is not first
+    assert fused._kernels["weights"][1] is not first
 
 
 def test_skip_refuses_attributes_that_are_not_one_hot():

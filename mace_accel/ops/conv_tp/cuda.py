@@ -45,10 +45,9 @@ class CudaConvPrimitives:
 
     def __init__(self, spec: TPSpec, dtype: torch.dtype, device: torch.device,
                  deterministic: bool = True) -> None:
-        device = kernel_device(dtype, device)
         self.spec, self.dtype = spec, dtype
         self.deterministic = deterministic
-        self.device = device
+        self.device = kernel_device(dtype, device)
         limits = device_limits(self.device)
         self.arch = limits.arch
         self.plan: ConvPlan = plan_kernels(spec, dtype_name(dtype), limits)

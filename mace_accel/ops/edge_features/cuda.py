@@ -37,12 +37,11 @@ class _EdgeKernels:
 
     def __init__(self, spec: Union[SHSpec, RadialSpec], dtype: torch.dtype,
                  device: torch.device) -> None:
-        device = kernel_device(dtype, device)
+        self.device = kernel_device(dtype, device)
         reason = spec.unsupported_reason()
         if reason is not None:
             raise KernelError(f"{spec.describe()} cannot be fused: {reason}")
         self.spec, self.dtype = spec, dtype
-        self.device = device
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.plan: EdgePlan = plan_for(spec, dtype_name(dtype), device_limits(self.device), sms)
         self._kernels: Dict[str, Kernel] = {}

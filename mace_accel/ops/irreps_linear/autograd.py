@@ -14,7 +14,7 @@ from typing import Dict
 import torch
 
 from mace_accel.ops import registry
-from mace_accel.ops.irreps_linear.spec import LinearSpec
+from mace_accel.ops.irreps_linear.spec import LinearSpec, weight_block
 
 FAMILY = "irreps_linear"
 Tensor = torch.Tensor
@@ -39,11 +39,6 @@ def _cuda(key: str, t: Tensor):
                            lambda: CudaIrrepsLinear(registry.lookup(key), t.dtype, t.device))
 
 
-def _blocks(spec: LinearSpec, ins, w: Tensor):
-    z, a, b = spec.num_elements, spec.in_blocks[ins.i_in].mul, spec.out_blocks[ins.i_out].mul
-    return w[ins.w_offset:ins.w_offset + z * a * b].view(z, a, b)
-
-
 def reference(spec: LinearSpec, x: Tensor, w: Tensor, elem: Tensor) -> Tensor:
     """``[N, dim_out]`` with plain differentiable torch ops."""
     n = x.shape[0]
@@ -51,7 +46,7 @@ def reference(spec: LinearSpec, x: Tensor, w: Tensor, elem: Tensor) -> Tensor:
     for ins in spec.instructions:
         a = spec.in_blocks[ins.i_in]
         xb = x[:, a.offset:a.offset + a.size].reshape(n, a.mul, a.d)
-        wb = _blocks(spec, ins, w)
+        wb = weight_block(spec, ins, w)
         if spec.indexed:
             outs[ins.i_out] = outs[ins.i_out] + torch.einsum("nud,nuv->nvd", xb,
                                                              wb[elem.long()])

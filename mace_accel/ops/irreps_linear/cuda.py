@@ -28,9 +28,8 @@ class CudaIrrepsLinear:
     """The kernel of one :class:`LinearSpec` (a map or its transpose) for a dtype and device."""
 
     def __init__(self, spec: LinearSpec, dtype: torch.dtype, device: torch.device) -> None:
-        device = kernel_device(dtype, device)
         self.spec, self.dtype = spec, dtype
-        self.device = device
+        self.device = kernel_device(dtype, device)
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.plan = codegen.plan_kernel(spec, dtype_name(dtype), device_limits(self.device).arch)
         self._kernel: Optional[Kernel] = None

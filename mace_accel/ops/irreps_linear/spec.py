@@ -98,22 +98,21 @@ class LinearSpec:
                           tuple(LinearInstruction(i.i_out, i.i_in, i.w_offset)
                                 for i in self.instructions), self.num_elements)
 
-    def flops_per_node(self) -> int:
-        return sum(2 * z_a_b[1] * z_a_b[2] * self.in_blocks[i.i_in].d
-                   for z_a_b, i in zip(self.weight_shapes(), self.instructions))
-
     def describe(self) -> str:
         kind = f"element-indexed ({self.num_elements} weight sets)" if self.indexed else "shared"
         return (f"linear {self.dim_in}->{self.dim_out}, {len(self.instructions)} paths, "
                 f"{kind} weights")
 
 
+def weight_block(spec: LinearSpec, ins: LinearInstruction, w: torch.Tensor) -> torch.Tensor:
+    """The ``[Z, mul_in, mul_out]`` view of instruction ``ins``'s weights in the flat ``w``."""
+    z, a, b = spec.num_elements, spec.in_blocks[ins.i_in].mul, spec.out_blocks[ins.i_out].mul
+    return w[ins.w_offset:ins.w_offset + z * a * b].view(z, a, b)
+
+
 def transpose_weights(spec: LinearSpec, w: torch.Tensor) -> torch.Tensor:
     """The weights of ``spec.transposed()`` from ``w`` (differentiable)."""
-    parts = []
-    for (z, a, b), ins in zip(spec.weight_shapes(), spec.instructions):
-        block = w[ins.w_offset:ins.w_offset + z * a * b].view(z, a, b)
-        parts.append(block.transpose(1, 2).reshape(-1))
+    parts = [weight_block(spec, ins, w).transpose(1, 2).reshape(-1) for ins in spec.instructions]
     return torch.cat(parts) if parts else w[:0]
 
 
@@ -174,13 +173,13 @@ def effective_weights(spec: LinearSpec, weight: torch.Tensor, scales: Sequence[f
             product with the element one-hot as second input) instead of ``[Z, mul_in,
             mul_out]``.
     """
-    parts, at = [], 0
-    for (z, a, b), scale in zip(spec.weight_shapes(), scales):
-        w = weight[at:at + z * a * b]
-        if z_inside:
-            w = w.view(a, z, b).transpose(0, 1)
-        parts.append(w.reshape(-1) * scale)
-        at += z * a * b
+    parts = []
+    for ins, scale in zip(spec.instructions, scales):
+        block = weight_block(spec, ins, weight)
+        if z_inside:  # the same numbers, read as [mul_in, Z, mul_out]
+            z, a, b = block.shape
+            block = block.reshape(a, z, b).transpose(0, 1)
+        parts.append(block.reshape(-1) * scale)
     return torch.cat(parts) if parts else weight[:0]
 
 

@@ -41,9 +41,8 @@ class CudaSymmetricContraction:
     """
 
     def __init__(self, spec: SCSpec, dtype: torch.dtype, device: torch.device) -> None:
-        device = kernel_device(dtype, device)
         self.spec, self.dtype = spec, dtype
-        self.device = device
+        self.device = kernel_device(dtype, device)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.plan = codegen.plan_kernels(spec, dtype_name(dtype), device_limits(self.device),
                                          multiprocessors=sms)
