@@ -20,6 +20,7 @@ DTYPE_NAMES: Tuple[str, ...] = ("float32", "float64")
 BACKENDS: Tuple[str, ...] = ("cuda", "reference")
 BACKEND_CHOICES: Tuple[str, ...] = ("auto",) + BACKENDS
 FALLBACKS: Tuple[str, ...] = ("error", "warn")
+RECOMPUTE_CHOICES: Tuple[str, ...] = ("auto", "always", "never")
 DEVICE_CHOICES_HELP = "auto | cpu | cuda | cuda:N"
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -119,6 +120,10 @@ class AccelOptions:
         check_indices: check edge indices before every launch (synchronises; for debugging).
         parts: which parts to fuse (a subset of :data:`PARTS`); the others are left as mace
             built them and reported so.
+        recompute_tp_weights: where the radial MLP's last layer is folded into the conv, whether
+            the per-edge TP weights are recomputed in the backward instead of kept: ``"auto"``
+            (when one block's weights would exceed 1/8 of the GPU's memory; the largest systems),
+            ``"always"`` (least memory, one more GEMM per block) or ``"never"`` (fastest).
     """
 
     backend: str = "cuda"
@@ -127,9 +132,11 @@ class AccelOptions:
     deterministic: bool = True
     check_indices: bool = False
     parts: Tuple[str, ...] = PARTS
+    recompute_tp_weights: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, BACKEND_CHOICES)
+        check_choice("recompute_tp_weights", self.recompute_tp_weights, RECOMPUTE_CHOICES)
         check_choice("fallback", self.fallback, FALLBACKS)
         for flag in ("verify", "deterministic", "check_indices"):
             if not isinstance(getattr(self, flag), bool):

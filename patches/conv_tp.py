@@ -8,14 +8,17 @@ tensors adopted (:class:`~mace_accel.patches.adopt.FusedModule`).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from mace_accel.errors import InputError
-from mace_accel.ops.conv_tp import autograd
+from mace_accel.ops.conv_tp import autograd, folded
 from mace_accel.ops.conv_tp.spec import TPSpec
 from mace_accel.ops.graph import graph_from_edge_index
 from mace_accel.options import AccelOptions
 from mace_accel.patches.adopt import FusedModule
+from mace_accel.patches.radial_mlp import FusedRadialMLP
 
 
 class FusedConvTP(FusedModule):
@@ -25,21 +28,35 @@ class FusedConvTP(FusedModule):
         original: the block's e3nn ``o3.TensorProduct``.
         spec: its frozen :class:`~mace_accel.ops.conv_tp.spec.TPSpec`.
         options: backend, determinism, index checks.
+        radial: the block's fused radial MLP when its last layer is folded in here
+            (``fold_last``): the block then hands this module the MLP's hidden activations
+            ``[E, hidden]`` as ``tp_weights``, and the last layer runs here, its per-edge
+            output recomputed in the backward when large (:mod:`mace_accel.ops.conv_tp.folded`).
+            Held as a plain reference: it stays the block's child.
     """
 
     part = "conv"
 
-    def __init__(self, original: torch.nn.Module, spec: TPSpec, options: AccelOptions) -> None:
+    def __init__(self, original: torch.nn.Module, spec: TPSpec, options: AccelOptions,
+                 radial: Optional[FusedRadialMLP] = None) -> None:
         super().__init__(original, options)
         self.spec = spec
         self.irreps_in1 = getattr(original, "irreps_in1", None)
         self.irreps_in2 = getattr(original, "irreps_in2", None)
         self.irreps_out = getattr(original, "irreps_out", None)
         self.weight_numel = spec.weight_numel
+        object.__setattr__(self, "radial", radial)  # not a child: no second state-dict entry
         self._key = autograd.register_spec(spec)
 
     def describe(self) -> str:
+        if self.radial is not None:
+            return self.spec.describe() + "; the radial MLP's last layer folded in"
         return self.spec.describe()
+
+    @property
+    def weight_columns(self) -> int:
+        """Columns of the ``tp_weights`` this module takes (the MLP's hidden size if folded)."""
+        return self.radial.hs[-2] if self.radial is not None else self.spec.weight_numel
 
     def forward(self, node_feats: torch.Tensor, edge_attrs: torch.Tensor,
                 tp_weights: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
@@ -47,22 +64,29 @@ class FusedConvTP(FusedModule):
 
         Args:
             node_feats: ``[n_nodes, dim_in1]``; edge_attrs: ``[n_edges, dim_in2]``;
-            tp_weights: ``[n_edges, weight_numel]``; edge_index: ``[2, n_edges]`` (sender,
-            receiver).
+            tp_weights: ``[n_edges, weight_numel]`` (``[n_edges, hidden]`` when the radial
+            MLP's last layer is folded in); edge_index: ``[2, n_edges]`` (sender, receiver).
         """
         self._check(node_feats, edge_attrs, tp_weights, edge_index)
         graph = graph_from_edge_index(edge_index, node_feats.shape[0], self.options.check_indices)
-        return autograd.conv_tp(self._key, graph, node_feats, edge_attrs,
-                                tp_weights, backend=self.options.backend,
-                                deterministic=self.options.deterministic)
+        run = dict(backend=self.options.backend, deterministic=self.options.deterministic)
+        if self.radial is not None:  # tp_weights are the hidden activations [E, hidden]
+            w_last = self.radial.last_weight(tp_weights.dtype)
+            if folded.recompute_weights(self.options.recompute_tp_weights, tp_weights.shape[0],
+                                        self.spec.weight_numel, tp_weights.dtype,
+                                        tp_weights.device):
+                return folded.folded_conv_tp(self._key, graph, node_feats, edge_attrs,
+                                             tp_weights, w_last, **run)
+            tp_weights = torch.mm(tp_weights, w_last)
+        return autograd.conv_tp(self._key, graph, node_feats, edge_attrs, tp_weights, **run)
 
     def _check(self, node_feats, edge_attrs, tp_weights, edge_index) -> None:
         s = self.spec
         expected = (("node_feats", node_feats, s.dim_in1), ("edge_attrs", edge_attrs, s.dim_in2),
-                    ("tp_weights", tp_weights, s.weight_numel))
+                    ("tp_weights", tp_weights, self.weight_columns))
         for name, t, dim in expected:
             if t.dim() != 2 or t.shape[1] != dim:
-                raise InputError(f"{name} must have shape [n, {dim}] for {s.describe()}, "
+                raise InputError(f"{name} must have shape [n, {dim}] for {self.describe()}, "
                                  f"got {tuple(t.shape)}")
         n_edges = edge_attrs.shape[0]
         if tp_weights.shape[0] != n_edges or edge_index.shape[-1] != n_edges:

@@ -20,6 +20,7 @@ from mace_accel.ops.conv_tp.spec import spec_from_e3nn
 from mace_accel.options import AccelOptions
 from mace_accel.ops.irreps_linear.spec import linear_spec, skip_reason, skip_spec
 from mace_accel.patches.conv_tp import FusedConvTP
+from mace_accel.patches.fold import fold_reason
 from mace_accel.patches.linears import FusedLinear, FusedSkip, linear_reason
 from mace_accel.patches.radial_mlp import PART as RADIAL
 from mace_accel.patches.radial_mlp import FusedRadialMLP
@@ -52,8 +53,10 @@ class InteractionBlockPatch(SubmodulePatch):
             or type(module).__name__.endswith("InteractionBlock"))
 
     def plan_parts(self, module: torch.nn.Module, options: AccelOptions) -> List[PartPlan]:
-        return [self._plan_conv(module, options), self._plan_radial(module, options),
-                plan_linears(module, ("linear_up", "linear"), options),
+        conv, radial = self._plan_conv(module, options), self._plan_radial(module, options)
+        if conv.reason is None and radial.reason is None:
+            _fold(module, options, conv, radial)
+        return [conv, radial, plan_linears(module, ("linear_up", "linear"), options),
                 self._plan_skip(module, options)]
 
     def _plan_skip(self, module: torch.nn.Module, options: AccelOptions) -> PartPlan:
@@ -108,6 +111,33 @@ class InteractionBlockPatch(SubmodulePatch):
     def after_reattach(self, module: torch.nn.Module) -> None:
         if isinstance(module.conv_tp, FusedConvTP):
             module.conv_fusion = True
+
+
+def _fold(module: torch.nn.Module, options: AccelOptions, conv: PartPlan,
+          radial: PartPlan) -> None:
+    """Fold the radial MLP's last layer into the conv (both plans fused) where the block allows
+    it (:func:`~mace_accel.patches.fold.fold_reason`); the plans' details say which."""
+    tp, net = module.conv_tp, module.conv_tp_weights
+    conv_spec = spec_from_e3nn(tp)
+    radial_spec, _ = radial_spec_or_reason(net)
+    reason = fold_reason(module)
+    if reason is None and radial_spec.hs[-1] != conv_spec.weight_numel:
+        reason = (f"the radial MLP gives {radial_spec.hs[-1]} weights per edge, the conv takes "
+                  f"{conv_spec.weight_numel}")
+    if reason is not None:
+        conv.detail += f"; radial MLP's last layer not folded in: {reason}"
+        return
+    made: dict = {}
+
+    def make_radial() -> FusedRadialMLP:
+        if "radial" not in made:
+            made["radial"] = FusedRadialMLP(net, radial_spec, options, fold_last=True)
+        return made["radial"]
+
+    radial.children = {"conv_tp_weights": make_radial}
+    radial.detail = radial_spec.describe(folded=True)
+    conv.children = {"conv_tp": lambda: FusedConvTP(tp, conv_spec, options, radial=make_radial())}
+    conv.detail += "; the radial MLP's last layer folded in"
 
 
 def plan_linears(module: torch.nn.Module, names, options: AccelOptions) -> PartPlan:

@@ -28,10 +28,14 @@ class RadialMLPSpec:
     hs: Tuple[int, ...]
     scales: Tuple[float, ...]
 
-    def describe(self) -> str:
-        return (f"MLP {'->'.join(map(str, self.hs))} (SiLU), constants folded: "
-                f"{len(self.hs) - 1} GEMMs + {len(self.hs) - 2} SiLU per pass; the TP weights "
-                f"[E, {self.hs[-1]}] are still written")
+    def describe(self, folded: bool = False) -> str:
+        head = (f"MLP {'->'.join(map(str, self.hs))} (SiLU), constants folded: "
+                f"{len(self.hs) - 1} GEMMs + {len(self.hs) - 2} SiLU per pass; ")
+        if folded:
+            return head + (f"last layer folded into the conv (it takes the hidden [E, "
+                           f"{self.hs[-2]}]; the TP weights [E, {self.hs[-1]}] are recomputed "
+                           "in the backward when large)")
+        return head + f"the TP weights [E, {self.hs[-1]}] are written"
 
 
 def _is_silu(f) -> bool:
@@ -80,25 +84,29 @@ def _column_major(w: torch.Tensor) -> torch.Tensor:
 
 
 class FusedRadialMLP(FusedModule):
-    """The block's radial MLP: ``edge_feats [E, h0] -> tp_weights [E, h_L]``.
+    """The block's radial MLP: ``edge_feats [E, h0] -> tp_weights [E, h_L]``, or, with
+    ``fold_last``, the last hidden activation ``[E, h_{L-1}]``: the block's fused conv then
+    applies the last layer (:meth:`last_weight`) itself (:mod:`mace_accel.ops.conv_tp.folded`).
 
     Args:
         original: the e3nn ``FullyConnectedNet``.
         spec: its :class:`RadialMLPSpec`.
         options: the acceleration options.
+        fold_last: leave the last layer to the convolution.
     """
 
     part = PART
 
     def __init__(self, original: torch.nn.Module, spec: RadialMLPSpec,
-                 options: AccelOptions) -> None:
+                 options: AccelOptions, fold_last: bool = False) -> None:
         super().__init__(original, options)
         self.spec = spec
         self.hs = list(spec.hs)
+        self.fold_last = fold_last
         self._names = sorted(original._modules, key=lambda k: int(k[5:]))
 
     def describe(self) -> str:
-        return self.spec.describe()
+        return self.spec.describe(self.fold_last)
 
     def _raw_weights(self) -> List[torch.Tensor]:
         return [self._modules[name].weight for name in self._names]
@@ -111,9 +119,17 @@ class FusedRadialMLP(FusedModule):
         raw = self._raw_weights()
         return self._derived("weights", raw, dtype, fold)
 
+    def last_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[h_{L-1}, h_L]`` the last layer's folded weight (column-major)."""
+        return self._weights(dtype)[-1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[E, h_L]`` per-edge TP weights of the radial features ``x [E, h0]``."""
+        """``[E, h_L]`` per-edge TP weights of the radial features ``x [E, h0]``
+        (``[E, h_{L-1}]`` hidden activations with ``fold_last``)."""
         if x.dim() != 2 or x.shape[1] != self.hs[0]:
             raise InputError(f"edge_feats must have shape [n_edges, {self.hs[0]}] for the "
                              f"radial MLP, got {tuple(x.shape)}")
-        return radial_mlp.radial_mlp(x, self._weights(x.dtype))
+        weights = self._weights(x.dtype)
+        if self.fold_last:
+            return radial_mlp.radial_mlp(x, weights[:-1], last_act=True)
+        return radial_mlp.radial_mlp(x, weights)

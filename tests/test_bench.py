@@ -320,6 +320,36 @@ def test_profile_splits_a_call_into_parts(tiny_model, monkeypatch):
     assert forward_only["other"] > parts["other"].count
 
 
+def test_profile_total_ignores_our_ranges_shown_on_the_device():
+    """With CUPTI the call and part ranges also appear as device events spanning their
+    kernels; counting them made the total (and so "other") several times the call."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from mace_accel.bench import profile as bench_profile
+
+    def span(us):
+        return SimpleNamespace(elapsed_us=lambda: us)
+
+    kernel = SimpleNamespace(duration=5.0)
+    conv = SimpleNamespace(name=bench_profile._PART_RANGE + "conv TP", device_type=DeviceType.CPU,
+                           is_async=False, sequence_nr=-1, thread=1, is_legacy=False,
+                           cpu_children=[], cpu_parent=None, kernels=[])
+    op = SimpleNamespace(name="aten::mm", device_type=DeviceType.CPU, is_async=False,
+                         sequence_nr=7, thread=1, is_legacy=False, cpu_children=[],
+                         cpu_parent=conv, kernels=[kernel])
+    device = [SimpleNamespace(name="sgemm", device_type=DeviceType.CUDA, time_range=span(5.0)),
+              SimpleNamespace(name=bench_profile._CALL_RANGE, device_type=DeviceType.CUDA,
+                              time_range=span(100.0)),
+              SimpleNamespace(name=bench_profile._PART_RANGE + "conv TP",
+                              device_type=DeviceType.CUDA, time_range=span(5.0))]
+    parts, total_ms, total_n = bench_profile.attribute([conv, op, *device], on_cuda=True)
+    by = {p.part: p for p in parts}
+    assert total_ms == pytest.approx(0.005) and total_n == 1
+    assert by["conv TP"].time_ms == pytest.approx(0.005) and by["other"].time_ms == 0
+
+
 def test_md_throughput_and_missing_calculator_packages(monkeypatch, tiny_model):
     from mace_accel.bench.md import run_md
 

@@ -257,7 +257,8 @@ def test_info_json_and_does_not_modify(plain_model, tmp_path, capsys):
     for block, spec in zip(interactions, _expected_blocks(model)):
         assert block["tensor_product"] == spec.describe() and block["skipped"] is None
         conv = next(p for p in block["parts"] if p["part"] == "conv")
-        assert conv == {"part": "conv", "fused": True, "detail": spec.describe()}
+        assert conv == {"part": "conv", "fused": True,
+                        "detail": spec.describe() + "; the radial MLP's last layer folded in"}
 
 
 def test_info_accelerated_and_skipped_blocks(fast_model, tmp_path, capsys):

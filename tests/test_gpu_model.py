@@ -42,11 +42,30 @@ def test_patched_matches_unpatched(arch, dtype):
         assert rel_norm_error(got[key], want[key]) < MODEL_TOL[dtype], key
 
 
-def test_training_double_backward_matches():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_recomputed_tp_weights_in_small_chunks_match_unpatched(dtype, monkeypatch):
+    """The radial MLP's last layer folded into the conv, weights recomputed chunk by chunk."""
+    from mace_accel.ops.conv_tp import folded
+
+    monkeypatch.setattr(folded, "CHUNK_MEMORY_FRACTION", 1e-6)  # ~60 edges per chunk
+    model = build_architecture("mp-medium", dtype=dtype, device="cuda")
+    mace_accel.accelerate(model, backend="cuda", verify=False, options=mace_accel.AccelOptions(
+        recompute_tp_weights="always"))
+    batch = atoms_to_batch(_cu_ni(), model_info(model), device="cuda")
+    got = evaluate(model, batch, compute_stress=True)
+    with unpatched(model):
+        want = evaluate(model, batch, compute_stress=True)
+    for key in ("energy", "forces", "stress"):
+        assert rel_norm_error(got[key], want[key]) < MODEL_TOL[dtype], key
+
+
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_training_double_backward_matches(recompute):
     """Loss on forces, differentiated w.r.t. parameters (double backward through the kernels)."""
     model = build_architecture("mp-medium", dtype=torch.float64, device="cuda")
     batch = atoms_to_batch(_cu_ni(2), model_info(model), device="cuda")
-    mace_accel.accelerate(model, backend="cuda", verify=False)
+    mace_accel.accelerate(model, backend="cuda", verify=False,
+                          options=mace_accel.AccelOptions(recompute_tp_weights=recompute))
 
     def param_grads():
         out = model(dict(batch), training=True, compute_force=True)

@@ -124,6 +124,10 @@ def part_ranges(model: torch.nn.Module) -> Iterator[int]:
             open_ranges.pop().__exit__(None, None, None)
 
 
+def _is_range(name: str) -> bool:
+    return name == _CALL_RANGE or name.startswith(_PART_RANGE)
+
+
 def _own_part(evt) -> Optional[str]:
     return evt.name[len(_PART_RANGE):] if evt.name.startswith(_PART_RANGE) else None
 
@@ -199,7 +203,10 @@ def attribute(events, on_cuda: bool) -> Tuple[List[PartTime], float, int]:
             time_us[part] += t
             count[part] += n
     if on_cuda:
-        device = [e for e in events if e.device_type != DeviceType.CPU]
+        # with CUPTI our own ranges also appear on the device, spanning their kernels
+        # (user annotations): not work of their own, and counting them tripled the total
+        device = [e for e in events if e.device_type != DeviceType.CPU
+                  and not _is_range(e.name)]
         total_us = max(float(sum(e.time_range.elapsed_us() for e in device)), counted_us)
         total_n = max(len(device), counted_n)
     else:

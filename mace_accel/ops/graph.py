@@ -9,6 +9,7 @@ All of it stays on the device and is asynchronous, so it works under CUDA-graph 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import weakref
 from typing import List, NamedTuple, Optional, Tuple
@@ -90,6 +91,36 @@ class KernelGraph(NamedTuple):
     @property
     def n_edges(self) -> int:
         return int(self.sender.shape[0])
+
+
+class ReceiverRows(NamedTuple):
+    """A range of receivers ``[n0, n1)`` and of their edges in receiver order ``[e0, e1)``."""
+
+    n0: int
+    n1: int
+    e0: int
+    e1: int
+
+
+def receiver_chunks(recv_ptr: torch.Tensor, n_nodes: int, n_edges: int,
+                    max_edges: int) -> List[ReceiverRows]:
+    """Split the receivers into consecutive ranges of at most ``max_edges`` edges each (a range
+    is one node when that node alone has more).
+
+    One range needs nothing from the device; more read ``recv_ptr [N+1]`` (the receiver CSR)
+    on the host, which synchronises, so it is only done when the edges do not fit in one.
+    """
+    if n_edges <= max_edges:
+        return [ReceiverRows(0, n_nodes, 0, n_edges)]
+    ptr = recv_ptr.tolist()
+    out = []
+    n0 = 0
+    while n0 < n_nodes:
+        n1 = bisect.bisect_right(ptr, ptr[n0] + max_edges, lo=n0 + 1) - 1
+        n1 = min(max(n1, n0 + 1), n_nodes)
+        out.append(ReceiverRows(n0, n1, int(ptr[n0]), int(ptr[n1])))
+        n0 = n1
+    return out
 
 
 _LAST: Optional[Tuple[weakref.ref, int, int, ConvGraph]] = None

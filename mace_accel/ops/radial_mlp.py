@@ -56,15 +56,19 @@ def layer_scales(fan_in: Sequence[int], var_in: Sequence[float], var_out: Sequen
     return scales
 
 
-def _pre_activations(x: Tensor, weights: Sequence[Tensor]) -> Tuple[List[Tensor], Tensor]:
-    """``(z_1..z_{L-1}, out)``: the hidden pre-activations and the output."""
+def _pre_activations(x: Tensor, weights: Sequence[Tensor],
+                     last_act: bool = False) -> Tuple[List[Tensor], Tensor]:
+    """``(z_1..z_{L-1}, out)``: the hidden pre-activations and the output (``last_act``: the
+    last layer has a SiLU too, and its pre-activation ``z_L`` is listed)."""
     pre = []
     h = x
-    for w in weights[:-1]:
+    for i, w in enumerate(weights):
         z = torch.mm(h, w)
+        if i == len(weights) - 1 and not last_act:
+            return pre, z
         pre.append(z)
         h = F.silu(z)
-    return pre, torch.mm(h, weights[-1])
+    return pre, h
 
 
 def _silu_grad(g: Tensor, z: Tensor) -> Tensor:
@@ -78,10 +82,10 @@ def _silu_grad(g: Tensor, z: Tensor) -> Tensor:
 
 class _RadialMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, *weights: Tensor) -> Tensor:
-        pre, out = _pre_activations(x, weights)
+    def forward(ctx, x: Tensor, last_act: bool, *weights: Tensor) -> Tensor:
+        pre, out = _pre_activations(x, weights, last_act)
         ctx.save_for_backward(x, *weights, *pre)
-        ctx.n_layers = len(weights)
+        ctx.n_layers, ctx.last_act = len(weights), last_act
         return out
 
     @staticmethod
@@ -90,11 +94,13 @@ class _RadialMLP(torch.autograd.Function):
         saved = ctx.saved_tensors
         x, weights, pre = saved[0], saved[1:1 + n], list(saved[1 + n:])
         if torch.is_grad_enabled():  # create_graph: pre-activations connected to x and W
-            pre, _ = _pre_activations(x, weights)
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1:]
+            pre, _ = _pre_activations(x, weights, ctx.last_act)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2:]
         lowest = 0 if need_x else next((i for i, w in enumerate(need_w) if w), n)
         grads_w: List[Optional[Tensor]] = [None] * n
         g = grad.contiguous()
+        if ctx.last_act:
+            g = _silu_grad(g, pre[n - 1])
         for i in range(n - 1, lowest - 1, -1):
             if need_w[i]:
                 h_in = x if i == 0 else F.silu(pre[i - 1])
@@ -104,14 +110,16 @@ class _RadialMLP(torch.autograd.Function):
             g = torch.mm(g, weights[i].t())
             g = _silu_grad(g, pre[i - 1])
         grad_x = torch.mm(g, weights[0].t()) if need_x else None
-        return (grad_x, *grads_w)
+        return (grad_x, None, *grads_w)
 
 
-def radial_mlp(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
-    """``[E, h_L]``: the folded SiLU MLP of ``x [E, h0]`` (see module docstring)."""
-    return _RadialMLP.apply(x, *weights)
+def radial_mlp(x: Tensor, weights: Sequence[Tensor], last_act: bool = False) -> Tensor:
+    """``[E, h_L]``: the folded SiLU MLP of ``x [E, h0]`` (see module docstring); with
+    ``last_act`` the last layer has a SiLU too (the hidden part of a net whose own last layer
+    is folded into the convolution)."""
+    return _RadialMLP.apply(x, last_act, *weights)
 
 
-def reference(x: Tensor, weights: Sequence[Tensor]) -> Tensor:
+def reference(x: Tensor, weights: Sequence[Tensor], last_act: bool = False) -> Tensor:
     """The same net as plain differentiable torch ops (for tests)."""
-    return _pre_activations(x, weights)[1]
+    return _pre_activations(x, weights, last_act)[1]

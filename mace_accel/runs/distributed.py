@@ -20,6 +20,7 @@ Multi-node runs use torchrun's own rendezvous, e.g. on each of two nodes::
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import re
@@ -176,8 +177,15 @@ class _Group:
         return out
 
     def close(self) -> None:
-        if self.dist.is_initialized():
-            self.dist.destroy_process_group()
+        """Leave together, then tear down: a rank that tore gloo down while another was still
+        in its last collective made that one abort (seen as torchrun's extra failure report)."""
+        if not self.dist.is_initialized():
+            return
+        try:
+            self.dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+        except RuntimeError:  # a rank is gone: its error has been reported already
+            pass
+        self.dist.destroy_process_group()
 
 
 class _Gathered:

@@ -62,7 +62,18 @@ def _fwd_lines(seg: SegmentPlan) -> Tuple[List[str], List[str], List[str]]:
     return accs, body, store
 
 
-def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool) -> Dict[str, List[str]]:
+def _w_row(w_sorted: bool) -> str:
+    """The row of ``w`` (and ``d w``) of the tile's edge ``t``: its edge id, or (``w_sorted``)
+    its position in receiver order relative to the chunk's first edge ``w_row0``."""
+    return "(t0 + t - w_row0)" if w_sorted else "es[t]"
+
+
+def _w_row0_arg(w_sorted: bool) -> str:
+    return ", const int w_row0" if w_sorted else ""
+
+
+def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool,
+               w_sorted: bool = False) -> Dict[str, List[str]]:
     """Per-edge body of one segment's backward (``i`` = segment number).
 
     Per edge ``t`` of the receiver ``node``: x gathered from the sender, g from the node's row.
@@ -75,9 +86,9 @@ def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool) -> Dict[str
     cols = _y_cols(seg)
     body = []
     if need_x or need_y:
-        body.append("const real* wr = w + (long long)es[t] * WN + u;")
+        body.append(f"const real* wr = w + (long long){_w_row(w_sorted)} * WN + u;")
     if need_w:
-        body.append("real* gwr = gw + (long long)es[t] * WN + u;")
+        body.append(f"real* gwr = gw + (long long){_w_row(w_sorted)} * WN + u;")
     if need_x or need_w:  # d(edge_attrs) alone needs no edge attributes
         body.append("const real* yr = ys + t * DIM2;")
         body += [f"const real y{c} = yr[{c}];" for c in cols]
@@ -155,13 +166,13 @@ def _gy_reduce(cols: Sequence[int], dim2: int) -> List[str]:
     return lines
 
 
-def forward_name(plan: KernelPlan) -> str:
-    return f"mace_conv_fwd_g{plan.group}"
+def forward_name(plan: KernelPlan, w_sorted: bool = False) -> str:
+    return f"mace_conv_fwd_g{plan.group}" + ("_ws" if w_sorted else "")
 
 
-def render_forward(plan: KernelPlan) -> str:
-    """CUDA source of the forward kernel of one launch."""
-    name = forward_name(plan)
+def render_forward(plan: KernelPlan, w_sorted: bool = False) -> str:
+    """CUDA source of the forward kernel of one launch (``w_sorted``: see :func:`_w_row`)."""
+    name = forward_name(plan, w_sorted)
     segments = []
     for seg in plan.segments:
         accs, body, store = _fwd_lines(seg)
@@ -169,28 +180,33 @@ def render_forward(plan: KernelPlan) -> str:
                              x_offset=seg.x_offset, x_dim=seg.x_dim, accumulators=accs,
                              fwd_body=body, fwd_store=store))
     return render("conv_tp/forward.cu.j2", plan=plan, name=name, segments=segments,
-                  real=_real(plan))
+                  real=_real(plan), w_row=_w_row(w_sorted), w_row0_arg=_w_row0_arg(w_sorted))
 
 
-def backward_name(plan: KernelPlan, needs: Needs, atomic: bool = False) -> str:
-    return "mace_conv_bwd_g{}_x{}y{}w{}{}".format(plan.group, *(int(n) for n in needs),
-                                                "_atomic" if atomic else "")
+def backward_name(plan: KernelPlan, needs: Needs, atomic: bool = False,
+                  w_sorted: bool = False) -> str:
+    return "mace_conv_bwd_g{}_x{}y{}w{}{}{}".format(plan.group, *(int(n) for n in needs),
+                                                  "_atomic" if atomic else "",
+                                                  "_ws" if w_sorted else "")
 
 
-def render_backward(plan: KernelPlan, needs: Needs, atomic: bool = False) -> str:
+def render_backward(plan: KernelPlan, needs: Needs, atomic: bool = False,
+                    w_sorted: bool = False) -> str:
     """CUDA source of the backward kernel for the gradients selected by ``needs`` (x, y, w).
 
     ``atomic``: d(node_feats) is added into the sender rows with float atomics (not
     bit-reproducible) instead of per-edge messages summed by :func:`render_sender_sum`.
+    ``w_sorted``: ``w`` and ``d w`` rows in receiver order (see :func:`_w_row`).
     """
     segments = []
     for i, seg in enumerate(plan.segments):
-        parts = _bwd_lines(i, seg, needs, atomic)
+        parts = _bwd_lines(i, seg, needs, atomic, w_sorted)
         parts["gy_reduce"] = _gy_reduce(parts.pop("cols"), plan.dim_in2) if needs[1] else []
         segments.append(dict(warp_begin=seg.warp_begin, warp_end=seg.warp_end, mul=seg.mul,
                              x_offset=seg.x_offset, x_dim=seg.x_dim, **parts))
-    return render("conv_tp/backward.cu.j2", plan=plan, name=backward_name(plan, needs, atomic),
-                  segments=segments, real=_real(plan), needs=needs, atomic=atomic)
+    return render("conv_tp/backward.cu.j2", plan=plan,
+                  name=backward_name(plan, needs, atomic, w_sorted), segments=segments,
+                  real=_real(plan), needs=needs, atomic=atomic, w_row0_arg=_w_row0_arg(w_sorted))
 
 
 SENDER_SUM = "mace_conv_sender_sum"
@@ -236,3 +252,8 @@ def catalog_sources(limits, problems=None):
                            render_backward(plan, needs))
                 yield f"{tag}-bwd111-atomic", render_backward(plan, (True, True, True),
                                                                atomic=True)
+                # the radial MLP's last layer folded in (weights of a chunk of receivers)
+                yield f"{tag}-ws-fwd", render_forward(plan, w_sorted=True)
+                for needs in ((True, True, True), (False, True, True)):
+                    yield (f"{tag}-ws-bwd{''.join(str(int(n)) for n in needs)}",
+                           render_backward(plan, needs, w_sorted=True))

@@ -6,7 +6,7 @@ current stream; launch geometry comes from the :class:`~.schedule.ConvPlan`.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -21,7 +21,7 @@ from mace_accel.ops.conv_tp.codegen import (
 )
 from mace_accel.ops.conv_tp.schedule import ConvPlan, plan_kernels
 from mace_accel.ops.conv_tp.spec import TPSpec
-from mace_accel.ops.graph import KernelGraph
+from mace_accel.ops.graph import KernelGraph, ReceiverRows
 from mace_accel.ops.runtime import (
     INT32_MAX,
     Kernel,
@@ -83,50 +83,111 @@ class CudaConvPrimitives:
                                   f"{tuple(t.shape)} on {t.device}")
 
     # -- primitives -------------------------------------------------------------------------------
+    def new_output(self, n: int) -> torch.Tensor:
+        """``out [n, dim_out]`` for the forward (zeros where no path writes, as in e3nn)."""
+        alloc = torch.empty if self._out_all_written else torch.zeros
+        return alloc((n, self.spec.dim_out), dtype=self.dtype, device=self.device)
+
     def forward(self, n: int, graph: KernelGraph, x: torch.Tensor, y: torch.Tensor,
                 w: torch.Tensor) -> torch.Tensor:
         """``out [n, dim_out]``: the fused convolution (see :mod:`.reference`)."""
         self._check(n, graph, x=x, y=y, w=w)
-        alloc = torch.empty if self._out_all_written else torch.zeros
-        out = alloc((n, self.spec.dim_out), dtype=self.dtype, device=x.device)
-        if n == 0:
-            return out
-        for plan in self.plan.launches:
-            name = forward_name(plan)
-            k = self._kernel(name, lambda: render_forward(plan))
-            k.launch(n, plan.threads,
-                     (ptr(x), ptr(y), ptr(w), ptr(graph.sender), ptr(graph.recv_ptr),
-                      ptr(graph.recv_perm), ptr(out), i32(n)))
+        out = self.new_output(n)
+        self._launch_forward(n, graph, (x, y, w), out, None)
         return out
+
+    def forward_rows(self, rows: ReceiverRows, graph: KernelGraph, x: torch.Tensor,
+                     y: torch.Tensor, w_rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Write ``out[rows.n0:rows.n1]``; ``w_rows [rows.e1 - rows.e0, WN]`` are the weights of
+        the rows' edges in receiver order."""
+        n = out.shape[0]
+        self._check(n, graph, x=x, y=y)
+        self._check_rows(rows, graph, w_rows)
+        self._launch_forward(n, graph, (x, y, w_rows), out, rows)
+
+    def _launch_forward(self, n: int, graph: KernelGraph, xyw, out: torch.Tensor, rows) -> None:
+        n0, n1 = rows[:2] if rows is not None else (0, n)
+        if n1 <= n0:
+            return
+        sorted_w = rows is not None
+        extra = (i32(rows.e0),) if sorted_w else ()
+        for plan in self.plan.launches:
+            name = forward_name(plan, sorted_w)
+            k = self._kernel(name, lambda: render_forward(plan, sorted_w))
+            k.launch(n1 - n0, plan.threads,
+                     (*(ptr(t) for t in xyw), ptr(graph.sender), ptr(graph.recv_ptr[n0:]),
+                      ptr(graph.recv_perm), ptr(out[n0:]), i32(n1 - n0)) + extra)
 
     def backward(self, n: int, graph: KernelGraph, x: torch.Tensor, y: torch.Tensor,
                  w: torch.Tensor, g: torch.Tensor, needs: Tuple[bool, bool, bool]):
         """``(gx [N, dim_in1], gy [E, dim_in2], gw [E, weight_numel])``, None where not needed."""
         self._check(n, graph, x=x, y=y, w=w, g=g)
+        acc = self.backward_buffers(n, graph, needs)
+        gw = torch.empty((graph.n_edges, self.spec.weight_numel), dtype=self.dtype,
+                         device=self.device) if needs[2] else None
+        self._launch_backward(n, graph, (x, y, w, g), acc, gw, None)
+        return (*self.finish_backward(n, graph, acc), gw)
+
+    def backward_buffers(self, n: int, graph: KernelGraph, needs: Tuple[bool, bool, bool]):
+        """The accumulators of one backward over all receivers: ``(needs, gx, gxm, gy)``."""
         needs = tuple(bool(v) for v in needs)
         e, s = graph.n_edges, self.spec
-        opts = dict(dtype=self.dtype, device=x.device)
+        opts = dict(dtype=self.dtype, device=self.device)
         atomic = needs[0] and not self.deterministic  # d(node_feats) added into sender rows
         gx = (torch.zeros if atomic else torch.empty)((n, s.dim_in1), **opts) \
             if needs[0] else None
         gy = torch.empty((e, s.dim_in2), **opts) if needs[1] else None
-        gw = torch.empty((e, s.weight_numel), **opts) if needs[2] else None
-        if n == 0 or not any(needs):
-            return gx, gy, gw
         if atomic:
             gxm = gx
         else:  # per-edge messages, summed per sender below (columns of segments without
             # paths are never written, so they must start at zero)
             gxm = (torch.empty if self._in1_all_read else torch.zeros)((e, s.dim_in1), **opts) \
                 if needs[0] else None
+        return needs, gx, gxm, gy
+
+    def backward_rows(self, rows: ReceiverRows, graph: KernelGraph, x: torch.Tensor,
+                      y: torch.Tensor, w_rows: torch.Tensor, g: torch.Tensor, acc) -> \
+            Optional[torch.Tensor]:
+        """The backward of the receivers ``rows`` into ``acc`` (:meth:`backward_buffers`);
+        returns their ``d w [rows.e1 - rows.e0, WN]`` in receiver order (if needed)."""
+        n = g.shape[0]
+        self._check(n, graph, x=x, y=y, g=g)
+        self._check_rows(rows, graph, w_rows)
+        gw = torch.empty_like(w_rows) if acc[0][2] else None
+        self._launch_backward(n, graph, (x, y, w_rows, g), acc, gw, rows)
+        return gw
+
+    def _launch_backward(self, n: int, graph: KernelGraph, xywg, acc, gw, rows) -> None:
+        needs, gx, gxm, gy = acc
+        n0, n1 = rows[:2] if rows is not None else (0, n)
+        if n1 <= n0 or not any(needs):
+            return
+        atomic = needs[0] and not self.deterministic
+        sorted_w = rows is not None
+        extra = (i32(rows.e0),) if sorted_w else ()
+        x, y, w, g = xywg
         for plan in self.plan.launches:  # launch 0 writes gy, later launches add to it
-            name = backward_name(plan, needs, atomic)
-            k = self._kernel(name, lambda: render_backward(plan, needs, atomic))
-            k.launch(n, plan.threads,
-                     (ptr(x), ptr(y), ptr(w), ptr(g), ptr(graph.sender), ptr(graph.recv_ptr),
-                      ptr(graph.recv_perm), ptr(gxm), ptr(gy), ptr(gw), i32(n)))
-        if gx is not None and not atomic:
+            name = backward_name(plan, needs, atomic, sorted_w)
+            k = self._kernel(name, lambda: render_backward(plan, needs, atomic, sorted_w))
+            k.launch(n1 - n0, plan.threads,
+                     (ptr(x), ptr(y), ptr(w), ptr(g[n0:]), ptr(graph.sender),
+                      ptr(graph.recv_ptr[n0:]), ptr(graph.recv_perm), ptr(gxm), ptr(gy),
+                      ptr(gw), i32(n1 - n0)) + extra)
+
+    def finish_backward(self, n: int, graph: KernelGraph, acc):
+        """``(gx, gy)`` of the accumulators: the per-sender sum of the d(node_feats) messages."""
+        needs, gx, gxm, gy = acc
+        if gx is not None and gxm is not gx and n > 0:
             k = self._kernel(SENDER_SUM, lambda: render_sender_sum(self.plan.launches[0]))
             k.launch(n, self.plan.sender_sum_threads,
                      (ptr(gxm), ptr(graph.send_ptr), ptr(graph.send_perm), ptr(gx), i32(n)))
-        return gx, gy, gw
+        return gx, gy
+
+    def _check_rows(self, rows: ReceiverRows, graph: KernelGraph,
+                    w_rows: torch.Tensor) -> None:
+        n_nodes = graph.recv_ptr.shape[0] - 1
+        if not (0 <= rows.n0 <= rows.n1 <= n_nodes and 0 <= rows.e0 <= rows.e1 <= graph.n_edges):
+            raise KernelError(f"receiver rows {tuple(rows)} out of range for {n_nodes} nodes and "
+                              f"{graph.n_edges} edges")
+        check_tensor("w_rows", w_rows, (rows.e1 - rows.e0, self.spec.weight_numel), self.dtype,
+                     self.device)
