@@ -47,6 +47,15 @@ def test_receiver_chunks_cover_every_edge_once_in_order():
     assert [c.n0 for c in chunks] == [0, 2, 3, 4] and chunks[-1].n1 == 5
     assert all(a.n1 == b.n0 and a.e1 == b.e0 for a, b in zip(chunks, chunks[1:]))
     assert all(c.e1 - c.e0 <= 5 or c.n1 - c.n0 == 1 for c in chunks)  # one node may exceed
+    # the host copy of the CSR is read once per tensor (one synchronisation per call) ...
+    from mace_accel.ops import graph as graph_module
+
+    host = graph_module._HOST_PTR[2]
+    receiver_chunks(ptr, 5, 20, 7)
+    assert graph_module._HOST_PTR[2] is host
+    ptr[1] = 2  # ... and again once the tensor changed
+    assert receiver_chunks(ptr, 5, 20, 2)[0] == (0, 1, 0, 2)
+    assert graph_module._HOST_PTR[2] is not host
 
 
 @pytest.mark.parametrize("max_edges", [1, 3, 11, 1000])

@@ -93,6 +93,21 @@ class KernelGraph(NamedTuple):
         return int(self.sender.shape[0])
 
 
+_HOST_PTR: Optional[Tuple[weakref.ref, int, List[int]]] = None
+
+
+def _host_list(t: torch.Tensor) -> List[int]:
+    """``t.tolist()``, remembered for the last tensor while it is unmodified."""
+    global _HOST_PTR
+    if _HOST_PTR is not None:
+        ref, version, values = _HOST_PTR
+        if ref() is t and version == t._version:
+            return values
+    values = t.tolist()
+    _HOST_PTR = (weakref.ref(t), t._version, values)
+    return values
+
+
 class ReceiverRows(NamedTuple):
     """A range of receivers ``[n0, n1)`` and of their edges in receiver order ``[e0, e1)``."""
 
@@ -108,11 +123,12 @@ def receiver_chunks(recv_ptr: torch.Tensor, n_nodes: int, n_edges: int,
     is one node when that node alone has more).
 
     One range needs nothing from the device; more read ``recv_ptr [N+1]`` (the receiver CSR)
-    on the host, which synchronises, so it is only done when the edges do not fit in one.
+    on the host, which synchronises, so it is only done when the edges do not fit in one, and
+    once per CSR: the blocks of one call and their backward reuse the host copy.
     """
     if n_edges <= max_edges:
         return [ReceiverRows(0, n_nodes, 0, n_edges)]
-    ptr = recv_ptr.tolist()
+    ptr = _host_list(recv_ptr)
     out = []
     n0 = 0
     while n0 < n_nodes:
