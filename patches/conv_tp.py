@@ -102,5 +102,6 @@ class FusedConvTP(FusedModule):
             raise InputError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
 
     def __setstate__(self, state) -> None:
+        state.setdefault("radial", None)  # saved before the fold existed
         super().__setstate__(state)
         self._key = autograd.register_spec(self.spec)  # a new process has an empty registry

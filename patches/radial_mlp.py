@@ -108,6 +108,10 @@ class FusedRadialMLP(FusedModule):
     def describe(self) -> str:
         return self.spec.describe(self.fold_last)
 
+    def __setstate__(self, state) -> None:
+        state.setdefault("fold_last", False)  # saved before the fold existed
+        super().__setstate__(state)
+
     def _raw_weights(self) -> List[torch.Tensor]:
         return [self._modules[name].weight for name in self._names]
 

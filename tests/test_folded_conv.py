@@ -194,3 +194,29 @@ def test_parts_without_the_radial_mlp_leave_the_weights_unfolded(tiny_model):
     for block in model.interactions:
         assert block.conv_tp.radial is None
         assert not isinstance(block.conv_tp_weights, FusedRadialMLP)
+
+
+def test_models_saved_before_the_fold_still_load(tiny_model):
+    """An accelerated model pickled by a version without the fold (no ``radial`` on the conv,
+    no ``fold_last`` on the MLP) loads and runs unfolded."""
+    from mace_accel.models.batch import atoms_to_batch, model_info, random_structure
+    from mace_accel.surgery import evaluate
+
+    model = tiny_model("RealAgnosticResidualInteractionBlock", dtype=torch.float64)
+    info = model_info(model)
+    batch = atoms_to_batch(random_structure(info.atomic_numbers, n_atoms=8, r_max=info.r_max,
+                                            seed=4), info)
+    want = evaluate(model, batch)
+    accelerate(model, backend="reference", parts=("conv", "radial_mlp"),
+               options=AccelOptions(backend="reference"))
+    for block in model.interactions:  # make them look like the older modules
+        block.conv_tp.__dict__.pop("radial")
+        block.conv_tp_weights.__dict__.pop("fold_last")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for block in loaded.interactions:
+        assert block.conv_tp.radial is None and block.conv_tp_weights.fold_last is False
+    got = evaluate(loaded, batch)
+    assert rel_norm_error(got["forces"], want["forces"]) <= MODEL_TOL[torch.float64]

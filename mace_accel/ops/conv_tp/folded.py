@@ -86,6 +86,10 @@ class _Rows:
         self.n_edges = int(self.perm.shape[0])
 
     def chunks(self, max_edges: int) -> List[ReceiverRows]:
+        if self.cuda is not None and torch.cuda.is_current_stream_capturing():
+            # a CUDA graph cannot read the CSR on the host: one chunk (graphs are for small
+            # systems, whose weights fit)
+            max_edges = max(max_edges, self.n_edges)
         return receiver_chunks(self.recv_ptr, self.n_nodes, self.n_edges, max_edges)
 
     def edges(self, rows: ReceiverRows) -> Tensor:
