@@ -60,7 +60,8 @@ def fold_reason(block: torch.nn.Module) -> Optional[str]:
     """Why the radial MLP's last layer cannot be folded into ``block``'s conv, or None."""
     cls = type(block)
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+        source = textwrap.dedent(inspect.getsource(cls.forward))
+        tree = ast.parse(source)
     except (OSError, TypeError, SyntaxError) as exc:
         return f"the source of {cls.__name__}.forward cannot be read to check the fold ({exc})"
     parents = _parents(tree)
@@ -69,8 +70,7 @@ def fold_reason(block: torch.nn.Module) -> Optional[str]:
         return f"{cls.__name__}.forward does not pass {NAME} to self.conv_tp"
     for n in uses:
         if not _allowed(n, parents):
-            line = ast.get_source_segment(textwrap.dedent(inspect.getsource(cls.forward)),
-                                          parents.get(n, n)) or "?"
+            line = ast.get_source_segment(source, parents.get(n, n)) or "?"
             return (f"{cls.__name__}.forward uses {NAME} in `{line.strip()}`, which the fold "
                     "cannot prove to be a per-edge scaling")
     return None

@@ -231,6 +231,10 @@ __all__ = ["SENDER_SUM", "all_backward_needs", "backward_name", "catalog_sources
            "render_backward", "render_forward", "render_sender_sum"]
 
 
+def _needs_tag(needs: Needs) -> str:
+    return "".join(str(int(n)) for n in needs)
+
+
 def catalog_sources(limits, problems=None):
     """``(name, source)`` of every kernel the catalog's problems generate (all launches, both
     dtypes; every gradient selection for ``mp-medium-l2``, the ones MACE uses elsewhere)."""
@@ -248,12 +252,12 @@ def catalog_sources(limits, problems=None):
                 selections = all_backward_needs() if problem.name == "mp-medium-l2" else [
                     (True, True, True), (False, True, True)]
                 for needs in selections:
-                    yield (f"{tag}-bwd{''.join(str(int(n)) for n in needs)}",
+                    yield (f"{tag}-bwd{_needs_tag(needs)}",
                            render_backward(plan, needs))
                 yield f"{tag}-bwd111-atomic", render_backward(plan, (True, True, True),
                                                                atomic=True)
                 # the radial MLP's last layer folded in (weights of a chunk of receivers)
                 yield f"{tag}-ws-fwd", render_forward(plan, w_sorted=True)
                 for needs in ((True, True, True), (False, True, True)):
-                    yield (f"{tag}-ws-bwd{''.join(str(int(n)) for n in needs)}",
+                    yield (f"{tag}-ws-bwd{_needs_tag(needs)}",
                            render_backward(plan, needs, w_sorted=True))

@@ -6,7 +6,7 @@ current stream; launch geometry comes from the :class:`~.schedule.ConvPlan`.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -32,6 +32,23 @@ from mace_accel.ops.runtime import (
     ptr,
 )
 from mace_accel.options import dtype_name
+
+
+class BackwardBuffers(NamedTuple):
+    """The accumulators of one backward over all receivers, filled range by range.
+
+    Attributes:
+        needs: the gradients asked for (node_feats, edge_attrs, tp_weights).
+        gx: ``[N, dim_in1]`` d(node_feats), or None.
+        gxm: ``[E, dim_in1]`` its per-edge messages (deterministic), ``gx`` itself (atomic),
+            or None.
+        gy: ``[E, dim_in2]`` d(edge_attrs), or None.
+    """
+
+    needs: Tuple[bool, bool, bool]
+    gx: Optional[torch.Tensor]
+    gxm: Optional[torch.Tensor]
+    gy: Optional[torch.Tensor]
 
 
 class CudaConvPrimitives:
@@ -128,8 +145,9 @@ class CudaConvPrimitives:
         self._launch_backward(n, graph, (x, y, w, g), acc, gw, None)
         return (*self.finish_backward(n, graph, acc), gw)
 
-    def backward_buffers(self, n: int, graph: KernelGraph, needs: Tuple[bool, bool, bool]):
-        """The accumulators of one backward over all receivers: ``(needs, gx, gxm, gy)``."""
+    def backward_buffers(self, n: int, graph: KernelGraph,
+                         needs: Tuple[bool, bool, bool]) -> BackwardBuffers:
+        """The accumulators of one backward over all receivers."""
         needs = tuple(bool(v) for v in needs)
         e, s = graph.n_edges, self.spec
         opts = dict(dtype=self.dtype, device=self.device)
@@ -143,22 +161,23 @@ class CudaConvPrimitives:
             # paths are never written, so they must start at zero)
             gxm = (torch.empty if self._in1_all_read else torch.zeros)((e, s.dim_in1), **opts) \
                 if needs[0] else None
-        return needs, gx, gxm, gy
+        return BackwardBuffers(needs, gx, gxm, gy)
 
     def backward_rows(self, rows: ReceiverRows, graph: KernelGraph, x: torch.Tensor,
-                      y: torch.Tensor, w_rows: torch.Tensor, g: torch.Tensor, acc) -> \
-            Optional[torch.Tensor]:
+                      y: torch.Tensor, w_rows: torch.Tensor, g: torch.Tensor,
+                      acc: BackwardBuffers) -> Optional[torch.Tensor]:
         """The backward of the receivers ``rows`` into ``acc`` (:meth:`backward_buffers`);
         returns their ``d w [rows.e1 - rows.e0, WN]`` in receiver order (if needed)."""
         n = g.shape[0]
         self._check(n, graph, x=x, y=y, g=g)
         self._check_rows(rows, graph, w_rows)
-        gw = torch.empty_like(w_rows) if acc[0][2] else None
+        gw = torch.empty_like(w_rows) if acc.needs[2] else None
         self._launch_backward(n, graph, (x, y, w_rows, g), acc, gw, rows)
         return gw
 
-    def _launch_backward(self, n: int, graph: KernelGraph, xywg, acc, gw, rows) -> None:
-        needs, gx, gxm, gy = acc
+    def _launch_backward(self, n: int, graph: KernelGraph, xywg, acc: BackwardBuffers, gw,
+                         rows) -> None:
+        needs = acc.needs
         n0, n1 = rows[:2] if rows is not None else (0, n)
         if n1 <= n0 or not any(needs):
             return
@@ -171,17 +190,16 @@ class CudaConvPrimitives:
             k = self._kernel(name, lambda: render_backward(plan, needs, atomic, sorted_w))
             k.launch(n1 - n0, plan.threads,
                      (ptr(x), ptr(y), ptr(w), ptr(g[n0:]), ptr(graph.sender),
-                      ptr(graph.recv_ptr[n0:]), ptr(graph.recv_perm), ptr(gxm), ptr(gy),
-                      ptr(gw), i32(n1 - n0)) + extra)
+                      ptr(graph.recv_ptr[n0:]), ptr(graph.recv_perm), ptr(acc.gxm),
+                      ptr(acc.gy), ptr(gw), i32(n1 - n0)) + extra)
 
-    def finish_backward(self, n: int, graph: KernelGraph, acc):
+    def finish_backward(self, n: int, graph: KernelGraph, acc: BackwardBuffers):
         """``(gx, gy)`` of the accumulators: the per-sender sum of the d(node_feats) messages."""
-        needs, gx, gxm, gy = acc
-        if gx is not None and gxm is not gx and n > 0:
+        if acc.gx is not None and acc.gxm is not acc.gx and n > 0:
             k = self._kernel(SENDER_SUM, lambda: render_sender_sum(self.plan.launches[0]))
-            k.launch(n, self.plan.sender_sum_threads,
-                     (ptr(gxm), ptr(graph.send_ptr), ptr(graph.send_perm), ptr(gx), i32(n)))
-        return gx, gy
+            k.launch(n, self.plan.sender_sum_threads, (ptr(acc.gxm), ptr(graph.send_ptr),
+                                                       ptr(graph.send_perm), ptr(acc.gx), i32(n)))
+        return acc.gx, acc.gy
 
     def _check_rows(self, rows: ReceiverRows, graph: KernelGraph,
                     w_rows: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ import torch
 from mace_accel.ops import registry
 from mace_accel.ops.conv_tp import autograd as conv_autograd
 from mace_accel.ops.conv_tp import reference
+from mace_accel.ops.conv_tp.cuda import BackwardBuffers
 from mace_accel.ops.graph import ConvGraph, KernelGraph, ReceiverRows, receiver_chunks
 
 Tensor = torch.Tensor
@@ -74,9 +75,8 @@ class _Rows:
         self.n_nodes = n_nodes
         if backend == "reference":
             self.sender, self.receiver = graph
-            self.perm = torch.sort(self.receiver, stable=True).indices
-            counts = torch.bincount(self.receiver, minlength=n_nodes)
-            self.recv_ptr = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+            self.recv_ptr, self.perm = ConvGraph(self.sender, self.receiver, n_nodes).csr(
+                "receiver", torch.int64)
             self.cuda = None
         else:
             self.kgraph = KernelGraph(*graph)
@@ -113,37 +113,27 @@ class _Rows:
     def backward_buffers(self, x: Tensor, y: Tensor, needs: Tuple[bool, bool, bool]):
         if self.cuda is not None:
             return self.cuda.backward_buffers(self.n_nodes, self.kgraph, needs)
-        return (needs, torch.zeros_like(x) if needs[0] else None, None,
-                torch.empty_like(y) if needs[1] else None)
+        return BackwardBuffers(needs, torch.zeros_like(x) if needs[0] else None, None,
+                               torch.empty_like(y) if needs[1] else None)
 
     def backward(self, rows: ReceiverRows, ids: Tensor, x: Tensor, y: Tensor, w_rows: Tensor,
                  g: Tensor, acc) -> Optional[Tensor]:
         """Add the rows' d(node_feats), write their d(edge_attrs); return their d(w)."""
         if self.cuda is not None:
             return self.cuda.backward_rows(rows, self.kgraph, x, y, w_rows, g, acc)
-        needs, gx, _, gy = acc
         gx_c, gy_c, gw_c = reference.conv_tp_backward(
             self.spec, x, y[ids], w_rows, g[rows.n0:rows.n1], self.sender[ids],
-            self.receiver[ids] - rows.n0, needs)
-        if gx is not None:
-            gx += gx_c
-        if gy is not None:
-            gy[ids] = gy_c
+            self.receiver[ids] - rows.n0, acc.needs)
+        if acc.gx is not None:
+            acc.gx.add_(gx_c)
+        if acc.gy is not None:
+            acc.gy[ids] = gy_c
         return gw_c
 
     def finish_backward(self, acc) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         if self.cuda is not None:
             return self.cuda.finish_backward(self.n_nodes, self.kgraph, acc)
-        return acc[1], acc[3]
-
-
-def _rows(x: Tensor, graph: List[Tensor], n_nodes: int, key: str, backend: str,
-          deterministic: bool) -> _Rows:
-    return _Rows(key, backend, graph, n_nodes, x, deterministic)
-
-
-def _empty(like: Tensor) -> Tensor:
-    return like.new_empty((0,))
+        return acc.gx, acc.gy
 
 
 @torch.library.custom_op("mace_accel::folded_conv_tp", mutates_args=())
@@ -152,7 +142,7 @@ def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, graph: Li
                       max_edges: int) -> Tensor:
     """``[n_nodes, dim_out]`` = ``conv(x, y, h @ w_last)``, weights made ``max_edges`` edges
     at a time and never kept."""
-    rows_of = _rows(x, graph, n_nodes, key, backend, deterministic)
+    rows_of = _Rows(key, backend, graph, n_nodes, x, deterministic)
     out = rows_of.new_output(x)
     for rows in rows_of.chunks(max_edges):
         ids = rows_of.edges(rows)
@@ -175,7 +165,7 @@ def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, 
     """``(gx [N, dim_in1], gy [E, dim_in2], gh [E, hidden], gw_last [hidden, weight_numel])``
     of ``<g, folded_conv_tp(...)>``, the weights recomputed chunk by chunk; a gradient not
     asked for comes back empty."""
-    rows_of = _rows(x, graph, n_nodes, key, backend, deterministic)
+    rows_of = _Rows(key, backend, graph, n_nodes, x, deterministic)
     acc = rows_of.backward_buffers(x, y, (need_x, need_y, need_h or need_w))
     gh = torch.empty_like(h) if need_h else None
     gw_last = torch.zeros_like(w_last) if need_w else None
@@ -188,17 +178,17 @@ def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, 
         if gw_last is not None:
             gw_last += torch.mm(h_rows.t(), gw_rows)
     gx, gy = rows_of.finish_backward(acc)
-    return tuple(t if t is not None else _empty(x) for t in (gx, gy, gh, gw_last))
+    return tuple(t if t is not None else conv_autograd._empty(x) for t in (gx, gy, gh, gw_last))
 
 
 @folded_conv_tp_backward_op.register_fake
 def _(x, y, h, w_last, g, graph, n_nodes, key, backend, deterministic, max_edges, need_x,
       need_y, need_h, need_w):
     spec = registry.lookup(key)
-    return (x.new_empty((n_nodes, spec.dim_in1)) if need_x else _empty(x),
-            x.new_empty((y.shape[0], spec.dim_in2)) if need_y else _empty(x),
-            torch.empty_like(h) if need_h else _empty(x),
-            torch.empty_like(w_last) if need_w else _empty(x))
+    return (x.new_empty((n_nodes, spec.dim_in1)) if need_x else conv_autograd._empty(x),
+            x.new_empty((y.shape[0], spec.dim_in2)) if need_y else conv_autograd._empty(x),
+            torch.empty_like(h) if need_h else conv_autograd._empty(x),
+            torch.empty_like(w_last) if need_w else conv_autograd._empty(x))
 
 
 def _setup(ctx, inputs, output) -> None:
