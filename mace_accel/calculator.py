@@ -22,10 +22,11 @@ from ase.stress import full_3x3_to_voigt_6_stress
 
 from mace_accel.capture import unpack
 from mace_accel.errors import ConfigError
+from mace_accel.models.atoms_state import changed_properties
 from mace_accel.models.outputs import evaluate as evaluate_model
 from mace_accel.models.prepared import prepare_model
 from mace_accel.models.resident import ResidentBatch, skin_is_exact
-from mace_accel.models.validation import validate_atoms, validate_geometry
+from mace_accel.models.validation import validate_atoms, validate_geometry, validate_positions
 from mace_accel.options import AccelOptions, make_options
 from mace_accel.surgery import PatchReport
 
@@ -103,6 +104,8 @@ class MACEAccelCalculator(Calculator):
         self.graphs = _resolve_graphs(graphs, self.device)
         self._graphed = None
         self._host: Optional[torch.Tensor] = None  # pinned buffer the packed results land in
+        self._cell_key: Optional[Tuple[bytes, bytes]] = None  # cell and pbc last validated
+        self._stress_ok = False
         if self.graphs:
             from mace_accel.capture import GraphedCall
 
@@ -111,6 +114,11 @@ class MACEAccelCalculator(Calculator):
                  "on" if self.graphs else "off", self._resident.skin)
 
     # -- ASE interface ----------------------------------------------------------------------------
+    def check_state(self, atoms, tol: float = 1e-15) -> list:
+        """ASE's system changes since the last calculation (same answer as ASE's
+        ``compare_atoms``, without its ``allclose`` on properties that are exactly equal)."""
+        return changed_properties(self.atoms, atoms, tol, getattr(self, "ignored_changes", ()))
+
     def calculate(self, atoms=None, properties: Sequence[str] = ("energy",),
                   system_changes=all_changes) -> None:
         """Energy, free energy, forces, per-atom energies and (periodic cells) stress.
@@ -124,11 +132,7 @@ class MACEAccelCalculator(Calculator):
         atoms = self.atoms
         new_topology = (self._resident.topology(atoms) != self._resident._topology
                         or bool(_TOPOLOGY_CHANGES & set(system_changes)))
-        if new_topology:  # everything, on the host, once per structure
-            validate_atoms(atoms, self.info, min_distance=self.min_distance)
-        else:             # per step: O(N) on the host, distances from the edges on the device
-            validate_geometry(atoms)
-        stress_ok = has_stress(atoms)
+        stress_ok = self._validate(atoms, new_topology)
         if "stress" in properties and not stress_ok:
             raise PropertyNotImplementedError(
                 "stress needs a periodic structure with a 3D cell of non-zero volume (pbc="
@@ -149,6 +153,21 @@ class MACEAccelCalculator(Calculator):
             validate_atoms(atoms, self.info, min_distance=self.min_distance)  # says who
         self.results = results
         self.timings.add(t_start, t_checked, t_listed, time.perf_counter())
+
+    def _validate(self, atoms, new_topology: bool) -> bool:
+        """Check ``atoms`` (everything for a new topology, else finite positions and, when it
+        changed, the cell: distances come from the edges on the device); whether it has a
+        stress."""
+        cell_key = (atoms.cell.array.tobytes(), np.asarray(atoms.pbc).tobytes())
+        if new_topology:  # everything, on the host, once per structure
+            validate_atoms(atoms, self.info, min_distance=self.min_distance)
+        elif cell_key == self._cell_key:
+            validate_positions(atoms)
+        else:
+            validate_geometry(atoms)
+        if cell_key != self._cell_key:
+            self._cell_key, self._stress_ok = cell_key, has_stress(atoms)
+        return self._stress_ok
 
     def _call(self, batch: Dict[str, torch.Tensor], n_atoms: int, want_stress: bool
               ) -> Tuple[dict, float, bool]:

@@ -14,7 +14,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from mace_accel.errors import InputError
-from mace_accel.ops import radial_mlp
+from mace_accel.ops import radial_mlp, registry
+from mace_accel.ops.silu_mlp import autograd as silu_mlp_autograd
+from mace_accel.ops.silu_mlp.spec import MAX_WIDTH, SiluMLPSpec, pack_weights
 from mace_accel.options import AccelOptions
 from mace_accel.patches.adopt import FusedModule
 
@@ -29,8 +31,10 @@ class RadialMLPSpec:
     scales: Tuple[float, ...]
 
     def describe(self, folded: bool = False) -> str:
-        head = (f"MLP {'->'.join(map(str, self.hs))} (SiLU), constants folded: "
-                f"{len(self.hs) - 1} GEMMs + {len(self.hs) - 2} SiLU per pass; ")
+        head = f"MLP {'->'.join(map(str, self.hs))} (SiLU), constants folded; "
+        if len(self.hs) > 2 and max(self.hs[:-1]) <= MAX_WIDTH:
+            head += ("hidden layers in one fused kernel per pass on CUDA (forward recomputed in "
+                     "the backward; training: GEMMs + SiLU); ")
         if folded:
             return head + (f"last layer folded into the conv (it takes the hidden [E, "
                            f"{self.hs[-2]}]; the TP weights [E, {self.hs[-1]}] are recomputed "
@@ -134,6 +138,30 @@ class FusedRadialMLP(FusedModule):
             raise InputError(f"edge_feats must have shape [n_edges, {self.hs[0]}] for the "
                              f"radial MLP, got {tuple(x.shape)}")
         weights = self._weights(x.dtype)
+        if self._fused_hidden(x):
+            hidden = silu_mlp_autograd.silu_mlp(self._hidden_key(), x, self._packed(x.dtype),
+                                                self.backend)
+            return hidden if self.fold_last else torch.mm(hidden, weights[-1])
         if self.fold_last:
             return radial_mlp.radial_mlp(x, weights[:-1], last_act=True)
         return radial_mlp.radial_mlp(x, weights)
+
+    # -- the hidden layers in one kernel per pass (CUDA backend, inference) ---------------------
+    def _fused_hidden(self, x: torch.Tensor) -> bool:
+        """The CUDA kernels of :mod:`mace_accel.ops.silu_mlp` run the hidden layers when the
+        backend is CUDA and no weight gradient is asked for (training keeps the GEMM path,
+        whose weight gradients are GEMMs too)."""
+        if self.backend != "cuda" or not x.is_cuda or len(self.hs) < 3 \
+                or max(self.hs[:-1]) > MAX_WIDTH:
+            return False
+        return not (torch.is_grad_enabled() and any(w.requires_grad
+                                                    for w in self._raw_weights()))
+
+    def _hidden_key(self) -> str:
+        return self._kernel_cache("hidden_key", lambda: silu_mlp_autograd.register_spec(
+            SiluMLPSpec(tuple(self.hs[:-1]))))
+
+    def _packed(self, dtype: torch.dtype) -> torch.Tensor:
+        spec = registry.lookup(self._hidden_key())
+        return self._derived("packed_hidden", self._raw_weights(), dtype,
+                             lambda d: pack_weights(spec, self._weights(d)[:-1]))

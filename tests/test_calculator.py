@@ -345,3 +345,27 @@ def test_graphs_and_skin_options_are_checked(model_file):
         MACEAccelCalculator(model_file, device="cpu", skin=-1.0)
     calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
     assert calc.graphs is False
+
+
+def test_cell_checks_follow_the_cell_between_steps(model_file):
+    """The cell is re-checked (and the stress verdict recomputed) only when it changed: a cell
+    made singular in a step is still refused, a periodic cell made non-periodic loses its
+    stress, and the original cell afterwards works again."""
+    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
+    atoms.calc = calc
+    assert atoms.get_stress().shape == (6,)
+    good = atoms.cell.array.copy()
+    flat = good.copy()
+    flat[2] = flat[0] + flat[1]
+    atoms.set_cell(flat, scale_atoms=False)
+    with pytest.raises(InputError, match="linearly dependent"):
+        atoms.get_forces()
+    atoms.set_cell(good, scale_atoms=False)
+    atoms.positions[0, 0] += 0.01
+    assert atoms.get_stress().shape == (6,)
+    atoms.set_cell(np.zeros((3, 3)))
+    atoms.pbc = False
+    atoms.get_forces()
+    with pytest.raises(PropertyNotImplementedError):
+        atoms.get_stress()

@@ -224,6 +224,20 @@ def test_verlet_list_rebuilds_when_the_system_changes():
     assert every_call.n_builds == 3
 
 
+def test_verlet_list_notices_a_cell_changed_in_place():
+    """The cell object of the last build, unmodified, skips the comparison; the same object
+    changed in place (its version moves) is compared and rebuilds, deferred or not."""
+    atoms, cutoff = CASES["fcc-supercell"]
+    pos, cell, pbc = _geometry(atoms)
+    nl = VerletNeighbourList(cutoff, skin=0.5)
+    nl.update(pos, cell, pbc)
+    assert not nl.update(pos, cell, pbc)[2]
+    assert not bool(nl.update(pos, cell, pbc, defer=True)[2])
+    cell[0, 1] += 1e-9
+    assert bool(nl.update(pos, cell, pbc, defer=True)[2])
+    assert nl.update(pos, cell, pbc)[2] and nl.n_builds == 2
+
+
 def test_verlet_list_on_a_molecule_and_a_slab():
     for name in ("molecule", "slab-zero-c"):
         atoms, cutoff = CASES[name]

@@ -300,12 +300,15 @@ class VerletNeighbourList:
         self._calculator = None  # vesin NeighborList at cutoff + skin, made on first build
         self._reference: Optional[Tensor] = None  # positions at the last build, detached
         self._cell: Optional[Tensor] = None  # cell at the last build, as given, detached
+        # the cell tensor object the last build was given, and its version: the same object
+        # unmodified needs no comparison on the device
+        self._cell_source: Optional[Tuple[Tensor, int]] = None
         self._pbc: Optional[Pbc] = None
         self._edges: Optional[Tuple[Tensor, Tensor]] = None
 
     def reset(self) -> None:
         """Forget the list: the next :meth:`update` rebuilds."""
-        self._reference = self._cell = self._pbc = self._edges = None
+        self._reference = self._cell = self._pbc = self._edges = self._cell_source = None
 
     def update(self, positions: Tensor, cell: Tensor, pbc: Pbc,
                defer: bool = False) -> Tuple[Tensor, Tensor, Union[bool, Tensor]]:
@@ -354,6 +357,7 @@ class VerletNeighbourList:
             edges = _compute(self._calculator, positions, cell64, pbc)
         self._reference = positions.detach().clone()
         self._cell = torch.as_tensor(cell).detach().clone()
+        self._cell_source = (cell, cell._version) if torch.is_tensor(cell) else None
         self._pbc = pbc
         self._edges = edges
         self.n_builds += 1
@@ -377,6 +381,9 @@ class VerletNeighbourList:
         the cell changed (NaN positions count as moved)."""
         moved = (positions.detach() - self._reference).square().sum(dim=1).amax()
         stale = ~(moved <= (0.5 * self.skin) ** 2)
+        source = self._cell_source
+        if source is not None and cell is source[0] and cell._version == source[1]:
+            return stale
         cell = torch.as_tensor(cell)
         if cell.device == positions.device:
             return stale | (cell.detach() != self._cell).any()

@@ -44,6 +44,11 @@ def validate_atoms(atoms, info: ModelInfo, min_distance: Optional[float] = 0.5) 
         _check_distances(atoms, float(min_distance))
 
 
+def validate_positions(atoms) -> None:
+    """Finite positions (the per-step check while the cell is unchanged)."""
+    _check_positions(np.asarray(atoms.positions, dtype=np.float64))
+
+
 def validate_geometry(atoms) -> None:
     """The per-step part of :func:`validate_atoms` for a structure already validated once:
     finite positions and a usable cell (O(N), no distances; the calculator checks those from
@@ -92,6 +97,8 @@ def _symbol(z: int, table: Sequence[str]) -> str:
 
 
 def _check_positions(positions: np.ndarray) -> None:
+    if np.isfinite(positions).all():
+        return
     bad = np.nonzero(~np.isfinite(positions).all(axis=1))[0]
     if len(bad):
         raise InputError(f"positions of atom(s) {_few(bad)} are NaN or inf ({len(bad)} atom(s) in "

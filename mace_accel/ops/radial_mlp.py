@@ -56,7 +56,7 @@ def layer_scales(fan_in: Sequence[int], var_in: Sequence[float], var_out: Sequen
     return scales
 
 
-def _pre_activations(x: Tensor, weights: Sequence[Tensor],
+def pre_activations(x: Tensor, weights: Sequence[Tensor],
                      last_act: bool = False) -> Tuple[List[Tensor], Tensor]:
     """``(z_1..z_{L-1}, out)``: the hidden pre-activations and the output (``last_act``: the
     last layer has a SiLU too, and its pre-activation ``z_L`` is listed)."""
@@ -83,7 +83,7 @@ def _silu_grad(g: Tensor, z: Tensor) -> Tensor:
 class _RadialMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, last_act: bool, *weights: Tensor) -> Tensor:
-        pre, out = _pre_activations(x, weights, last_act)
+        pre, out = pre_activations(x, weights, last_act)
         ctx.save_for_backward(x, *weights, *pre)
         ctx.n_layers, ctx.last_act = len(weights), last_act
         return out
@@ -94,23 +94,34 @@ class _RadialMLP(torch.autograd.Function):
         saved = ctx.saved_tensors
         x, weights, pre = saved[0], saved[1:1 + n], list(saved[1 + n:])
         if torch.is_grad_enabled():  # create_graph: pre-activations connected to x and W
-            pre, _ = _pre_activations(x, weights, ctx.last_act)
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2:]
-        lowest = 0 if need_x else next((i for i, w in enumerate(need_w) if w), n)
-        grads_w: List[Optional[Tensor]] = [None] * n
-        g = grad.contiguous()
-        if ctx.last_act:
-            g = _silu_grad(g, pre[n - 1])
-        for i in range(n - 1, lowest - 1, -1):
-            if need_w[i]:
-                h_in = x if i == 0 else F.silu(pre[i - 1])
-                grads_w[i] = torch.mm(h_in.t(), g)
-            if i == lowest:
-                break
-            g = torch.mm(g, weights[i].t())
-            g = _silu_grad(g, pre[i - 1])
-        grad_x = torch.mm(g, weights[0].t()) if need_x else None
+            pre, _ = pre_activations(x, weights, ctx.last_act)
+        grad_x, grads_w = vjp(x, weights, pre, grad, ctx.last_act, ctx.needs_input_grad[0],
+                              ctx.needs_input_grad[2:])
         return (grad_x, None, *grads_w)
+
+
+def vjp(x: Tensor, weights: Sequence[Tensor], pre: Sequence[Tensor], grad: Tensor,
+        last_act: bool, need_x: bool, need_w: Sequence[bool]
+        ) -> Tuple[Optional[Tensor], List[Optional[Tensor]]]:
+    """``(d x, [d W_i])`` of ``<grad, net(x)>`` from the pre-activations ``pre``
+    (:func:`pre_activations`), only those asked for; torch ops, differentiable when grad mode
+    is on (double backward)."""
+    n = len(weights)
+    lowest = 0 if need_x else next((i for i, w in enumerate(need_w) if w), n)
+    grads_w: List[Optional[Tensor]] = [None] * n
+    g = grad.contiguous()
+    if last_act:
+        g = _silu_grad(g, pre[n - 1])
+    for i in range(n - 1, lowest - 1, -1):
+        if need_w[i]:
+            h_in = x if i == 0 else F.silu(pre[i - 1])
+            grads_w[i] = torch.mm(h_in.t(), g)
+        if i == lowest:
+            break
+        g = torch.mm(g, weights[i].t())
+        g = _silu_grad(g, pre[i - 1])
+    grad_x = torch.mm(g, weights[0].t()) if need_x else None
+    return grad_x, grads_w
 
 
 def radial_mlp(x: Tensor, weights: Sequence[Tensor], last_act: bool = False) -> Tensor:
@@ -122,4 +133,4 @@ def radial_mlp(x: Tensor, weights: Sequence[Tensor], last_act: bool = False) -> 
 
 def reference(x: Tensor, weights: Sequence[Tensor], last_act: bool = False) -> Tensor:
     """The same net as plain differentiable torch ops (for tests)."""
-    return _pre_activations(x, weights, last_act)[1]
+    return pre_activations(x, weights, last_act)[1]

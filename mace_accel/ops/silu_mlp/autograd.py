@@ -1,0 +1,109 @@
+"""The fused SiLU MLP as ``torch.library`` custom ops with autograd.
+
+``mace_accel::silu_mlp(x, w)`` is ``silu(...silu(x W_1)...W_L)`` of the packed weights ``w``
+(:func:`~.spec.pack_weights`); ``mace_accel::silu_mlp_backward(x, w, g)`` is its ``d x``, the
+forward recomputed inside the kernel (nothing is kept but ``x``). The backward takes that kernel
+when only ``d x`` is asked for without ``create_graph`` (forces, stress); a weight gradient
+(training) or a double backward (training on forces) takes the differentiable torch path of
+:func:`mace_accel.ops.radial_mlp.vjp`. ``backend`` picks the CUDA kernels or the plain-torch
+reference. Shapes: ``x [E, h0]``, ``w [packed_numel]``, ``g`` and the output ``[E, h_L]``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from mace_accel.ops import radial_mlp, registry
+from mace_accel.ops.silu_mlp.spec import SiluMLPSpec, unpack_weights
+
+FAMILY = "silu_mlp"
+Tensor = torch.Tensor
+
+
+def register_spec(spec: SiluMLPSpec) -> str:
+    """The registry key of ``spec``."""
+    return registry.register(FAMILY, spec)
+
+
+def _cuda(key: str, t: Tensor):
+    from mace_accel.ops.silu_mlp.cuda import CudaSiluMLP
+
+    return registry.cached((key, t.dtype, t.device),
+                           lambda: CudaSiluMLP(registry.lookup(key), t.dtype, t.device))
+
+
+def reference(spec: SiluMLPSpec, x: Tensor, w: Tensor) -> Tensor:
+    """``[E, h_L]`` with plain differentiable torch ops."""
+    return radial_mlp.reference(x, unpack_weights(spec, w), last_act=True)
+
+
+def _vjp(spec: SiluMLPSpec, x: Tensor, w: Tensor, g: Tensor, need_x: bool,
+         need_w: bool) -> tuple:
+    """``(d x, d w)`` with torch ops (differentiable under grad mode); ``d w`` in the packed
+    layout (the forward reads only the ``W_i`` slots, so the ``W_i^T`` slots get zero)."""
+    weights = unpack_weights(spec, w)
+    pre, _ = radial_mlp.pre_activations(x, weights, last_act=True)
+    gx, gws = radial_mlp.vjp(x, weights, pre, g, True, need_x, [need_w] * len(weights))
+    gw: Optional[Tensor] = None
+    if need_w:
+        p = spec.padded_widths
+        parts: List[Tensor] = []
+        for i, gi in enumerate(gws):
+            full = torch.nn.functional.pad(gi, (0, p[i + 1] - gi.shape[1], 0, p[i] - gi.shape[0]))
+            parts += [full.reshape(-1), torch.zeros_like(full).reshape(-1)]
+        gw = torch.cat(parts)
+    return gx, gw
+
+
+@torch.library.custom_op("mace_accel::silu_mlp", mutates_args=())
+def silu_mlp_op(x: Tensor, w: Tensor, key: str, backend: str) -> Tensor:
+    """``[E, h_L]``: the SiLU MLP of spec ``key`` applied to ``x [E, h0]``."""
+    spec = registry.lookup(key)
+    if backend == "reference":
+        return reference(spec, x, w)
+    return _cuda(key, x).forward(x, w)
+
+
+@silu_mlp_op.register_fake
+def _(x, w, key, backend):
+    return x.new_empty((x.shape[0], registry.lookup(key).widths[-1]))
+
+
+@torch.library.custom_op("mace_accel::silu_mlp_backward", mutates_args=())
+def silu_mlp_backward_op(x: Tensor, w: Tensor, g: Tensor, key: str, backend: str) -> Tensor:
+    """``[E, h0]``: ``d x`` of ``<g, silu_mlp(x, w)>``, the forward recomputed."""
+    spec = registry.lookup(key)
+    if backend == "reference":
+        return _vjp(spec, x, w, g, True, False)[0]
+    return _cuda(key, x).backward(x, w, g)
+
+
+@silu_mlp_backward_op.register_fake
+def _(x, w, g, key, backend):
+    return torch.empty_like(x)
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, w, key, backend = inputs
+    ctx.save_for_backward(x, w)
+    ctx.key, ctx.backend = key, backend
+
+
+def _backward(ctx, g):
+    x, w = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    if need_w or torch.is_grad_enabled():  # training, or create_graph: differentiable path
+        gx, gw = _vjp(registry.lookup(ctx.key), x, w, g, need_x, need_w)
+        return gx, gw, None, None
+    gx = silu_mlp_backward_op(x, w, g.contiguous(), ctx.key, ctx.backend) if need_x else None
+    return gx, None, None, None
+
+
+silu_mlp_op.register_autograd(_backward, setup_context=_setup)
+
+
+def silu_mlp(key: str, x: Tensor, w: Tensor, backend: str = "cuda") -> Tensor:
+    """Differentiable ``[E, h_L]`` (see module docstring); ``x`` is made contiguous."""
+    return silu_mlp_op(x.contiguous(), w, key, backend)

@@ -1,0 +1,79 @@
+"""The CUDA side of the fused SiLU MLP: a forward and a backward kernel per spec, dtype and
+device, launched on torch's current stream (they allocate nothing but their output, so they
+can be captured in a CUDA graph)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mace_accel.errors import KernelError
+from mace_accel.ops.runtime import (
+    INT32_MAX,
+    Kernel,
+    check_tensor,
+    device_limits,
+    i32,
+    kernel_device,
+    ptr,
+)
+from mace_accel.ops.silu_mlp import codegen
+from mace_accel.ops.silu_mlp.spec import SiluMLPSpec
+from mace_accel.options import dtype_name
+
+Tensor = torch.Tensor
+
+
+class CudaSiluMLP:
+    """The kernels of one :class:`SiluMLPSpec` for a dtype and device."""
+
+    def __init__(self, spec: SiluMLPSpec, dtype: torch.dtype, device: torch.device) -> None:
+        self.spec, self.dtype = spec, dtype
+        self.device = kernel_device(dtype, device)
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.plan = codegen.plan_kernels(spec, dtype_name(dtype), device_limits(self.device).arch)
+        self._forward: Optional[Kernel] = None
+        self._backward: Optional[Kernel] = None
+
+    def _check(self, x: Tensor, w: Tensor) -> int:
+        s = self.spec
+        n = int(x.shape[0]) if x.dim() == 2 else -1
+        check_tensor("x", x, (n, s.widths[0]), self.dtype, self.device, s.describe())
+        check_tensor("packed weights", w, (s.packed_numel,), self.dtype, self.device,
+                     s.describe())
+        if w.data_ptr() % 16:
+            raise KernelError("the packed MLP weights must be 16-byte aligned (a fresh tensor)")
+        if n * max(s.widths) > INT32_MAX:
+            raise KernelError(f"{n} edges exceed the SiLU MLP kernel's int32 edge count")
+        return n
+
+    def forward(self, x: Tensor, w: Tensor) -> Tensor:
+        """``[E, h_L]`` of ``x [E, h0]`` and the packed weights ``w`` (:func:`~.spec.pack_weights`)."""
+        n = self._check(x, w)
+        out = torch.empty((n, self.spec.widths[-1]), dtype=self.dtype, device=self.device)
+        if n == 0:
+            return out
+        if self._forward is None:
+            self._forward = Kernel(codegen.render_forward(self.plan),
+                                   codegen.kernel_names(self.plan)[0], self.device,
+                                   self.plan.arch)
+        self._forward.launch(self.plan.grid(n, self.sms), self.plan.threads,
+                             (ptr(x), ptr(w), ptr(out), i32(n)))
+        return out
+
+    def backward(self, x: Tensor, w: Tensor, g: Tensor) -> Tensor:
+        """``d x [E, h0]`` of ``<g, forward(x, w)>`` for ``g [E, h_L]`` (forward recomputed)."""
+        n = self._check(x, w)
+        check_tensor("grad", g, (n, self.spec.widths[-1]), self.dtype, self.device,
+                     self.spec.describe())
+        gx = torch.empty_like(x)
+        if n == 0:
+            return gx
+        if self._backward is None:
+            self._backward = Kernel(codegen.render_backward(self.plan),
+                                    codegen.kernel_names(self.plan)[1], self.device,
+                                    self.plan.arch)
+        self._backward.launch(self.plan.grid(n, self.sms), self.plan.threads,
+                              (ptr(x), ptr(w), ptr(g), ptr(gx), i32(n)))
+        return gx

@@ -1,0 +1,104 @@
+"""What the fused SiLU MLP computes, frozen: the layer widths of ``h = silu(... silu(silu(x W_1)
+W_2) ... W_L)``: every layer has a SiLU, no bias (the hidden part of a MACE radial MLP whose
+constants are folded into the weights, :mod:`mace_accel.ops.radial_mlp`; its last, linear layer
+is applied by the convolution or by one GEMM).
+
+The kernels read the weights as one flat buffer (:func:`pack_weights`): per layer ``W_i`` padded
+to ``[Kp_i, Np_i]`` and its transpose ``[Np_i, Kp_i]`` (the backward's product), widths padded to
+a multiple of :data:`PAD` with zeros. A zero-padded column has pre-activation 0 and SiLU(0) = 0,
+and meets zero weight rows in the next layer, so padding changes no result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import List, Sequence, Tuple
+
+import torch
+
+from mace_accel.errors import UnsupportedModelError
+
+PAD = 4  # widths are padded to a multiple of this (the kernels' widest micro-tile)
+MAX_WIDTH = 512  # wider layers stay with cuBLAS (the kernel keeps a tile of each in shared memory)
+
+
+def padded(width: int) -> int:
+    return -(-width // PAD) * PAD
+
+
+@dataclasses.dataclass(frozen=True)
+class SiluMLPSpec:
+    """``[E, widths[0]] -> [E, widths[-1]]`` through ``len(widths) - 1`` SiLU layers."""
+
+    widths: Tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.widths) < 2 or any(int(w) < 1 for w in self.widths):
+            raise UnsupportedModelError(f"a SiLU MLP needs at least one layer of positive "
+                                        f"widths, got {self.widths}")
+        if max(self.widths) > MAX_WIDTH:
+            raise UnsupportedModelError(f"the fused SiLU MLP takes layers up to {MAX_WIDTH} "
+                                        f"wide, got {self.widths}")
+
+    def key(self) -> str:
+        """Stable hex digest of the spec (kernel names and cache keys)."""
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.widths) - 1
+
+    @property
+    def padded_widths(self) -> Tuple[int, ...]:
+        return tuple(padded(w) for w in self.widths)
+
+    def offsets(self) -> List[Tuple[int, int]]:
+        """Per layer, ``(offset of W_i, offset of W_i^T)`` in the packed buffer."""
+        out, at = [], 0
+        p = self.padded_widths
+        for i in range(self.n_layers):
+            size = p[i] * p[i + 1]
+            out.append((at, at + size))
+            at += 2 * size
+        return out
+
+    @property
+    def packed_numel(self) -> int:
+        p = self.padded_widths
+        return sum(2 * p[i] * p[i + 1] for i in range(self.n_layers))
+
+    def describe(self) -> str:
+        return f"SiLU MLP {'->'.join(map(str, self.widths))}"
+
+
+def pack_weights(spec: SiluMLPSpec, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The flat kernel buffer (see module docstring) of the layers' ``[w_i, w_{i+1}]`` weights.
+
+    Raises:
+        UnsupportedModelError: the weights do not have the spec's shapes.
+    """
+    if len(weights) != spec.n_layers:
+        raise UnsupportedModelError(f"{spec.describe()} has {spec.n_layers} layers, got "
+                                    f"{len(weights)} weight matrices")
+    p = spec.padded_widths
+    parts = []
+    for i, w in enumerate(weights):
+        want = (spec.widths[i], spec.widths[i + 1])
+        if tuple(w.shape) != want:
+            raise UnsupportedModelError(f"layer {i} of {spec.describe()}: weight of shape "
+                                        f"{tuple(w.shape)}, expected {want}")
+        full = w.new_zeros((p[i], p[i + 1]))
+        full[:want[0], :want[1]] = w
+        parts += [full.reshape(-1), full.t().contiguous().reshape(-1)]
+    return torch.cat(parts).contiguous()
+
+
+def unpack_weights(spec: SiluMLPSpec, packed: torch.Tensor) -> List[torch.Tensor]:
+    """The layers' unpadded ``[w_i, w_{i+1}]`` weights of a packed buffer (views)."""
+    p = spec.padded_widths
+    out = []
+    for i, (off, _) in enumerate(spec.offsets()):
+        full = packed[off:off + p[i] * p[i + 1]].reshape(p[i], p[i + 1])
+        out.append(full[:spec.widths[i], :spec.widths[i + 1]])
+    return out

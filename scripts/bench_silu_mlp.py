@@ -1,0 +1,62 @@
+"""The radial MLP's hidden layers on the GPU: the fused SiLU MLP kernels vs the GEMM + SiLU path
+(mace_accel.ops.radial_mlp), forward + d x, at MACE-MP-medium's 6,912-atom edge count; CUDA
+events, medians; with the FLOPs and the bytes each moves.
+
+    python scripts/bench_silu_mlp.py --edges 539136 --widths 8,64,64,64
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from mace_accel.bench.timing import time_calls
+from mace_accel.ops import radial_mlp
+from mace_accel.ops.silu_mlp import autograd
+from mace_accel.ops.silu_mlp.spec import SiluMLPSpec, pack_weights
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--edges", type=int, default=539136)
+    parser.add_argument("--widths", default="8,64,64,64")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    widths = tuple(int(w) for w in args.widths.split(","))
+    spec = SiluMLPSpec(widths)
+    key = autograd.register_spec(spec)
+    macs = sum(a * b for a, b in zip(widths[:-1], widths[1:]))
+    for dtype in (torch.float32, torch.float64):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(args.edges, widths[0], device="cuda", dtype=dtype, generator=gen)
+        weights = [torch.randn(a, b, device="cuda", dtype=dtype, generator=gen) / a ** 0.5
+                   for a, b in zip(widths[:-1], widths[1:])]
+        g = torch.randn(args.edges, widths[-1], device="cuda", dtype=dtype, generator=gen)
+        packed = pack_weights(spec, weights)
+        xr = x.clone().requires_grad_(True)
+
+        def gemm_path():
+            out = radial_mlp.radial_mlp(xr, weights, last_act=True)
+            torch.autograd.grad(out, xr, g)
+
+        def fused_path():
+            out = autograd.silu_mlp(key, xr, packed, "cuda")
+            torch.autograd.grad(out, xr, g)
+
+        cuda = autograd._cuda(key, x)
+        rows = {"GEMM + SiLU, fwd + d x": gemm_path, "fused, fwd + d x": fused_path,
+                "fused forward kernel": lambda: cuda.forward(x, packed),
+                "fused backward kernel": lambda: cuda.backward(x, packed, g)}
+        real = 8 if dtype == torch.float64 else 4
+        for name, fn in rows.items():
+            ms = time_calls(fn, "cuda", 3, args.repeats).median_ms
+            print(f"{str(dtype)[6:]:8s} {args.edges} edges {name:24s} {ms:7.3f} ms", flush=True)
+        flops = 2 * args.edges * macs * 3  # forward; the backward: recompute, back-propagate
+        moved = args.edges * (2 * widths[0] + 2 * widths[-1]) * real
+        print(f"   fused: {flops / 1e9:.1f} GFLOP, {moved / 1e6:.0f} MB through memory",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
