@@ -140,15 +140,9 @@ class MACEAccelCalculator(Calculator):
         want_stress = stress_ok and (self.compute_stress or "stress" in properties)
 
         t_checked = time.perf_counter()
-        # the neighbour list's reuse is checked on the device and read back with the results
-        # (one synchronisation a step); a stale list, rare, costs a rebuild and a second call
-        for attempt in range(2):
-            batch = self._resident.batch(atoms, defer_check=attempt == 0 and not new_topology)
-            t_listed = time.perf_counter()
-            results, shortest, stale = self._call(batch, len(atoms), want_stress)
-            if not stale:
-                break
-            self._resident.rebuild_next()
+        batch = self._resident.batch(atoms)
+        t_listed = time.perf_counter()
+        results, shortest = self._call(batch, len(atoms), want_stress)
         if not new_topology and self.min_distance and shortest < self.min_distance:
             validate_atoms(atoms, self.info, min_distance=self.min_distance)  # says who
         self.results = results
@@ -170,38 +164,31 @@ class MACEAccelCalculator(Calculator):
         return self._stress_ok
 
     def _call(self, batch: Dict[str, torch.Tensor], n_atoms: int, want_stress: bool
-              ) -> Tuple[dict, float, bool]:
+              ) -> Tuple[dict, float]:
         """One model call (a graph replay, or eager), its results copied to the host at once
-        with the shortest interatomic distance and the deferred neighbour-list verdict.
+        with the shortest interatomic distance.
 
         Returns:
-            ``(ASE results, shortest distance in Å, whether the neighbour list was stale)``.
+            ``(ASE results, shortest distance in Å)``.
         """
-        stale = self._resident.stale
         if self._graphed is not None:
             out = self._graphed(batch, compute_stress=want_stress)
-            flat, was_stale = self._fetch(out["packed"], stale)
-            packed, shortest = unpack(flat, n_atoms, out["n_pad"], want_stress)
-            return _ase_results(packed, want_stress), shortest, was_stale
+            packed, shortest = unpack(self._fetch(out["packed"]), n_atoms, out["n_pad"],
+                                      want_stress)
+            return _ase_results(packed, want_stress), shortest
         out = evaluate_model(self.model, batch, want_stress)
-        extra = [self._resident.shortest_distance(batch)]
-        if stale is not None:
-            extra.append(stale)
-        results, values = _results(out, n_atoms, want_stress, extra)
-        return results, float(values[0]), stale is not None and bool(values[1])
+        results, values = _results(out, n_atoms, want_stress,
+                                   [self._resident.shortest_distance(batch)])
+        return results, float(values[0])
 
-    def _fetch(self, packed: torch.Tensor, stale: Optional[torch.Tensor]
-               ) -> Tuple[np.ndarray, bool]:
-        """``packed`` (and the 0-dim ``stale`` flag) to pinned host memory, then one wait."""
+    def _fetch(self, packed: torch.Tensor) -> np.ndarray:
+        """``packed`` to pinned host memory, then one wait."""
         size = int(packed.numel())
-        if self._host is None or self._host.numel() < size + 1:
-            self._host = torch.empty(size + 1, dtype=torch.float64, pin_memory=True)
+        if self._host is None or self._host.numel() < size:
+            self._host = torch.empty(size, dtype=torch.float64, pin_memory=True)
         self._host[:size].copy_(packed, non_blocking=True)
-        if stale is not None:
-            self._host[size:size + 1].copy_(stale.reshape(1), non_blocking=True)
         torch.cuda.current_stream(packed.device).synchronize()
-        host = self._host.numpy()
-        return host[:size], stale is not None and bool(host[size])
+        return self._host.numpy()[:size]
 
 
 @dataclasses.dataclass

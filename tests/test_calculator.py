@@ -268,9 +268,10 @@ def test_resident_steps_match_a_fresh_calculator(model_file, skin):
     assert builds == (4 if skin == 0 else 2)  # skin: the first list and the cell change
 
 
-def test_deferred_list_check_catches_a_large_move(model_file):
-    """The list's reuse is decided on the device and read back with the results: a move of
-    more than half the skin makes that call stale; it rebuilds and gives the fresh result."""
+def test_list_reuse_check_catches_a_large_move(model_file):
+    """The list's reuse is decided on the host from the float64 positions: a move of more than
+    half the skin rebuilds it before the call, which gives the fresh result; a cell change
+    rebuilds too."""
     calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64", skin=0.4)
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
     atoms.calc = calc
@@ -281,6 +282,12 @@ def test_deferred_list_check_catches_a_large_move(model_file):
     atoms.positions[3] += [0.25, 0.0, 0.0]  # beyond: stale, rebuilt within the same call
     forces = atoms.get_forces()
     assert calc._resident.neighbours.n_builds == 2
+    atoms.set_cell(atoms.cell.array * 1.001, scale_atoms=False)
+    atoms.get_forces()
+    assert calc._resident.neighbours.n_builds == 3
+    atoms.positions[3] += [0.05, 0.0, 0.0]
+    forces = atoms.get_forces()
+    assert calc._resident.neighbours.n_builds == 3
     fresh = atoms.copy()
     fresh.calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64",
                                      verify=False)

@@ -310,8 +310,8 @@ class VerletNeighbourList:
         """Forget the list: the next :meth:`update` rebuilds."""
         self._reference = self._cell = self._pbc = self._edges = self._cell_source = None
 
-    def update(self, positions: Tensor, cell: Tensor, pbc: Pbc,
-               defer: bool = False) -> Tuple[Tensor, Tensor, Union[bool, Tensor]]:
+    def update(self, positions: Tensor, cell: Tensor, pbc: Pbc, defer: bool = False,
+               known_within_skin: bool = False) -> Tuple[Tensor, Tensor, Union[bool, Tensor]]:
         """The list for the current geometry, rebuilt only if needed.
 
         Args:
@@ -323,6 +323,10 @@ class VerletNeighbourList:
                 that is True if it may NOT be (the caller reads it with its own results, and
                 if True calls :meth:`reset` and updates again). Saves one synchronisation a
                 step.
+            known_within_skin: the caller has checked (on the host, from the same float64
+                positions) that no atom moved more than ``skin / 2`` since the last build and
+                that the cell is the one it was built for: reuse the list without a device
+                check (the layout is still checked).
 
         Returns:
             ``(edge_index [2, E] int64, unit_shifts [E, 3], rebuilt)`` on positions' device,
@@ -337,6 +341,9 @@ class VerletNeighbourList:
         _check_positions_shape(positions)
         pbc = _check_pbc(pbc)
         if self._same_layout(positions, cell, pbc):
+            if known_within_skin:
+                edge_index, unit_shifts = self._edges
+                return edge_index, unit_shifts, False
             if defer and positions.shape[0]:
                 return (*self._edges, self._stale(positions, cell))
             if self._can_reuse(positions, cell):

@@ -67,20 +67,20 @@ class ResidentBatch:
         self._edges: Optional[Tuple] = None
         # positions on the host (pinned on a GPU: an asynchronous copy) and on the device
         self._staging: Optional[Tuple[Tensor, Tensor]] = None
-        self.stale: Optional[Tensor] = None
+        # positions and cell (float64, host) the neighbour list was last built for
+        self._built_for: Optional[Tuple[np.ndarray, np.ndarray]] = None
 
     @staticmethod
     def topology(atoms) -> Tuple:
         """What forces a new template: atomic numbers and periodicity (and so the atom count)."""
         return (np.asarray(atoms.numbers).tobytes(), tuple(bool(p) for p in atoms.pbc))
 
-    def batch(self, atoms, defer_check: bool = False) -> Dict[str, Tensor]:
+    def batch(self, atoms) -> Dict[str, Tensor]:
         """The batch dict for ``atoms`` (validated by the caller).
 
-        With ``defer_check``, a neighbour list that may be reused is reused without waiting for
-        the device's verdict; :attr:`stale` then holds it (a 0-dim bool tensor on the device,
-        None if nothing was deferred): if it reads True, the caller discards what it computed
-        from this batch, calls :meth:`rebuild_next` and asks again."""
+        Whether the neighbour list may be reused is decided on the host, from the same float64
+        positions the device gets (an O(N) numpy pass, no synchronisation); a list that may not
+        is rebuilt on the device before the batch is returned."""
         topology = self.topology(atoms)
         if self._template is None or topology != self._topology:
             self._template = atoms_to_batch(atoms, self.info, head=self.head, dtype=self.dtype,
@@ -90,14 +90,18 @@ class ResidentBatch:
             self._staging = None
             self.n_templates += 1
         out = dict(self._template)
-        positions64 = self._positions_to_device(atoms)
+        positions = np.ascontiguousarray(atoms.positions, dtype=np.float64)
+        positions64 = self._positions_to_device(positions)
         cell_np = np.ascontiguousarray(atoms.cell.array, dtype=np.float64)
         if self._cell is None or not np.array_equal(cell_np, self._cell[0]):
             self._cell = (cell_np.copy(), self._cell_fields(cell_np))
         cell64 = self._cell[1]["cell64"]
-        edge_index, unit_shifts, rebuilt = self.neighbours.update(
-            positions64, cell64, tuple(bool(p) for p in atoms.pbc), defer=defer_check)
-        self.stale = rebuilt if torch.is_tensor(rebuilt) else None
+        within = self._within_skin(positions, cell_np)
+        builds = self.neighbours.n_builds
+        edge_index, unit_shifts, _ = self.neighbours.update(
+            positions64, cell64, tuple(bool(p) for p in atoms.pbc), known_within_skin=within)
+        if self.neighbours.n_builds != builds:
+            self._built_for = (positions.copy(), cell_np.copy())
         if not self.exact_skin and self.skin > 0:
             edge_index, unit_shifts = within_cutoff(positions64, cell64, edge_index,
                                                     unit_shifts, self.info.r_max)
@@ -114,15 +118,24 @@ class ResidentBatch:
         out["positions"] = positions64.to(self.dtype)
         return out
 
-    def rebuild_next(self) -> None:
-        """Make the next :meth:`batch` build a new neighbour list (a deferred check failed)."""
+    def _within_skin(self, positions: np.ndarray, cell: np.ndarray) -> bool:
+        """True if the list was built for this cell and atom count and no atom has moved more
+        than ``skin / 2`` since (NaN counts as moved); else the list is dropped (rebuilt)."""
+        built = self._built_for
+        if built is None or self.skin == 0.0 or built[0].shape != positions.shape \
+                or not np.array_equal(built[1], cell):
+            self.neighbours.reset()
+            return False
+        delta = positions - built[0]
+        moved = np.einsum("ij,ij->i", delta, delta).max(initial=0.0)
+        if moved <= (0.5 * self.skin) ** 2:
+            return True
         self.neighbours.reset()
-        self.stale = None
+        return False
 
-    def _positions_to_device(self, atoms) -> Tensor:
+    def _positions_to_device(self, positions: np.ndarray) -> Tensor:
         """``[N, 3]`` float64 positions on the device, copied through a pinned host buffer (the
         caller's results copy, later in the step, orders it before the next overwrite)."""
-        positions = np.asarray(atoms.positions, dtype=np.float64)
         if self.device.type != "cuda":
             return torch.from_numpy(np.ascontiguousarray(positions)).to(self.device)
         if self._staging is None or self._staging[0].shape != positions.shape:
