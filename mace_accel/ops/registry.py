@@ -45,3 +45,9 @@ def cached(cache_key: Tuple, build: Callable[[], Any]) -> Any:
             if value is None:
                 value = _CACHE[cache_key] = build()
     return value
+
+
+def kernels_for(key: str, t: Any, factory: Callable[[Any, Any, Any], Any]) -> Any:
+    """``factory(spec, dtype, device)`` of the spec under ``key`` for ``t``'s dtype and device,
+    built once (a family's compiled kernels)."""
+    return cached((key, t.dtype, t.device), lambda: factory(lookup(key), t.dtype, t.device))

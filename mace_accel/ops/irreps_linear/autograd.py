@@ -35,8 +35,7 @@ def register_spec(spec: LinearSpec) -> str:
 def _cuda(key: str, t: Tensor):
     from mace_accel.ops.irreps_linear.cuda import CudaIrrepsLinear
 
-    return registry.cached((key, t.dtype, t.device),
-                           lambda: CudaIrrepsLinear(registry.lookup(key), t.dtype, t.device))
+    return registry.kernels_for(key, t, CudaIrrepsLinear)
 
 
 def reference(spec: LinearSpec, x: Tensor, w: Tensor, elem: Tensor) -> Tensor:

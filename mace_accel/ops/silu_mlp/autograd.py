@@ -30,8 +30,7 @@ def register_spec(spec: SiluMLPSpec) -> str:
 def _cuda(key: str, t: Tensor):
     from mace_accel.ops.silu_mlp.cuda import CudaSiluMLP
 
-    return registry.cached((key, t.dtype, t.device),
-                           lambda: CudaSiluMLP(registry.lookup(key), t.dtype, t.device))
+    return registry.kernels_for(key, t, CudaSiluMLP)
 
 
 def reference(spec: SiluMLPSpec, x: Tensor, w: Tensor) -> Tensor:

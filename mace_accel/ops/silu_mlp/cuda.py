@@ -4,7 +4,7 @@ can be captured in a CUDA graph)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -33,8 +33,15 @@ class CudaSiluMLP:
         self.device = kernel_device(dtype, device)
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.plan = codegen.plan_kernels(spec, dtype_name(dtype), device_limits(self.device).arch)
-        self._forward: Optional[Kernel] = None
-        self._backward: Optional[Kernel] = None
+        self._loaded: List[Optional[Kernel]] = [None, None]  # forward, backward
+
+    def _kernel(self, which: int) -> Kernel:
+        """The forward (0) or backward (1) kernel, compiled and loaded on first use."""
+        if self._loaded[which] is None:
+            render = (codegen.render_forward, codegen.render_backward)[which]
+            self._loaded[which] = Kernel(render(self.plan), codegen.kernel_names(self.plan)[which],
+                                         self.device, self.plan.arch)
+        return self._loaded[which]
 
     def _check(self, x: Tensor, w: Tensor) -> int:
         s = self.spec
@@ -49,17 +56,14 @@ class CudaSiluMLP:
         return n
 
     def forward(self, x: Tensor, w: Tensor) -> Tensor:
-        """``[E, h_L]`` of ``x [E, h0]`` and the packed weights ``w`` (:func:`~.spec.pack_weights`)."""
+        """``[E, h_L]`` of ``x [E, h0]`` and the packed weights ``w``
+        (:func:`~.spec.pack_weights`)."""
         n = self._check(x, w)
         out = torch.empty((n, self.spec.widths[-1]), dtype=self.dtype, device=self.device)
         if n == 0:
             return out
-        if self._forward is None:
-            self._forward = Kernel(codegen.render_forward(self.plan),
-                                   codegen.kernel_names(self.plan)[0], self.device,
-                                   self.plan.arch)
-        self._forward.launch(self.plan.grid(n, self.sms), self.plan.threads,
-                             (ptr(x), ptr(w), ptr(out), i32(n)))
+        self._kernel(0).launch(self.plan.grid(n, self.sms), self.plan.threads,
+                               (ptr(x), ptr(w), ptr(out), i32(n)))
         return out
 
     def backward(self, x: Tensor, w: Tensor, g: Tensor) -> Tensor:
@@ -70,10 +74,6 @@ class CudaSiluMLP:
         gx = torch.empty_like(x)
         if n == 0:
             return gx
-        if self._backward is None:
-            self._backward = Kernel(codegen.render_backward(self.plan),
-                                    codegen.kernel_names(self.plan)[1], self.device,
-                                    self.plan.arch)
-        self._backward.launch(self.plan.grid(n, self.sms), self.plan.threads,
-                              (ptr(x), ptr(w), ptr(g), ptr(gx), i32(n)))
+        self._kernel(1).launch(self.plan.grid(n, self.sms), self.plan.threads,
+                               (ptr(x), ptr(w), ptr(g), ptr(gx), i32(n)))
         return gx

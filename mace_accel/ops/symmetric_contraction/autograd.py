@@ -43,9 +43,7 @@ def register_spec(spec: SCSpec) -> str:
 def _cuda(key: str, t: Tensor):
     from mace_accel.ops.symmetric_contraction.cuda import CudaSymmetricContraction
 
-    return registry.cached((key, t.dtype, t.device),
-                           lambda: CudaSymmetricContraction(registry.lookup(key), t.dtype,
-                                                            t.device))
+    return registry.kernels_for(key, t, CudaSymmetricContraction)
 
 
 def _empty(like: Tensor) -> Tensor:
