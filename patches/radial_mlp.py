@@ -21,10 +21,15 @@ from mace_accel.options import AccelOptions
 from mace_accel.patches.adopt import FusedModule
 
 PART = "radial_mlp"
-# dtypes whose hidden layers run in the fused kernels. float64 stays with the GEMM path: its
-# GEMMs run on the tensor cores (DMMA) while the fused kernel's FMAs do not, and it measured
-# slower (H100, 539k edges, MP-medium widths: fused 3.12 ms vs 2.37 ms forward + d x).
+# When the hidden layers run in the fused kernels (scripts/bench_silu_mlp.py on an H100,
+# MP-medium widths, forward + d x inside a CUDA graph). float32 from FUSED_MIN_EDGES edges:
+# below it the GEMM path is faster (21k edges 0.076 vs 0.089 ms, 44k 0.130 vs 0.137 ms: too few
+# tiles per SM to amortise loading the weights into L1), above it the fused one (87k 0.265 vs
+# 0.246 ms, 539k 1.471 vs 1.344 ms) and it keeps nothing for the backward. float64 keeps the
+# GEMM path at every size: cuBLAS runs its GEMMs on the tensor cores (DMMA), the fused kernels
+# on the FMA units (539k edges: 2.35 vs 3.05 ms).
 FUSED_DTYPES = (torch.float32,)
+FUSED_MIN_EDGES = 65536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +42,9 @@ class RadialMLPSpec:
     def describe(self, folded: bool = False) -> str:
         head = f"MLP {'->'.join(map(str, self.hs))} (SiLU), constants folded; "
         if len(self.hs) > 2 and max(self.hs[:-1]) <= MAX_WIDTH:
-            head += ("hidden layers in one fused kernel per pass on CUDA in float32 (forward "
-                     "recomputed in the backward; float64 and training: GEMMs + SiLU); ")
+            head += (f"hidden layers in one fused kernel per pass on CUDA in float32 from "
+                     f"{FUSED_MIN_EDGES} edges (forward recomputed in the backward; fewer edges, "
+                     "float64 and training: GEMMs + SiLU); ")
         if folded:
             return head + (f"last layer folded into the conv (it takes the hidden [E, "
                            f"{self.hs[-2]}]; the TP weights [E, {self.hs[-1]}] are recomputed "
@@ -153,10 +159,12 @@ class FusedRadialMLP(FusedModule):
     # -- the hidden layers in one kernel per pass (CUDA backend, inference) ---------------------
     def _fused_hidden(self, x: torch.Tensor) -> bool:
         """The CUDA kernels of :mod:`mace_accel.ops.silu_mlp` run the hidden layers when the
-        backend is CUDA and no weight gradient is asked for (training keeps the GEMM path,
-        whose weight gradients are GEMMs too)."""
+        backend is CUDA, the dtype and edge count are where they measured faster
+        (:data:`FUSED_DTYPES`, :data:`FUSED_MIN_EDGES`) and no weight gradient is asked for
+        (training keeps the GEMM path, whose weight gradients are GEMMs too)."""
         if self.backend != "cuda" or not x.is_cuda or x.dtype not in FUSED_DTYPES \
-                or len(self.hs) < 3 or max(self.hs[:-1]) > MAX_WIDTH:
+                or x.shape[0] < FUSED_MIN_EDGES or len(self.hs) < 3 \
+                or max(self.hs[:-1]) > MAX_WIDTH:
             return False
         return not (torch.is_grad_enabled() and any(w.requires_grad
                                                     for w in self._raw_weights()))

@@ -49,6 +49,25 @@ def test_patched_matches_unpatched(arch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_radial_mlp_hidden_layers_match_unpatched(dtype, monkeypatch):
+    """The radial MLP's hidden layers in the fused SiLU MLP kernels at any edge count and dtype
+    (the model uses them only from FUSED_MIN_EDGES edges, in float32)."""
+    from mace_accel.ops.silu_mlp import autograd as silu_mlp_autograd
+    from mace_accel.patches import radial_mlp as radial_patch
+
+    monkeypatch.setattr(radial_patch, "FUSED_MIN_EDGES", 0)
+    monkeypatch.setattr(radial_patch, "FUSED_DTYPES", (torch.float32, torch.float64))
+    calls = []
+    real = silu_mlp_autograd.silu_mlp
+    monkeypatch.setattr(silu_mlp_autograd, "silu_mlp",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = build_architecture("mp-medium", dtype=dtype, device="cuda")
+    mace_accel.accelerate(model, backend="cuda", verify=False)
+    _assert_matches_unpatched(model, dtype)
+    assert len(calls) == 2  # both interaction blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_recomputed_tp_weights_in_small_chunks_match_unpatched(dtype, monkeypatch):
     """The radial MLP's last layer folded into the conv, weights recomputed chunk by chunk."""
     from mace_accel.ops.conv_tp import folded
