@@ -62,6 +62,8 @@ def test_fused_radial_mlp_hidden_layers_match_unpatched(dtype, monkeypatch):
     monkeypatch.setattr(silu_mlp_autograd, "silu_mlp",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     model = build_architecture("mp-medium", dtype=dtype, device="cuda")
+    for p in model.parameters():  # inference: no weight gradients (training keeps the GEMMs)
+        p.requires_grad_(False)
     mace_accel.accelerate(model, backend="cuda", verify=False)
     _assert_matches_unpatched(model, dtype)
     assert len(calls) == 2  # both interaction blocks
