@@ -21,6 +21,7 @@ from mace_accel.options import AccelOptions
 from mace_accel.ops.irreps_linear.spec import linear_spec, skip_reason, skip_spec
 from mace_accel.patches.conv_tp import FusedConvTP
 from mace_accel.patches.fold import fold_reason
+from mace_accel.patches.layout import FusedReshapeIrreps, reshape_reason
 from mace_accel.patches.linears import FusedLinear, FusedSkip, linear_reason
 from mace_accel.patches.radial_mlp import PART as RADIAL
 from mace_accel.patches.radial_mlp import FusedRadialMLP
@@ -56,8 +57,9 @@ class InteractionBlockPatch(SubmodulePatch):
         conv, radial = self._plan_conv(module, options), self._plan_radial(module, options)
         if conv.reason is None and radial.reason is None:
             _fold(module, options, conv, radial)
-        return [conv, radial, plan_linears(module, ("linear_up", "linear"), options),
-                self._plan_skip(module, options)]
+        linears = plan_linears(module, ("linear_up", "linear"), options)
+        _plan_reshape(module, linears, options)
+        return [conv, radial, linears, self._plan_skip(module, options)]
 
     def _plan_skip(self, module: torch.nn.Module, options: AccelOptions) -> PartPlan:
         skip = getattr(module, "skip_tp", None)
@@ -138,6 +140,20 @@ def _fold(module: torch.nn.Module, options: AccelOptions, conv: PartPlan,
     radial.detail = radial_spec.describe(folded=True)
     conv.children = {"conv_tp": lambda: FusedConvTP(tp, conv_spec, options, radial=make_radial())}
     conv.detail += "; the radial MLP's last layer folded in"
+
+
+def _plan_reshape(module: torch.nn.Module, linears: PartPlan, options: AccelOptions) -> None:
+    """The block's ``reshape`` (mace's ``reshape_irreps``) joins the ``linears`` part as one
+    gather (:mod:`mace_accel.patches.layout`) when the part is fused; the detail says which."""
+    reshape = getattr(module, "reshape", None)
+    if linears.reason is not None or not isinstance(reshape, torch.nn.Module):
+        return
+    reason = reshape_reason(reshape)
+    if reason is not None:
+        linears.detail += f"; reshape left: {reason}"
+        return
+    linears.children["reshape"] = lambda: FusedReshapeIrreps(reshape, options)
+    linears.detail += f"; reshape: {FusedReshapeIrreps.describe_shape(reshape)}"
 
 
 def plan_linears(module: torch.nn.Module, names, options: AccelOptions) -> PartPlan:
