@@ -147,11 +147,11 @@ class FusedRadialMLP(FusedModule):
         if x.dim() != 2 or x.shape[1] != self.hs[0]:
             raise InputError(f"edge_feats must have shape [n_edges, {self.hs[0]}] for the "
                              f"radial MLP, got {tuple(x.shape)}")
-        weights = self._weights(x.dtype)
         if self._fused_hidden(x):
             hidden = silu_mlp_autograd.silu_mlp(self._hidden_key(), x, self._packed(x.dtype),
                                                 self.backend)
-            return hidden if self.fold_last else torch.mm(hidden, weights[-1])
+            return hidden if self.fold_last else torch.mm(hidden, self.last_weight(x.dtype))
+        weights = self._weights(x.dtype)
         if self.fold_last:
             return radial_mlp.radial_mlp(x, weights[:-1], last_act=True)
         return radial_mlp.radial_mlp(x, weights)

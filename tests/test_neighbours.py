@@ -225,17 +225,17 @@ def test_verlet_list_rebuilds_when_the_system_changes():
 
 
 def test_verlet_list_notices_a_cell_changed_in_place():
-    """The cell object of the last build, unmodified, skips the comparison; the same object
-    changed in place (its version moves) is compared and rebuilds, deferred or not."""
+    """The list keeps its own copy of the cell: the caller's cell tensor changed in place
+    rebuilds; a caller's host verdict reuses without a device check."""
     atoms, cutoff = CASES["fcc-supercell"]
     pos, cell, pbc = _geometry(atoms)
     nl = VerletNeighbourList(cutoff, skin=0.5)
     nl.update(pos, cell, pbc)
     assert not nl.update(pos, cell, pbc)[2]
-    assert not bool(nl.update(pos, cell, pbc, defer=True)[2])
     cell[0, 1] += 1e-9
-    assert bool(nl.update(pos, cell, pbc, defer=True)[2])
     assert nl.update(pos, cell, pbc)[2] and nl.n_builds == 2
+    assert not nl.update(pos + 1.0, cell, pbc, known_within_skin=True)[2]
+    assert nl.n_builds == 2
 
 
 def test_verlet_list_on_a_molecule_and_a_slab():

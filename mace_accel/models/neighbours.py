@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -300,29 +300,21 @@ class VerletNeighbourList:
         self._calculator = None  # vesin NeighborList at cutoff + skin, made on first build
         self._reference: Optional[Tensor] = None  # positions at the last build, detached
         self._cell: Optional[Tensor] = None  # cell at the last build, as given, detached
-        # the cell tensor object the last build was given, and its version: the same object
-        # unmodified needs no comparison on the device
-        self._cell_source: Optional[Tuple[Tensor, int]] = None
         self._pbc: Optional[Pbc] = None
         self._edges: Optional[Tuple[Tensor, Tensor]] = None
 
     def reset(self) -> None:
         """Forget the list: the next :meth:`update` rebuilds."""
-        self._reference = self._cell = self._pbc = self._edges = self._cell_source = None
+        self._reference = self._cell = self._pbc = self._edges = None
 
-    def update(self, positions: Tensor, cell: Tensor, pbc: Pbc, defer: bool = False,
-               known_within_skin: bool = False) -> Tuple[Tensor, Tensor, Union[bool, Tensor]]:
+    def update(self, positions: Tensor, cell: Tensor, pbc: Pbc,
+               known_within_skin: bool = False) -> Tuple[Tensor, Tensor, bool]:
         """The list for the current geometry, rebuilt only if needed.
 
         Args:
             positions: ``[N, 3]`` floating, CPU or CUDA.
             cell: ``[3, 3]`` rows are the cell vectors.
             pbc: periodicity along a, b, c.
-            defer: do not wait for the device to decide whether the last list may be reused:
-                reuse it and return, as the third element, a 0-dim bool tensor on the device
-                that is True if it may NOT be (the caller reads it with its own results, and
-                if True calls :meth:`reset` and updates again). Saves one synchronisation a
-                step.
             known_within_skin: the caller has checked (on the host, from the same float64
                 positions) that no atom moved more than ``skin / 2`` since the last build and
                 that the cell is the one it was built for: reuse the list without a device
@@ -330,8 +322,7 @@ class VerletNeighbourList:
 
         Returns:
             ``(edge_index [2, E] int64, unit_shifts [E, 3], rebuilt)`` on positions' device,
-            as :func:`neighbour_list` at ``cutoff + skin``; with ``defer`` and a list to reuse,
-            ``rebuilt`` is the deferred verdict tensor described above. A reused list returns
+            as :func:`neighbour_list` at ``cutoff + skin``. A reused list returns
             the very same tensor objects as the call that built it (callers may cache what
             they derive from them; they must not modify them in place).
 
@@ -344,8 +335,6 @@ class VerletNeighbourList:
             if known_within_skin:
                 edge_index, unit_shifts = self._edges
                 return edge_index, unit_shifts, False
-            if defer and positions.shape[0]:
-                return (*self._edges, self._stale(positions, cell))
             if self._can_reuse(positions, cell):
                 edge_index, unit_shifts = self._edges
                 return edge_index, unit_shifts, False
@@ -364,7 +353,6 @@ class VerletNeighbourList:
             edges = _compute(self._calculator, positions, cell64, pbc)
         self._reference = positions.detach().clone()
         self._cell = torch.as_tensor(cell).detach().clone()
-        self._cell_source = (cell, cell._version) if torch.is_tensor(cell) else None
         self._pbc = pbc
         self._edges = edges
         self.n_builds += 1
@@ -388,9 +376,6 @@ class VerletNeighbourList:
         the cell changed (NaN positions count as moved)."""
         moved = (positions.detach() - self._reference).square().sum(dim=1).amax()
         stale = ~(moved <= (0.5 * self.skin) ** 2)
-        source = self._cell_source
-        if source is not None and cell is source[0] and cell._version == source[1]:
-            return stale
         cell = torch.as_tensor(cell)
         if cell.device == positions.device:
             return stale | (cell.detach() != self._cell).any()

@@ -96,11 +96,10 @@ class ResidentBatch:
         if self._cell is None or not np.array_equal(cell_np, self._cell[0]):
             self._cell = (cell_np.copy(), self._cell_fields(cell_np))
         cell64 = self._cell[1]["cell64"]
-        within = self._within_skin(positions, cell_np)
-        builds = self.neighbours.n_builds
-        edge_index, unit_shifts, _ = self.neighbours.update(
-            positions64, cell64, tuple(bool(p) for p in atoms.pbc), known_within_skin=within)
-        if self.neighbours.n_builds != builds:
+        edge_index, unit_shifts, rebuilt = self.neighbours.update(
+            positions64, cell64, tuple(bool(p) for p in atoms.pbc),
+            known_within_skin=self._within_skin(positions, cell_np))
+        if rebuilt:
             self._built_for = (positions.copy(), cell_np.copy())
         if not self.exact_skin and self.skin > 0:
             edge_index, unit_shifts = within_cutoff(positions64, cell64, edge_index,
@@ -137,7 +136,7 @@ class ResidentBatch:
         """``[N, 3]`` float64 positions on the device, copied through a pinned host buffer (the
         caller's results copy, later in the step, orders it before the next overwrite)."""
         if self.device.type != "cuda":
-            return torch.from_numpy(np.ascontiguousarray(positions)).to(self.device)
+            return torch.from_numpy(positions).to(self.device)
         if self._staging is None or self._staging[0].shape != positions.shape:
             host = torch.empty(positions.shape, dtype=torch.float64, pin_memory=True)
             self._staging = (host, torch.empty_like(host, device=self.device))
