@@ -5,7 +5,9 @@
 
 Per backend: the call's median time (CUDA events, after warm-up), then one profiled call: its
 kernels grouped by family (cuBLAS GEMM, our generated kernels by name, torch elementwise /
-reduction / indexing) and the ``--top`` kernels by self CUDA time.
+reduction / indexing) and the ``--top`` kernels by self CUDA time. ``--ops N`` also lists the N
+(op, origin) pairs that launch most of torch's own kernels (the glue between ours): the origin
+is the autograd node for the backward, else the innermost mace-accel / mace source line.
 """
 
 from __future__ import annotations
@@ -41,7 +43,45 @@ def family(name: str) -> str:
     return "other"
 
 
-def table(backend: str, model, batch: Dict[str, torch.Tensor], top: int) -> None:
+def _origin(event) -> str:
+    """The autograd node or the innermost mace-accel / mace frame ``event`` runs under."""
+    node = event
+    while node is not None:
+        if node.name.startswith("autograd::engine::evaluate_function: "):
+            return node.name.split(": ", 1)[1]
+        for frame in node.stack or ():
+            if "mace_accel" in frame or "/patches/" in frame or "/mace/" in frame:
+                return frame.rsplit("/", 1)[-1][:70]
+        node = node.cpu_parent
+    return "?"
+
+
+def glue_table(model_call, ops: int) -> None:
+    """The ``ops`` (op, origin) pairs that launch most torch kernels in one call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        model_call()
+        torch.cuda.synchronize()
+    counts: Dict[Tuple[str, str], List[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.kernels:
+            continue
+        torch_kernels = [k for k in e.kernels if family(k.name) not in
+                         ("GEMM (cuBLAS)", "conv (ours)", "symmetric contraction (ours)",
+                          "edge features (ours)", "other generated (ours)")]
+        if not torch_kernels:
+            continue
+        c = counts[(e.name, _origin(e))]
+        c[0] += len(torch_kernels)
+        c[1] += sum(k.duration for k in torch_kernels) / 1e3
+    total = sum(c[0] for c in counts.values())
+    print(f"   -- torch glue: {total} kernels; by op and origin")
+    for (name, origin), (n, ms) in sorted(counts.items(), key=lambda kv: -kv[1][0])[:ops]:
+        print(f"   {n:4d} kernels {ms:7.3f} ms  {name[:34]:34s} {origin}")
+
+
+def table(backend: str, model, batch: Dict[str, torch.Tensor], top: int, ops: int = 0) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     def call():
@@ -72,6 +112,8 @@ def table(backend: str, model, batch: Dict[str, torch.Tensor], top: int) -> None
     print("   -- top kernels")
     for name, (ms, count) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"   {ms:8.3f} ms {count:4d}x  {name[:110]}")
+    if ops:
+        glue_table(call, ops)
 
 
 def main() -> None:
@@ -81,6 +123,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--backends", default="mace-accel,cueq")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--ops", type=int, default=0,
+                        help="also list the N ops launching most torch kernels, with origin")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     device = torch.device("cuda")
@@ -93,7 +137,7 @@ def main() -> None:
         if not prepared.ok:
             print(f"== {backend}: {prepared.status}")
             continue
-        table(prepared.name, prepared.model, batch, args.top)
+        table(prepared.name, prepared.model, batch, args.top, args.ops)
         del prepared
         torch.cuda.empty_cache()
 

@@ -131,6 +131,19 @@ def test_plan_fits_the_static_shared_memory(name):
     for spec in (CATALOG[name], CATALOG[name].transposed()):
         for dtype, size in (("float32", 4), ("float64", 8)):
             plan = codegen.plan_kernel(spec, dtype)
-            assert plan.tile_nodes * plan.max_block * size <= codegen.TILE_BYTES or \
-                plan.tile_nodes == 1
-            assert plan.grid(10**6)[1] == len(spec.out_blocks)
+            assert plan.buffer * size <= 48 * 1024
+            assert plan.tile_nodes % plan.vec_width == 0 and plan.threads % 32 == 0
+            for blk in plan.out_blocks:
+                for ins in blk["instructions"]:
+                    assert plan.tile_nodes * ins["chunk"] * blk["d"] <= plan.buffer
+            assert plan.k_split * plan.tile_nodes * max(b["d"] for b in plan.out_blocks) * 32 \
+                <= plan.buffer
+            grid = plan.grid(10**6)
+            assert grid[1] == len(spec.out_blocks)
+            assert grid[2] * 32 * plan.v_tile >= max(b.mul for b in spec.out_blocks)
+
+
+def test_wide_blocks_are_staged_in_chunks():
+    plan = codegen.plan_kernel(CATALOG["wide"], "float64")  # the GPU tests run this one
+    (first,) = plan.out_blocks[0]["instructions"]
+    assert first["chunk"] < 384 and plan.buffer * 8 <= codegen.TILE_BYTES

@@ -5,22 +5,33 @@ transposed spec, so one template serves every pass."""
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+from typing import List, Optional
 
 from mace_accel.ops.irreps_linear.spec import LinearSpec
 from mace_accel.ops.limits import WARP
 from mace_accel.ops.templates import RealType, render
 
-# static shared memory per block for the staged input tile (below the 48 KB static limit)
-TILE_BYTES = 24 * 1024
-MAX_TILE_NODES = 8
-MAX_THREADS = 128
+# static shared memory per block (limit 48 KB): the staged input tile, then the warps' partial
+# sums (one buffer)
+TILE_BYTES = 32 * 1024
+STATIC_SHARED = 48 * 1024
+# default geometry, measured on an H100 (scripts/bench_irreps_linear.py, MACE-MP maps at 280 and
+# 6,912 nodes): 4 nodes per tile, 2 output channels per thread where the blocks are wide
+TILE_NODES = 4
+# warps splitting the input channels of a block (each warp takes every KS-th u)
+MAX_K_SPLIT = 4
+# global loads each thread has in flight while staging a tile
+MAX_BATCH = 8
+LANES = WARP
 
 
 @dataclasses.dataclass(frozen=True)
 class LinearPlan(RealType):
-    """Kernel geometry: ``tile_nodes`` nodes per block pass, ``threads`` output channels in
-    flight, blocks of the output with their instructions (dicts the template prints)."""
+    """Kernel geometry: ``tile_nodes`` nodes per block pass (a multiple of ``vec_width``, the
+    nodes one vector load of the staged tile holds), ``k_split`` warps per block sharing the sum
+    over input channels, ``v_tile`` output channels per thread (32 * v_tile per block), blocks
+    of the output with their instructions (dicts the template prints), ``buffer`` shared-memory
+    elements."""
 
     spec_key: str
     dtype: str
@@ -29,34 +40,75 @@ class LinearPlan(RealType):
     dim_out: int
     indexed: bool
     tile_nodes: int
-    threads: int
-    max_block: int
+    k_split: int
+    v_tile: int
+    buffer: int
     out_blocks: tuple
 
+    @property
+    def threads(self) -> int:
+        return LANES * self.k_split
+
+    @property
+    def vec_width(self) -> int:
+        return 2 if self.dtype == "float64" else 4
+
+    @property
+    def vec(self) -> str:
+        return "double2" if self.dtype == "float64" else "float4"
+
+    @property
+    def components(self) -> tuple:
+        return ("x", "y", "z", "w")[:self.vec_width]
+
     def grid(self, n_nodes: int, multiprocessors: int = 132) -> tuple:
-        """``(node tiles, output blocks)``: the tiles capped at 16 blocks per SM in all."""
+        """``(node tiles, output blocks, slices of 32 * v_tile channels)``: the tiles capped at 16 blocks
+        per SM in all (a block then walks several tiles with its weights in L1)."""
         tiles = -(-n_nodes // self.tile_nodes)
-        per_sm = max(1, 16 // max(1, len(self.out_blocks)))
-        return (max(1, min(tiles, multiprocessors * per_sm)), max(1, len(self.out_blocks)))
+        blocks = max(1, len(self.out_blocks))
+        width = LANES * self.v_tile
+        slices = max([-(-b["mul"] // width) for b in self.out_blocks] or [1])
+        cap = max(1, multiprocessors * 16 // (blocks * slices))
+        return (max(1, min(tiles, cap)), blocks, slices)
 
 
-def plan_kernel(spec: LinearSpec, dtype: str, arch: str = "sm_90") -> LinearPlan:
+def plan_kernel(spec: LinearSpec, dtype: str, arch: str = "sm_90", *,
+                tile_nodes: Optional[int] = None, k_split: Optional[int] = None,
+                v_tile: Optional[int] = None) -> LinearPlan:
+    """The geometry of ``spec``'s kernel; the keywords override the defaults (tuning scripts)."""
     real_bytes = 8 if dtype == "float64" else 4
-    max_block = max([spec.in_blocks[i.i_in].size for i in spec.instructions] or [1])
-    tile = max(1, min(MAX_TILE_NODES, TILE_BYTES // (max_block * real_bytes)))
-    max_mul = max([b.mul for b in spec.out_blocks] or [1])
-    threads = min(MAX_THREADS, -(-max_mul // WARP) * WARP)
+    vec_width = 2 if dtype == "float64" else 4
+    tile = tile_nodes or TILE_NODES
+    if tile % vec_width:
+        raise ValueError(f"tile_nodes={tile} is not a multiple of {vec_width} ({dtype})")
+    used = [spec.in_blocks[i.i_in] for i in spec.instructions]
+    max_d = max([b.d for b in spec.out_blocks] or [1])
+    if k_split is None:
+        k_split = max(1, min(MAX_K_SPLIT, -(-max([a.mul for a in used] or [1]) // LANES)))
+    if v_tile is None:
+        v_tile = 2 if max([b.mul for b in spec.out_blocks] or [1]) >= 2 * LANES else 1
+    threads = LANES * k_split
     out_blocks = []
+    staged = 1
     for o, blk in enumerate(spec.out_blocks):
         ins: List[dict] = []
         for i in spec.instructions:
             if i.i_out == o:
                 a = spec.in_blocks[i.i_in]
-                ins.append(dict(in_offset=a.offset, mul_in=a.mul, size=a.size,
-                                w_offset=i.w_offset))
+                # input channels staged per pass: the whole block where the tile fits
+                chunk = max(1, min(a.mul, TILE_BYTES // (tile * a.d * real_bytes)))
+                stage = tile * chunk * a.d
+                staged = max(staged, stage)
+                ins.append(dict(in_offset=a.offset, mul_in=a.mul, size=a.size, chunk=chunk,
+                                w_offset=i.w_offset,
+                                batch=max(1, min(MAX_BATCH, -(-stage // threads)))))
         out_blocks.append(dict(offset=blk.offset, mul=blk.mul, d=blk.d, instructions=ins))
+    buffer = max(staged, k_split * tile * max_d * LANES)
+    if buffer * real_bytes > STATIC_SHARED:
+        raise ValueError(f"the geometry tile_nodes={tile}, k_split={k_split}, v_tile={v_tile} "
+                         f"needs {buffer * real_bytes} bytes of shared memory ({dtype})")
     return LinearPlan(spec.key(), dtype, arch, spec.dim_in, spec.dim_out, spec.indexed, tile,
-                      threads, max_block, tuple(out_blocks))
+                      k_split, v_tile, buffer, tuple(out_blocks))
 
 
 def kernel_name(plan: LinearPlan) -> str:
