@@ -3,7 +3,8 @@
 Part ``edge_features``: the model's e3nn ``SphericalHarmonics`` becomes a
 :class:`FusedSphericalHarmonics` and its mace ``RadialEmbeddingBlock`` a
 :class:`FusedRadialEmbedding`, each one fused op (:mod:`mace_accel.ops.edge_features`) with the
-original's call signature and return values. The model's ``forward`` is not touched; the
+original's call signature and return values; the edge vectors and lengths the model computes
+before them run as one op too (:mod:`mace_accel.patches.edge_vectors`, CUDA backend). The model's ``forward`` is not touched; the
 originals are kept inside (state dict unchanged, ``revert`` hands back the same objects). A
 module the kernels cannot compute (lmax > 4, a Gaussian or Chebyshev basis, a distance
 transform, trainable Bessel frequencies, ...) is left as it is, and the record says why.
@@ -24,6 +25,7 @@ from mace_accel.ops.edge_features.spec import (
     sh_spec_from_module,
 )
 from mace_accel.options import AccelOptions
+from mace_accel.patches import edge_vectors
 from mace_accel.patches.adopt import FusedModule
 from mace_accel.patches.registry import PartPlan, SubmodulePatch
 
@@ -190,7 +192,15 @@ class EdgeFeaturesPatch(SubmodulePatch):
             left.append(f"radial_embedding left: {radial_reason}")
         if not children:
             return [PartPlan(PART, reason="; ".join(left))]
+        if options.backend == "cuda":
+            fused.append(edge_vectors.DETAIL)
         return [PartPlan(PART, children=children, detail="; ".join(fused + left))]
+
+    def after_revert(self, module: torch.nn.Module) -> None:
+        edge_vectors.remove(module)
+
+    def after_reattach(self, module: torch.nn.Module) -> None:
+        edge_vectors.install(module)
 
     def _spec(self, module: torch.nn.Module) -> Any:
         return None  # the record's ``spec`` is the interaction blocks' tensor product

@@ -60,10 +60,12 @@ def glue_table(model_call, ops: int) -> None:
     """The ``ops`` (op, origin) pairs that launch most torch kernels in one call."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
+                 record_shapes=True) as prof:
         model_call()
         torch.cuda.synchronize()
     counts: Dict[Tuple[str, str], List[float]] = defaultdict(lambda: [0, 0.0])
+    shapes: Dict[Tuple[str, str], str] = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CPU or not e.kernels:
             continue
@@ -72,13 +74,16 @@ def glue_table(model_call, ops: int) -> None:
                           "edge features (ours)", "other generated (ours)")]
         if not torch_kernels:
             continue
-        c = counts[(e.name, _origin(e))]
+        key = (e.name, _origin(e))
+        shapes.setdefault(key, str(e.input_shapes)[:60])
+        c = counts[key]
         c[0] += len(torch_kernels)
         c[1] += sum(k.duration for k in torch_kernels) / 1e3
     total = sum(c[0] for c in counts.values())
     print(f"   -- torch glue: {total} kernels; by op and origin")
     for (name, origin), (n, ms) in sorted(counts.items(), key=lambda kv: -kv[1][0])[:ops]:
-        print(f"   {n:4d} kernels {ms:7.3f} ms  {name[:34]:34s} {origin}")
+        print(f"   {n:4d} kernels {ms:7.3f} ms  {name[:28]:28s} {origin[:60]:60s} "
+              f"{shapes[(name, origin)]}")
 
 
 def table(backend: str, model, batch: Dict[str, torch.Tensor], top: int, ops: int = 0) -> None:
