@@ -212,3 +212,28 @@ def test_plan_names_the_edge_vectors_for_the_cuda_backend(tiny_model):
     records = plan(model, AccelOptions(backend="reference"))
     details = [p.detail for r in records for p in r.parts if p.part == "edge_features"]
     assert details and not any(patch.DETAIL in d for d in details)
+
+
+def test_stress_from_edges_takes_the_lengths_part(tiny_model, torch_kernels, monkeypatch, cu_atoms):
+    """The calculator's stress sums v (x) dE/dv over edges; with the fused op the lengths are a
+    second output beside the vectors, so dE/dv must take their part explicitly."""
+    from mace_accel.models.outputs import evaluate as evaluate_model
+
+    model = tiny_model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    info = model_info(model)
+    cu_atoms.numbers[:] = info.atomic_numbers[-1]
+    batch = atoms_to_batch(cu_atoms, info, dtype=F64, device="cpu")
+    want = model(dict(batch), training=False, compute_force=True, compute_stress=True)
+
+    def fused(positions, edge_index, shifts, normalize=False, eps=1e-9):
+        return ops._EdgeVectors.apply(positions.contiguous(), shifts.contiguous(), edge_index,
+                                      ops.graph_from_edge_index(edge_index, positions.shape[0]))
+
+    for namespace in (mace_utils, mace_models):
+        monkeypatch.setattr(namespace, "get_edge_vectors_and_lengths", fused, raising=False)
+    got = evaluate_model(model, dict(batch), True)
+    assert "backward" in torch_kernels.calls
+    for key in ("energy", "forces", "stress"):
+        assert torch.allclose(got[key], want[key], rtol=1e-10, atol=1e-12), key

@@ -9,14 +9,15 @@ A standard MACE model sees positions only through its edge vectors ``v``, so the
 derivative is a sum over edges: with ``g = dE/dv`` of each edge, ``dE/d(strain) = sum_e v (x) g``
 per structure, and mace's stress is its symmetric part over the volume. Here the edge vectors
 are taken from the input of the model's spherical harmonics (a forward pre-hook), energy is
-differentiated once with respect to positions and vectors together, and the per-structure sums
+differentiated once with respect to positions and vectors together (and the lengths, where the
+fused edge-vector op made them beside the vectors rather than from them), and the per-structure sums
 are segment sums (float64 prefix sums: deterministic, no host synchronisation) over edges that come grouped by structure, as every batch
 mace-accel builds does. Models this does not hold for (other classes) take mace's own path.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -32,6 +33,19 @@ def stress_from_edges_supported(model: torch.nn.Module) -> bool:
             and isinstance(getattr(model, "spherical_harmonics", None), torch.nn.Module))
 
 
+def _with_lengths_part(vectors: Tensor, lengths: Tensor, grad_vectors: Optional[Tensor],
+                       grad_lengths: Optional[Tensor]) -> Optional[Tensor]:
+    """``dE/dv [E, 3]`` of edge vectors whose lengths ``[E, 1]`` reached the energy apart from
+    them: ``dE/dv + dE/d|v| v / |v|`` (zero where the length is zero, as torch's norm)."""
+    if grad_lengths is None:
+        return grad_vectors
+    scale = torch.where(lengths > 0, grad_lengths / torch.where(lengths > 0, lengths,
+                                                                 torch.ones_like(lengths)),
+                        torch.zeros_like(lengths))
+    part = scale * vectors
+    return part if grad_vectors is None else grad_vectors + part
+
+
 def evaluate(model: torch.nn.Module, batch: Dict[str, Tensor], compute_stress: bool
              ) -> Dict[str, Tensor]:
     """``{"energy" [S], "node_energy" [N], "forces" [N, 3], "stress" [S, 3, 3] (if asked)}``
@@ -44,17 +58,30 @@ def evaluate(model: torch.nn.Module, batch: Dict[str, Tensor], compute_stress: b
     if not compute_stress or not stress_from_edges_supported(model):
         return model(batch, training=False, compute_force=True, compute_stress=compute_stress)
     captured: List[Tensor] = []
-    hook = model.spherical_harmonics.register_forward_pre_hook(
-        lambda module, args: captured.append(args[0]))
+    lengths_seen: List[Tensor] = []
+    hooks = [model.spherical_harmonics.register_forward_pre_hook(
+                 lambda module, args: captured.append(args[0])),
+             model.radial_embedding.register_forward_pre_hook(
+                 lambda module, args: lengths_seen.append(args[0]))]
     try:
         out = model(batch, training=False, compute_force=False, compute_stress=False)
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     if len(captured) != 1:
         raise RuntimeError(f"expected one call of the spherical harmonics, saw {len(captured)}")
     vectors, positions = captured[0], batch["positions"]
-    grad_positions, grad_vectors = torch.autograd.grad(
-        [out["energy"].sum()], [positions, vectors], allow_unused=True)
+    lengths = lengths_seen[0] if len(lengths_seen) == 1 else None
+    if lengths is not None and lengths.grad_fn is not None and lengths.grad_fn is vectors.grad_fn:
+        # vectors and lengths are two outputs of one op (the fused edge vectors), not lengths
+        # a function of vectors: dE/dv takes the lengths' part explicitly
+        grad_positions, grad_vectors, grad_lengths = torch.autograd.grad(
+            [out["energy"].sum()], [positions, vectors, lengths], allow_unused=True)
+        grad_vectors = _with_lengths_part(vectors.detach(), lengths.detach(), grad_vectors,
+                                          grad_lengths)
+    else:
+        grad_positions, grad_vectors = torch.autograd.grad(
+            [out["energy"].sum()], [positions, vectors], allow_unused=True)
     forces = -grad_positions if grad_positions is not None else torch.zeros_like(positions)
     n_graphs = int(batch["ptr"].numel()) - 1
     strain = _strain_derivative(vectors.detach(), grad_vectors, batch, n_graphs)
