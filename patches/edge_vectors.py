@@ -48,9 +48,9 @@ def fused_edge_vectors_and_lengths(positions: torch.Tensor, edge_index: torch.Te
     (CUDA backend, tensors on the GPU), mace's function otherwise. Same arguments, same
     results: ``(vectors [E, 3] (divided by ``lengths + eps`` if ``normalize``), lengths
     [E, 1])``."""
-    options = _ACTIVE.get()
-    if (options is None or options.backend != "cuda" or not positions.is_cuda
-            or torch.compiler.is_compiling()):
+    # under torch.compile: mace's ops, which dynamo traces (a context variable it cannot)
+    options = None if torch.compiler.is_compiling() else _ACTIVE.get()
+    if options is None or options.backend != "cuda" or not positions.is_cuda:
         return _ORIGINAL[0](positions=positions, edge_index=edge_index, shifts=shifts,
                             normalize=normalize, eps=eps)
     from mace_accel.ops.edge_vectors.autograd import edge_vectors
@@ -99,7 +99,10 @@ def _fused_options(model: torch.nn.Module) -> Optional[AccelOptions]:
 
 
 def enter_call(model: torch.nn.Module, args: Any) -> None:
-    """Forward pre-hook: mark the call as the accelerated model's."""
+    """Forward pre-hook: mark the call as the accelerated model's (not while torch.compile
+    traces it: the wrapper then runs mace's ops)."""
+    if torch.compiler.is_compiling():
+        return
     install_wrapper()
     stack = getattr(_TOKENS, "stack", None)
     if stack is None:
@@ -109,6 +112,8 @@ def enter_call(model: torch.nn.Module, args: Any) -> None:
 
 def leave_call(model: torch.nn.Module, args: Any, output: Any) -> None:
     """Forward post-hook (always called, also when the call raised): undo :func:`enter_call`."""
+    if torch.compiler.is_compiling():
+        return
     stack = getattr(_TOKENS, "stack", None)
     if stack:
         _ACTIVE.reset(stack.pop())
