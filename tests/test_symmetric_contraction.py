@@ -103,6 +103,35 @@ def test_finite_differences_and_second_order():
     assert torch.autograd.gradgradcheck(lambda x: f(x, *fixed), (x,), fast_mode=True)
 
 
+def test_weight_gradients_only_when_the_weights_want_them(monkeypatch):
+    """Inference (frozen weights, forces only) runs no weight-gradient op, in the backward nor
+    in the double backward; weights that require grad get theirs. (torch hands a list input's
+    flags over as a list, and a list of False is truthy: this once ran the weight gradients on
+    every forces call.)"""
+    _, spec = build("small-l2-corr3")
+    key = ops.register_spec(spec)
+    x, y = _inputs(spec, 4, seed=2)
+    elem = y.argmax(-1).to(torch.int32)
+    weights = [torch.randn(s, dtype=F64) * 0.5 for s in spec.weight_shapes]
+    calls = []
+    real = ops.sc_weight_grad_op
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(ops, "sc_weight_grad_op", counting)
+    xs = x.clone().requires_grad_(True)
+    out = ops.symmetric_contraction(key, xs, elem, weights, backend="reference")
+    (gx,) = torch.autograd.grad(out.sum(), xs, create_graph=True)
+    torch.autograd.grad(gx.pow(2).sum(), xs)
+    assert not calls
+    trained = [w.clone().requires_grad_(True) for w in weights]
+    out = ops.symmetric_contraction(key, xs, elem, trained, backend="reference")
+    grads = torch.autograd.grad(out.sum(), trained)
+    assert calls and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
 def test_third_derivative_says_what_to_do():
     module, spec = build("small-corr1")
     fused = _fused(module, spec)

@@ -128,6 +128,12 @@ def _(x, v, elem, weights, g, key, backend, need_x, need_g):
 
 
 # -- autograd ------------------------------------------------------------------------------------
+def _any(flags) -> bool:
+    """Whether a gradient is wanted for the weights: torch gives a list input's flags as a list
+    (one per tensor), and a list of ``False`` is truthy."""
+    return any(flags) if isinstance(flags, (list, tuple)) else bool(flags)
+
+
 def _setup_forward(ctx, inputs, output) -> None:
     x, elem, weights, key, backend = inputs
     ctx.save_for_backward(x, elem, *weights)
@@ -137,6 +143,7 @@ def _setup_forward(ctx, inputs, output) -> None:
 def _backward_of_forward(ctx, g):
     x, elem, *weights = ctx.saved_tensors
     need_x, _, need_w = ctx.needs_input_grad[:3]
+    need_w = _any(need_w)
     no_w = [None] * len(weights)
     if g is None:
         return None, None, no_w, None, None
@@ -157,6 +164,7 @@ def _setup_backward(ctx, inputs, output) -> None:
 def _backward_of_backward(ctx, v):
     x, elem, g, *weights = ctx.saved_tensors
     need_x, _, need_w, need_g = ctx.needs_input_grad[:4]
+    need_w = _any(need_w)
     v = _upstream(v)
     no_w = [None] * len(weights)
     if v is None:
