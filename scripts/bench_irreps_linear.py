@@ -16,27 +16,13 @@ import argparse
 
 import torch
 
-from mace_accel.bench.timing import time_calls
+from mace_accel.bench.timing import graph_replay, time_calls
 from mace_accel.ops.irreps_linear import autograd, codegen
 from mace_accel.ops.irreps_linear.cuda import CudaIrrepsLinear
 from mace_accel.ops.irreps_linear.catalog import CATALOG
 from mace_accel.ops.irreps_linear.spec import LinearSpec
 
 LAUNCHES = 10
-
-
-def _graphed(fn):
-    """``LAUNCHES`` calls of ``fn`` captured in one CUDA graph (after a warm-up): its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(LAUNCHES):
-            fn()
-    return graph.replay
 
 
 def _variant(spec: LinearSpec, dtype: torch.dtype, geometry: str) -> CudaIrrepsLinear:
@@ -71,7 +57,7 @@ def _bench(name: str, spec: LinearSpec, nodes: int, dtype: torch.dtype, repeats:
                for i in spec.instructions)
     moved = nodes * (spec.dim_in + spec.dim_out) * real + spec.weight_numel * real
     for label, fn in rows.items():
-        ms = time_calls(_graphed(fn), "cuda", 3, repeats).median_ms / LAUNCHES
+        ms = time_calls(graph_replay(fn, LAUNCHES), "cuda", 3, repeats).median_ms / LAUNCHES
         print(f"{str(dtype)[6:]:8s} {name:8s} {nodes:6d} nodes  {label:18s} {ms * 1e3:8.1f} us"
               f"  {2 * macs * nodes / ms / 1e9:7.2f} TFLOP/s  {moved / ms / 1e6:6.0f} GB/s",
               flush=True)

@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from mace_accel.bench.timing import time_calls
+from mace_accel.bench.timing import graph_replay, time_calls
 from mace_accel.ops import radial_mlp
 from mace_accel.ops.silu_mlp import autograd
 from mace_accel.ops.silu_mlp.spec import SiluMLPSpec, pack_weights
@@ -30,19 +30,6 @@ def main() -> None:
     for dtype in (torch.float32, torch.float64):
         for edges in (int(e) for e in args.edges.split(",")):
             _bench(spec, key, edges, dtype, macs, args.repeats)
-
-
-def _graphed(fn):
-    """``fn`` captured in a CUDA graph (after a warm-up on a side stream): its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _bench(spec: SiluMLPSpec, key: str, edges: int, dtype: torch.dtype, macs: int,
@@ -66,8 +53,8 @@ def _bench(spec: SiluMLPSpec, key: str, edges: int, dtype: torch.dtype, macs: in
 
     cuda = autograd._cuda(key, x)
     rows = {"GEMM + SiLU, fwd + d x": gemm_path, "fused, fwd + d x": fused_path,
-            "GEMM + SiLU, in a graph": _graphed(gemm_path),
-            "fused, in a graph": _graphed(fused_path),
+            "GEMM + SiLU, in a graph": graph_replay(gemm_path),
+            "fused, in a graph": graph_replay(fused_path),
             "fused forward kernel": lambda: cuda.forward(x, packed),
             "fused backward kernel": lambda: cuda.backward(x, packed, g)}
     real = 8 if dtype == torch.float64 else 4

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mace_accel.bench.timing import capture_graph
 from mace_accel.errors import KernelError
 from mace_accel.ops.edge_vectors import autograd as ops
 from mace_accel.ops.graph import forget_cached_graph
@@ -65,7 +66,6 @@ def test_backward_is_bit_identical_between_calls():
 def test_graph_replay_equals_the_eager_call():
     positions, edge_index, shifts, g_vec, g_len = _problem(300, 20000, torch.float64, seed=2)
     p = positions.clone().requires_grad_(True)
-    eager = None
 
     def call():
         forget_cached_graph()
@@ -73,14 +73,7 @@ def test_graph_replay_equals_the_eager_call():
         return torch.autograd.grad((vec, length), p, (g_vec, g_len))[0]
 
     eager = call()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = call()
+    graph, static = capture_graph(call)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, eager)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from gpu_helpers import random_problem
 
+from mace_accel.bench.timing import capture_graph
 from mace_accel.ops.conv_tp import autograd
 from mace_accel.ops.conv_tp.catalog import CATALOG
 from mace_accel.ops.conv_tp.folded import folded_conv_tp
@@ -64,14 +65,7 @@ def test_captured_in_a_cuda_graph_it_runs_as_one_chunk():
         return folded_conv_tp(key, graph, x, y, h, w, backend="cuda", max_edges=97)
 
     eager = call()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()  # warm-up off the capture: kernels compiled, CSRs built
-    torch.cuda.current_stream().wait_stream(side)
-    captured = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(captured):
-        out = call()
+    captured, out = capture_graph(call)  # warm-up off the capture: kernels compiled, CSRs built
     captured.replay()
     torch.cuda.synchronize()
     assert rel_linf_error(out.double(), eager.double()) < PASS_TOL[torch.float32]["forward"]
