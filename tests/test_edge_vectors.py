@@ -36,7 +36,7 @@ class _TorchKernels:
 
     def backward(self, g_vec, g_len, vectors, lengths, graph, n_nodes):
         self.calls.append("backward")
-        g = ops._edge_grad(g_vec, g_len, vectors, lengths)
+        g = ops.edge_gradient(g_vec, g_len, vectors, lengths)
         out = torch.zeros((n_nodes, 3), dtype=g.dtype)
         for node in range(n_nodes):  # the kernel's order: received edges, then sent ones
             lo, hi = int(graph.recv_ptr[node]), int(graph.recv_ptr[node + 1])

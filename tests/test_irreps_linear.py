@@ -11,7 +11,8 @@ import torch
 from mace_accel.errors import InputError
 from mace_accel.ops.irreps_linear import autograd, codegen
 from mace_accel.ops.irreps_linear.catalog import CATALOG
-from mace_accel.ops.irreps_linear.spec import skip_reason, transpose_weights
+from mace_accel.ops.irreps_linear.spec import (Block, LinearInstruction, LinearSpec, skip_reason,
+                                                transpose_weights)
 from mace_accel.options import AccelOptions
 from mace_accel.patches.linears import FusedLinear, FusedSkip, linear_reason
 
@@ -141,6 +142,17 @@ def test_plan_fits_the_static_shared_memory(name):
             grid = plan.grid(10**6)
             assert grid[1] == len(spec.out_blocks)
             assert grid[2] * 32 * plan.v_tile >= max(b.mul for b in spec.out_blocks)
+
+
+def test_high_l_blocks_get_a_geometry_that_fits():
+    """L = 6 (d = 13) in float64: the default 4 warps x 4 nodes would need 53 KB for the partial
+    sums; the plan takes fewer warps instead, and a geometry asked for that cannot fit is
+    refused with the sizes."""
+    spec = LinearSpec((Block(0, 128, 13),), (Block(0, 128, 13),), (LinearInstruction(0, 0, 0),))
+    plan = codegen.plan_kernel(spec, "float64")
+    assert plan.buffer * 8 <= codegen.STATIC_SHARED and plan.k_split < codegen.MAX_K_SPLIT
+    with pytest.raises(ValueError, match="shared memory"):
+        codegen.plan_kernel(spec, "float64", tile_nodes=8, k_split=4)
 
 
 def test_wide_blocks_are_staged_in_chunks():

@@ -17,9 +17,11 @@ mace-accel builds does. Models this does not hold for (other classes) take mace'
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
+
+from mace_accel.ops.edge_vectors.autograd import edge_gradient
 
 Tensor = torch.Tensor
 
@@ -31,19 +33,6 @@ def stress_from_edges_supported(model: torch.nn.Module) -> bool:
     """True if :func:`evaluate` may compute ``model``'s stress from its edges."""
     return (type(model).__name__ in EDGE_ONLY_MODELS
             and isinstance(getattr(model, "spherical_harmonics", None), torch.nn.Module))
-
-
-def _with_lengths_part(vectors: Tensor, lengths: Tensor, grad_vectors: Optional[Tensor],
-                       grad_lengths: Optional[Tensor]) -> Optional[Tensor]:
-    """``dE/dv [E, 3]`` of edge vectors whose lengths ``[E, 1]`` reached the energy apart from
-    them: ``dE/dv + dE/d|v| v / |v|`` (zero where the length is zero, as torch's norm)."""
-    if grad_lengths is None:
-        return grad_vectors
-    scale = torch.where(lengths > 0, grad_lengths / torch.where(lengths > 0, lengths,
-                                                                 torch.ones_like(lengths)),
-                        torch.zeros_like(lengths))
-    part = scale * vectors
-    return part if grad_vectors is None else grad_vectors + part
 
 
 def evaluate(model: torch.nn.Module, batch: Dict[str, Tensor], compute_stress: bool
@@ -77,8 +66,10 @@ def evaluate(model: torch.nn.Module, batch: Dict[str, Tensor], compute_stress: b
         # a function of vectors: dE/dv takes the lengths' part explicitly
         grad_positions, grad_vectors, grad_lengths = torch.autograd.grad(
             [out["energy"].sum()], [positions, vectors, lengths], allow_unused=True)
-        grad_vectors = _with_lengths_part(vectors.detach(), lengths.detach(), grad_vectors,
-                                          grad_lengths)
+        if grad_lengths is not None:
+            grad_vectors = edge_gradient(
+                torch.zeros_like(vectors) if grad_vectors is None else grad_vectors,
+                grad_lengths, vectors.detach(), lengths.detach())
     else:
         grad_positions, grad_vectors = torch.autograd.grad(
             [out["energy"].sum()], [positions, vectors], allow_unused=True)

@@ -37,9 +37,9 @@ def _cuda(t: Tensor):
                            lambda: CudaEdgeVectors(t.dtype, t.device))
 
 
-def _edge_grad(g_vec: Tensor, g_len: Tensor, vectors: Tensor, lengths: Tensor) -> Tensor:
-    """``[E, 3]``: the gradient each edge passes to its vector (torch's norm backward: zero
-    where the length is zero)."""
+def edge_gradient(g_vec: Tensor, g_len: Tensor, vectors: Tensor, lengths: Tensor) -> Tensor:
+    """``[E, 3]``: the gradient each edge's vector gets from ``g_vec [E, 3]`` and, through its
+    length, from ``g_len [E, 1]`` (torch's norm backward: zero where the length is zero)."""
     safe = torch.where(lengths > 0, lengths, torch.ones_like(lengths))
     return g_vec + torch.where(lengths > 0, g_len / safe, torch.zeros_like(lengths)) * vectors
 
@@ -63,7 +63,7 @@ class _EdgeVectors(torch.autograd.Function):
         g_len = torch.zeros_like(lengths) if g_len is None else g_len.contiguous()
         if torch.is_grad_enabled():  # create_graph: differentiable torch ops
             vec, length = reference(positions, edge_index, shifts)
-            g_edge = _edge_grad(g_vec, g_len, vec, length)
+            g_edge = edge_gradient(g_vec, g_len, vec, length)
             d_pos = None
             if need_pos:
                 d_pos = torch.zeros_like(positions).index_put(
@@ -76,7 +76,7 @@ class _EdgeVectors(torch.autograd.Function):
                                               KernelGraph(*ctx.graph.tensors("cuda")),
                                               int(positions.shape[0]))
         if need_shifts:
-            d_shifts = _edge_grad(g_vec, g_len, vectors, lengths)
+            d_shifts = edge_gradient(g_vec, g_len, vectors, lengths)
         return d_pos, d_shifts, None, None
 
 

@@ -62,8 +62,8 @@ class LinearPlan(RealType):
         return ("x", "y", "z", "w")[:self.vec_width]
 
     def grid(self, n_nodes: int, multiprocessors: int = 132) -> tuple:
-        """``(node tiles, output blocks, slices of 32 * v_tile channels)``: the tiles capped at 16 blocks
-        per SM in all (a block then walks several tiles with its weights in L1)."""
+        """``(node tiles, output blocks, slices of 32 * v_tile channels)``: the tiles capped at
+        16 blocks per SM in all (a block then walks several tiles with its weights in L1)."""
         tiles = -(-n_nodes // self.tile_nodes)
         blocks = max(1, len(self.out_blocks))
         width = LANES * self.v_tile
@@ -75,18 +75,40 @@ class LinearPlan(RealType):
 def plan_kernel(spec: LinearSpec, dtype: str, arch: str = "sm_90", *,
                 tile_nodes: Optional[int] = None, k_split: Optional[int] = None,
                 v_tile: Optional[int] = None) -> LinearPlan:
-    """The geometry of ``spec``'s kernel; the keywords override the defaults (tuning scripts)."""
-    real_bytes = 8 if dtype == "float64" else 4
+    """The geometry of ``spec``'s kernel; the keywords override the defaults (tuning scripts).
+
+    With the defaults, a map whose blocks would overflow the shared memory (high-L irreps in
+    float64) gets fewer warps per block, then fewer nodes per tile.
+
+    Raises:
+        ValueError: a geometry asked for that does not fit.
+    """
     vec_width = 2 if dtype == "float64" else 4
+    used = [spec.in_blocks[i.i_in] for i in spec.instructions]
+    if v_tile is None:
+        v_tile = 2 if max([b.mul for b in spec.out_blocks] or [1]) >= 2 * LANES else 1
     tile = tile_nodes or TILE_NODES
     if tile % vec_width:
         raise ValueError(f"tile_nodes={tile} is not a multiple of {vec_width} ({dtype})")
-    used = [spec.in_blocks[i.i_in] for i in spec.instructions]
+    split = k_split or max(1, min(MAX_K_SPLIT, -(-max([a.mul for a in used] or [1]) // LANES)))
+    while True:
+        plan = _plan(spec, dtype, arch, tile, split, v_tile)
+        if plan.buffer * plan.real_bytes <= STATIC_SHARED:
+            return plan
+        if k_split is None and split > 1:
+            split -= 1
+        elif tile_nodes is None and tile > vec_width:
+            tile -= vec_width
+        else:
+            raise ValueError(f"the geometry tile_nodes={tile}, k_split={split}, "
+                             f"v_tile={v_tile} needs {plan.buffer * plan.real_bytes} bytes of "
+                             f"shared memory ({dtype}); at most {STATIC_SHARED}")
+
+
+def _plan(spec: LinearSpec, dtype: str, arch: str, tile: int, k_split: int,
+          v_tile: int) -> LinearPlan:
+    real_bytes = 8 if dtype == "float64" else 4
     max_d = max([b.d for b in spec.out_blocks] or [1])
-    if k_split is None:
-        k_split = max(1, min(MAX_K_SPLIT, -(-max([a.mul for a in used] or [1]) // LANES)))
-    if v_tile is None:
-        v_tile = 2 if max([b.mul for b in spec.out_blocks] or [1]) >= 2 * LANES else 1
     threads = LANES * k_split
     out_blocks = []
     staged = 1
@@ -104,9 +126,6 @@ def plan_kernel(spec: LinearSpec, dtype: str, arch: str = "sm_90", *,
                                 batch=max(1, min(MAX_BATCH, -(-stage // threads)))))
         out_blocks.append(dict(offset=blk.offset, mul=blk.mul, d=blk.d, instructions=ins))
     buffer = max(staged, k_split * tile * max_d * LANES)
-    if buffer * real_bytes > STATIC_SHARED:
-        raise ValueError(f"the geometry tile_nodes={tile}, k_split={k_split}, v_tile={v_tile} "
-                         f"needs {buffer * real_bytes} bytes of shared memory ({dtype})")
     return LinearPlan(spec.key(), dtype, arch, spec.dim_in, spec.dim_out, spec.indexed, tile,
                       k_split, v_tile, buffer, tuple(out_blocks))
 
