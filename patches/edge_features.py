@@ -4,10 +4,11 @@ Part ``edge_features``: the model's e3nn ``SphericalHarmonics`` becomes a
 :class:`FusedSphericalHarmonics` and its mace ``RadialEmbeddingBlock`` a
 :class:`FusedRadialEmbedding`, each one fused op (:mod:`mace_accel.ops.edge_features`) with the
 original's call signature and return values; the edge vectors and lengths the model computes
-before them run as one op too (:mod:`mace_accel.patches.edge_vectors`, CUDA backend). The model's ``forward`` is not touched; the
-originals are kept inside (state dict unchanged, ``revert`` hands back the same objects). A
-module the kernels cannot compute (lmax > 4, a Gaussian or Chebyshev basis, a distance
-transform, trainable Bessel frequencies, ...) is left as it is, and the record says why.
+before them run as one op too (:mod:`mace_accel.patches.edge_vectors`: forward hooks on the
+model, CUDA backend). The model's ``forward`` code is not touched; the originals are kept inside
+(state dict unchanged, ``revert`` hands back the same objects and takes the hooks off). A module
+the kernels cannot compute (lmax > 4, a Gaussian or Chebyshev basis, a distance transform,
+trainable Bessel frequencies, ...) is left as it is, and the record says why.
 """
 
 from __future__ import annotations

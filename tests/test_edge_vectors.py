@@ -1,6 +1,7 @@
 """The fused edge vectors on the CPU: the autograd wiring of the op (its kernels stood in for by
 torch ops with the same contract), the wrapper of mace's function and the model hooks that turn
-it on only inside an accelerated model's call. The kernels themselves: tests/test_gpu_edge_vectors.py.
+it on only inside an accelerated model's call. The kernels themselves:
+tests/test_gpu_edge_vectors.py.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ TOL = {torch.float32: 2e-6, torch.float64: 1e-13}
 def _problem(n_nodes: int, n_edges: int, dtype, seed: int = 0, zero_length: bool = True):
     gen = torch.Generator().manual_seed(seed)
     positions = torch.randn(n_nodes, 3, generator=gen, dtype=torch.float64) * 3
-    edge_index = torch.randint(0, max(1, n_nodes - 1), (2, n_edges), generator=gen)  # last: isolated
+    # the last node is isolated
+    edge_index = torch.randint(0, max(1, n_nodes - 1), (2, n_edges), generator=gen)
     shifts = torch.randn(n_edges, 3, generator=gen, dtype=torch.float64).round()
     self_edges = edge_index[0] == edge_index[1]
     shifts[self_edges] = torch.tensor([5.0, 0.0, 0.0], dtype=torch.float64)  # a periodic image

@@ -10,9 +10,10 @@ derivative is a sum over edges: with ``g = dE/dv`` of each edge, ``dE/d(strain) 
 per structure, and mace's stress is its symmetric part over the volume. Here the edge vectors
 are taken from the input of the model's spherical harmonics (a forward pre-hook), energy is
 differentiated once with respect to positions and vectors together (and the lengths, where the
-fused edge-vector op made them beside the vectors rather than from them), and the per-structure sums
-are segment sums (float64 prefix sums: deterministic, no host synchronisation) over edges that come grouped by structure, as every batch
-mace-accel builds does. Models this does not hold for (other classes) take mace's own path.
+fused edge-vector op made them beside the vectors rather than from them), and the per-structure
+sums are segment sums (float64 prefix sums: deterministic, no host synchronisation) over edges
+that come grouped by structure, as every batch mace-accel builds does. Models this does not
+hold for (other classes) take mace's own path.
 """
 
 from __future__ import annotations
@@ -61,18 +62,18 @@ def evaluate(model: torch.nn.Module, batch: Dict[str, Tensor], compute_stress: b
         raise RuntimeError(f"expected one call of the spherical harmonics, saw {len(captured)}")
     vectors, positions = captured[0], batch["positions"]
     lengths = lengths_seen[0] if len(lengths_seen) == 1 else None
-    if lengths is not None and lengths.grad_fn is not None and lengths.grad_fn is vectors.grad_fn:
-        # vectors and lengths are two outputs of one op (the fused edge vectors), not lengths
-        # a function of vectors: dE/dv takes the lengths' part explicitly
-        grad_positions, grad_vectors, grad_lengths = torch.autograd.grad(
-            [out["energy"].sum()], [positions, vectors, lengths], allow_unused=True)
-        if grad_lengths is not None:
-            grad_vectors = edge_gradient(
-                torch.zeros_like(vectors) if grad_vectors is None else grad_vectors,
-                grad_lengths, vectors.detach(), lengths.detach())
-    else:
-        grad_positions, grad_vectors = torch.autograd.grad(
-            [out["energy"].sum()], [positions, vectors], allow_unused=True)
+    # the fused edge-vector op makes the lengths beside the vectors, not from them: then dE/dv
+    # takes the lengths' part explicitly (else autograd's dE/dv holds it already)
+    siblings = (lengths is not None and lengths.grad_fn is not None
+                and lengths.grad_fn is vectors.grad_fn)
+    grads = torch.autograd.grad([out["energy"].sum()],
+                                [positions, vectors] + ([lengths] if siblings else []),
+                                allow_unused=True)
+    grad_positions, grad_vectors = grads[:2]
+    if siblings and grads[2] is not None:
+        grad_vectors = edge_gradient(
+            torch.zeros_like(vectors) if grad_vectors is None else grad_vectors,
+            grads[2], vectors.detach(), lengths.detach())
     forces = -grad_positions if grad_positions is not None else torch.zeros_like(positions)
     n_graphs = int(batch["ptr"].numel()) - 1
     strain = _strain_derivative(vectors.detach(), grad_vectors, batch, n_graphs)

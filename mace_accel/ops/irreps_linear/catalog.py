@@ -1,7 +1,7 @@
 """The linear maps every test and the CI compile cover: MACE-MP-like shapes (message linear with
 two inputs into the scalars, the 89-element skip), odd multiplicities, an output block without
-inputs, more channels than threads, input blocks staged in chunks; each with its transpose (the backward), float32 and
-float64."""
+inputs, more channels than threads, input blocks staged in chunks; each with its transpose (the
+backward), float32 and float64."""
 
 from __future__ import annotations
 

@@ -25,6 +25,11 @@ MAX_BATCH = 8
 LANES = WARP
 
 
+def vector_width(dtype: str) -> int:
+    """Values of ``dtype`` in one 16-byte vector load (float4 / double2)."""
+    return 2 if dtype == "float64" else 4
+
+
 @dataclasses.dataclass(frozen=True)
 class LinearPlan(RealType):
     """Kernel geometry: ``tile_nodes`` nodes per block pass (a multiple of ``vec_width``, the
@@ -51,7 +56,7 @@ class LinearPlan(RealType):
 
     @property
     def vec_width(self) -> int:
-        return 2 if self.dtype == "float64" else 4
+        return vector_width(self.dtype)
 
     @property
     def vec(self) -> str:
@@ -83,7 +88,7 @@ def plan_kernel(spec: LinearSpec, dtype: str, arch: str = "sm_90", *,
     Raises:
         ValueError: a geometry asked for that does not fit.
     """
-    vec_width = 2 if dtype == "float64" else 4
+    vec_width = vector_width(dtype)
     used = [spec.in_blocks[i.i_in] for i in spec.instructions]
     if v_tile is None:
         v_tile = 2 if max([b.mul for b in spec.out_blocks] or [1]) >= 2 * LANES else 1
