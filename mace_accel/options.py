@@ -21,6 +21,7 @@ BACKENDS: Tuple[str, ...] = ("cuda", "reference")
 BACKEND_CHOICES: Tuple[str, ...] = ("auto",) + BACKENDS
 FALLBACKS: Tuple[str, ...] = ("error", "warn")
 RECOMPUTE_CHOICES: Tuple[str, ...] = ("auto", "always", "never")
+FP32_GEMM_CHOICES: Tuple[str, ...] = ("tf32x3", "cublas")
 DEVICE_CHOICES_HELP = "auto | cpu | cuda | cuda:N"
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -124,6 +125,11 @@ class AccelOptions:
             the per-edge TP weights are recomputed in the backward instead of kept: ``"auto"``
             (when one block's weights would exceed 1/8 of the GPU's memory; the largest systems),
             ``"always"`` (least memory, one more GEMM per block) or ``"never"`` (fastest).
+        fp32_gemm: how the radial MLP's last layer (``[E, hidden] x [hidden, weight_numel]``,
+            the largest GEMM of a call) runs in float32 on CUDA: ``"tf32x3"`` (our tensor-core
+            kernels, each operand split into two TF32 parts and three products accumulated in
+            float32: float32's accuracy, measured in the GPU tests) or ``"cublas"`` (torch's
+            float32 GEMM on the FMA units). float64 always uses cuBLAS (FP64 tensor cores).
     """
 
     backend: str = "cuda"
@@ -133,10 +139,12 @@ class AccelOptions:
     check_indices: bool = False
     parts: Tuple[str, ...] = PARTS
     recompute_tp_weights: str = "auto"
+    fp32_gemm: str = "tf32x3"
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, BACKEND_CHOICES)
         check_choice("recompute_tp_weights", self.recompute_tp_weights, RECOMPUTE_CHOICES)
+        check_choice("fp32_gemm", self.fp32_gemm, FP32_GEMM_CHOICES)
         check_choice("fallback", self.fallback, FALLBACKS)
         for flag in ("verify", "deterministic", "check_indices"):
             if not isinstance(getattr(self, flag), bool):

@@ -76,8 +76,9 @@ class FusedConvTP(FusedModule):
                                         self.spec.weight_numel, tp_weights.dtype,
                                         tp_weights.device):
                 return folded.folded_conv_tp(self._key, graph, node_feats, edge_attrs,
-                                             tp_weights, w_last, **run)
-            tp_weights = torch.mm(tp_weights, w_last)
+                                             tp_weights, w_last, **run,
+                                             tf32x3=self.radial.uses_tf32x3(tp_weights))
+            tp_weights = self.radial.last_layer(tp_weights)
         return autograd.conv_tp(self._key, graph, node_feats, edge_attrs, tp_weights, **run)
 
     def _check(self, node_feats, edge_attrs, tp_weights, edge_index) -> None:

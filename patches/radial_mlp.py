@@ -17,6 +17,8 @@ from mace_accel.errors import InputError
 from mace_accel.ops import radial_mlp, registry
 from mace_accel.ops.silu_mlp import autograd as silu_mlp_autograd
 from mace_accel.ops.silu_mlp.spec import MAX_WIDTH, SiluMLPSpec, pack_weights
+from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
+from mace_accel.ops.tf32x3_gemm.spec import unsupported_reason as tf32x3_unsupported
 from mace_accel.options import AccelOptions
 from mace_accel.patches.adopt import FusedModule
 
@@ -120,7 +122,15 @@ class FusedRadialMLP(FusedModule):
         self._names = sorted(original._modules, key=lambda k: int(k[5:]))
 
     def describe(self) -> str:
-        return self.spec.describe(self.fold_last)
+        head = self.spec.describe(self.fold_last)
+        k, n = self.hs[-2:]
+        if self.options.fp32_gemm != "tf32x3" or self.backend != "cuda":
+            return head + "; last layer in float32 on cuBLAS"
+        why = tf32x3_unsupported(k, n)
+        if why is not None:
+            return head + f"; last layer in float32 on cuBLAS ({why})"
+        return head + ("; last layer in float32 on the tensor cores (3xTF32 kernels, float32 "
+                       "accuracy; float64 on cuBLAS)")
 
     def __setstate__(self, state) -> None:
         state.setdefault("fold_last", False)  # saved before the fold existed
@@ -141,6 +151,17 @@ class FusedRadialMLP(FusedModule):
         """``[h_{L-1}, h_L]`` the last layer's folded weight (column-major)."""
         return self._weights(dtype)[-1]
 
+    def uses_tf32x3(self, t: torch.Tensor) -> bool:
+        """Whether the last layer of ``t``'s dtype and device runs on the 3xTF32 kernels
+        (``options.fp32_gemm``; float32 on CUDA, widths multiples of 4)."""
+        return self.backend == "cuda" and self.options.fp32_gemm == "tf32x3" \
+            and tf32x3.runs_on(t, *self.hs[-2:])
+
+    def last_layer(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[E, h_L]`` = ``hidden [E, h_{L-1}] @ W_last`` (differentiable)."""
+        w = self.last_weight(hidden.dtype)
+        return tf32x3.linear(hidden, w) if self.uses_tf32x3(hidden) else torch.mm(hidden, w)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[E, h_L]`` per-edge TP weights of the radial features ``x [E, h0]``
         (``[E, h_{L-1}]`` hidden activations with ``fold_last``)."""
@@ -150,10 +171,12 @@ class FusedRadialMLP(FusedModule):
         if self._fused_hidden(x):
             hidden = silu_mlp_autograd.silu_mlp(self._hidden_key(), x, self._packed(x.dtype),
                                                 self.backend)
-            return hidden if self.fold_last else torch.mm(hidden, self.last_weight(x.dtype))
+            return hidden if self.fold_last else self.last_layer(hidden)
         weights = self._weights(x.dtype)
         if self.fold_last:
             return radial_mlp.radial_mlp(x, weights[:-1], last_act=True)
+        if len(weights) > 1 and self.uses_tf32x3(x):
+            return self.last_layer(radial_mlp.radial_mlp(x, weights[:-1], last_act=True))
         return radial_mlp.radial_mlp(x, weights)
 
     # -- the hidden layers in one kernel per pass (CUDA backend, inference) ---------------------

@@ -31,6 +31,7 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     from mace_accel.ops.irreps_linear import catalog as irreps_linear
     from mace_accel.ops.silu_mlp import codegen as silu_mlp
     from mace_accel.ops.symmetric_contraction import codegen as symmetric_contraction
+    from mace_accel.ops.tf32x3_gemm import codegen as tf32x3_gemm
 
     yield from conv_tp.catalog_sources(limits)
     yield from edge_features_codegen.catalog_sources(limits)
@@ -39,6 +40,7 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     yield from silu_mlp.catalog_sources(limits)
     yield from symmetric_contraction.catalog_sources(limits,
                                                      *(("nvcc",) if compiled_in_ci else ()))
+    yield from tf32x3_gemm.catalog_sources(limits)
 
 
 def source_hashes(limits: DeviceLimits = PIN_LIMITS) -> Dict[str, str]:

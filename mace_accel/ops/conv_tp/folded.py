@@ -30,6 +30,7 @@ from mace_accel.ops.conv_tp import autograd as conv_autograd
 from mace_accel.ops.conv_tp import reference
 from mace_accel.ops.conv_tp.cuda import BackwardBuffers
 from mace_accel.ops.graph import ConvGraph, KernelGraph, ReceiverRows, receiver_chunks
+from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 
 Tensor = torch.Tensor
 
@@ -136,30 +137,39 @@ class _Rows:
         return acc.gx, acc.gy
 
 
+def _mm(a: Tensor, w: Tensor, use_tf32x3: bool) -> Tensor:
+    return tf32x3.mm(a, w) if use_tf32x3 else torch.mm(a, w)
+
+
+def _mm_t(g: Tensor, w: Tensor, use_tf32x3: bool) -> Tensor:
+    return tf32x3.mm_t(g, w) if use_tf32x3 else torch.mm(g, w.t())
+
+
 @torch.library.custom_op("mace_accel::folded_conv_tp", mutates_args=())
 def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, graph: List[Tensor],
                       n_nodes: int, key: str, backend: str, deterministic: bool,
-                      max_edges: int) -> Tensor:
+                      use_tf32x3: bool, max_edges: int) -> Tensor:
     """``[n_nodes, dim_out]`` = ``conv(x, y, h @ w_last)``, weights made ``max_edges`` edges
-    at a time and never kept."""
+    at a time and never kept (``use_tf32x3``: their GEMM on the 3xTF32 kernels)."""
     rows_of = _Rows(key, backend, graph, n_nodes, x, deterministic)
     out = rows_of.new_output(x)
     for rows in rows_of.chunks(max_edges):
         ids = rows_of.edges(rows)
-        w_rows = torch.mm(h.index_select(0, ids), w_last)
+        w_rows = _mm(h.index_select(0, ids), w_last, use_tf32x3)
         rows_of.forward(rows, ids, x, y, w_rows, out)
     return out
 
 
 @folded_conv_tp_op.register_fake
-def _(x, y, h, w_last, graph, n_nodes, key, backend, deterministic, max_edges):
+def _(x, y, h, w_last, graph, n_nodes, key, backend, deterministic, use_tf32x3, max_edges):
     return x.new_empty((n_nodes, registry.lookup(key).dim_out))
 
 
 @torch.library.custom_op("mace_accel::folded_conv_tp_backward", mutates_args=())
 def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, g: Tensor,
                                graph: List[Tensor], n_nodes: int, key: str, backend: str,
-                               deterministic: bool, max_edges: int, need_x: bool, need_y: bool,
+                               deterministic: bool, use_tf32x3: bool, max_edges: int,
+                               need_x: bool, need_y: bool,
                                need_h: bool, need_w: bool
                                ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(gx [N, dim_in1], gy [E, dim_in2], gh [E, hidden], gw_last [hidden, weight_numel])``
@@ -172,9 +182,9 @@ def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, 
     for rows in rows_of.chunks(max_edges):
         ids = rows_of.edges(rows)
         h_rows = h.index_select(0, ids)
-        gw_rows = rows_of.backward(rows, ids, x, y, torch.mm(h_rows, w_last), g, acc)
+        gw_rows = rows_of.backward(rows, ids, x, y, _mm(h_rows, w_last, use_tf32x3), g, acc)
         if gh is not None:
-            gh.index_copy_(0, ids, torch.mm(gw_rows, w_last.t()))
+            gh.index_copy_(0, ids, _mm_t(gw_rows, w_last, use_tf32x3))
         if gw_last is not None:
             gw_last += torch.mm(h_rows.t(), gw_rows)
     gx, gy = rows_of.finish_backward(acc)
@@ -182,8 +192,8 @@ def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, 
 
 
 @folded_conv_tp_backward_op.register_fake
-def _(x, y, h, w_last, g, graph, n_nodes, key, backend, deterministic, max_edges, need_x,
-      need_y, need_h, need_w):
+def _(x, y, h, w_last, g, graph, n_nodes, key, backend, deterministic, use_tf32x3, max_edges,
+      need_x, need_y, need_h, need_w):
     spec = registry.lookup(key)
     return (x.new_empty((n_nodes, spec.dim_in1)) if need_x else conv_autograd._empty(x),
             x.new_empty((y.shape[0], spec.dim_in2)) if need_y else conv_autograd._empty(x),
@@ -192,16 +202,16 @@ def _(x, y, h, w_last, g, graph, n_nodes, key, backend, deterministic, max_edges
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, y, h, w_last, graph, n_nodes, key, backend, deterministic, max_edges = inputs
+    x, y, h, w_last, graph, n_nodes, key, backend, deterministic, use_tf32x3, max_edges = inputs
     ctx.save_for_backward(x, y, h, w_last)
     ctx.static = (graph, n_nodes, key, backend, deterministic)
-    ctx.max_edges = max_edges
+    ctx.use_tf32x3, ctx.max_edges = use_tf32x3, max_edges
 
 
 def _backward(ctx, g):
     x, y, h, w_last = ctx.saved_tensors
     need_x, need_y, need_h, need_w = ctx.needs_input_grad[:4]
-    none = ([None] * len(ctx.static[0]),) + (None,) * 5  # graph, then the static args
+    none = ([None] * len(ctx.static[0]),) + (None,) * 6  # graph, then the static args
     if g is None or not (need_x or need_y or need_h or need_w):
         return (None,) * 4 + none
     g = g.contiguous()
@@ -213,8 +223,8 @@ def _backward(ctx, g):
         gw_last = torch.mm(h.t(), gw) if need_w else None
     else:
         gx, gy, gh, gw_last = folded_conv_tp_backward_op(x, y, h, w_last, g, *ctx.static,
-                                                         ctx.max_edges, need_x, need_y, need_h,
-                                                         need_w)
+                                                         ctx.use_tf32x3, ctx.max_edges, need_x,
+                                                         need_y, need_h, need_w)
     grads = [t if need else None for t, need in
              zip((gx, gy, gh, gw_last), (need_x, need_y, need_h, need_w))]
     return (*grads, *none)
@@ -225,7 +235,8 @@ folded_conv_tp_op.register_autograd(_backward, setup_context=_setup)
 
 def folded_conv_tp(key: str, graph: ConvGraph, node_feats: Tensor, edge_attrs: Tensor,
                    hidden: Tensor, w_last: Tensor, backend: str = "cuda",
-                   deterministic: bool = True, max_edges: Optional[int] = None) -> Tensor:
+                   deterministic: bool = True, max_edges: Optional[int] = None,
+                   tf32x3: bool = False) -> Tensor:
     """Differentiable ``conv(node_feats, edge_attrs, hidden @ w_last)`` ``[n_nodes, dim_out]``
     without storing the per-edge weights.
 
@@ -234,9 +245,11 @@ def folded_conv_tp(key: str, graph: ConvGraph, node_feats: Tensor, edge_attrs: T
         graph: the edges. node_feats ``[N, dim_in1]``, edge_attrs ``[E, dim_in2]``,
             hidden ``[E, h]``, w_last ``[h, weight_numel]``: one dtype and device.
         max_edges: edges per chunk (default :func:`chunk_edges`).
+        tf32x3: the weights' GEMMs on the 3xTF32 kernels (float32 on CUDA; the create_graph
+            backward composes torch ops).
     """
     if max_edges is None:
         max_edges = chunk_edges(w_last.shape[1], w_last.dtype, w_last.device)
     return folded_conv_tp_op(node_feats.contiguous(), edge_attrs.contiguous(),
                              hidden.contiguous(), w_last, graph.tensors(backend), graph.n_nodes,
-                             key, backend, deterministic, int(max_edges))
+                             key, backend, deterministic, bool(tf32x3), int(max_edges))

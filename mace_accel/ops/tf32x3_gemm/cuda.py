@@ -1,0 +1,50 @@
+"""The CUDA side of the 3xTF32 GEMMs: one generated kernel per spec and device, launched on
+torch's current stream (allocates only its output; graph-capturable)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mace_accel.errors import KernelError
+from mace_accel.ops.runtime import INT32_MAX, Kernel, check_tensor, device_limits, i32, \
+    kernel_device, ptr
+from mace_accel.ops.tf32x3_gemm import codegen
+from mace_accel.ops.tf32x3_gemm.spec import GemmSpec
+
+Tensor = torch.Tensor
+
+
+class CudaGemm:
+    """``C [M, n] = A [M, k] . op(B)`` of one :class:`GemmSpec` on one device (float32)."""
+
+    def __init__(self, spec: GemmSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = kernel_device(torch.float32, device)
+        self.plan = codegen.plan_kernel(spec, device_limits(self.device).arch)
+        self._kernel: Optional[Kernel] = None
+
+    def apply(self, a: Tensor, b: Tensor) -> Tensor:
+        """``a [M, k]``; ``b`` ``[k, n]`` (layout ``"kn"``) or ``[n, k]`` (``"nk"``), both
+        contiguous float32 on the kernel's device."""
+        s = self.spec
+        m = int(a.shape[0]) if a.dim() == 2 else -1
+        check_tensor("a", a, (m, s.k), torch.float32, self.device, s.describe())
+        check_tensor("b", b, (s.k, s.n) if s.b_layout == "kn" else (s.n, s.k), torch.float32,
+                     self.device, s.describe())
+        for name, t in (("a", a), ("b", b)):
+            if t.data_ptr() % 16:
+                raise KernelError(f"{name}: the 3xTF32 GEMM copies 16-byte chunks and needs a "
+                                  "16-byte aligned tensor; pass a fresh .contiguous() copy")
+        if m * max(s.k, s.n) > INT32_MAX:
+            raise KernelError(f"{m} rows exceed the 3xTF32 GEMM's int32 row count")
+        out = torch.empty((m, s.n), dtype=torch.float32, device=self.device)
+        if m == 0:
+            return out
+        if self._kernel is None:
+            self._kernel = Kernel(codegen.render_kernel(self.plan), codegen.kernel_name(self.plan),
+                                  self.device, self.plan.arch)
+        self._kernel.launch(self.plan.grid(m), self.plan.threads, (ptr(a), ptr(b), ptr(out),
+                                                                   i32(m)))
+        return out

@@ -1,0 +1,44 @@
+"""The problem of one 3xTF32 GEMM kernel: ``C [M, n] = A [M, k] . op(B)``, ``M`` given at run
+time (the edges), ``k`` and ``n`` fixed by the model (the radial MLP's widths)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+B_LAYOUTS = ("kn", "nk")
+ALIGN = 4  # the kernels copy 16-byte chunks: k and n must be multiples of 4 floats
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSpec:
+    """``k``, ``n``: the inner and output widths; ``b_layout``: how ``B`` is stored, ``"kn"``
+    (row-major ``[k, n]``, ``op(B) = B``) or ``"nk"`` (row-major ``[n, k]``, ``op(B) = B^T``:
+    a column-major ``[k, n]`` weight)."""
+
+    k: int
+    n: int
+    b_layout: str
+
+    def __post_init__(self) -> None:
+        why = unsupported_reason(self.k, self.n)
+        if why is not None:
+            raise ValueError(why)
+        if self.b_layout not in B_LAYOUTS:
+            raise ValueError(f"b_layout must be one of {B_LAYOUTS}, got {self.b_layout!r}")
+
+    def key(self) -> str:
+        return f"k{self.k}_n{self.n}_{self.b_layout}"
+
+    def describe(self) -> str:
+        return f"3xTF32 GEMM [M, {self.k}] x [{self.k}, {self.n}] (B stored {self.b_layout})"
+
+
+def unsupported_reason(k: int, n: int) -> Optional[str]:
+    """Why ``[M, k] x [k, n]`` cannot run in the kernels, or None."""
+    if k < 1 or n < 1:
+        return f"the GEMM widths must be positive, got k={k}, n={n}"
+    if k % ALIGN or n % ALIGN:
+        return (f"the 3xTF32 kernels need both GEMM widths to be multiples of {ALIGN} "
+                f"(16-byte copies), got k={k}, n={n}")
+    return None
