@@ -56,11 +56,15 @@ def main() -> None:
                         continue
                     name = f"3xtf32 {label} {geo or 'default'}"
                     rows[name] = (lambda kern=kern, a=a: kern.apply(a, wt))
+            exact = {"fwd": (h.double() @ w.double()), "bwd": (g.double() @ w.double().t())}
             for name, fn in rows.items():
                 ms = _time(fn)
                 io = 4 * (e * (k + n) + k * n)
+                ref = exact["fwd" if "fwd" in name else "bwd"]
+                err = float((fn().double() - ref).abs().max() / ref.abs().max())
                 print(f"E={e:7d} {k}->{n:5d} {name:42s} {ms * 1e3:8.1f} us "
-                      f"{flops / ms / 1e9:6.1f} TFLOP/s {io / ms / 1e6:6.0f} GB/s")
+                      f"{flops / ms / 1e9:6.1f} TFLOP/s {io / ms / 1e6:6.0f} GB/s  "
+                      f"err {err:.1e}")
 
 
 if __name__ == "__main__":

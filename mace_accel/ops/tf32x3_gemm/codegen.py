@@ -1,10 +1,16 @@
 """The launch plan and CUDA source of one :class:`~.spec.GemmSpec` (template
 ``kernels/tf32x3_gemm/gemm.cu.j2``).
 
-Two block shapes: wide outputs (the forward, ``n`` in the hundreds) take 64 x 128 tiles with 8
-warps of 32 x 32, narrow ones (the backward's ``d h``, ``n`` = hidden width) 32 x 64 tiles with 4
-warps of 16 x 32, so that a few thousand edges still make hundreds of blocks. Both stage slices
-of K three deep, under the 48 KB of static shared memory.
+Two block shapes, both with warps of 32 x 32 outputs and under the 48 KB of static shared
+memory: wide outputs (the forward, ``n`` in the hundreds) take 64 x 128 tiles (8 warps, slices
+of 16 along K three deep), narrow ones (the backward's ``d h``, ``n`` = hidden width, K in the
+thousands) 64 x 64 tiles (4 warps, slices of 32 two deep).
+
+Measured on an H100 (``scripts/bench_tf32x3_gemm.py``, MACE-MP's 64 -> 1280 layer, against
+torch.mm on cuBLAS's float32 kernels): 20k edges forward 91 vs 118 us, backward 84 vs 109 us;
+539k edges forward 2.67 vs 2.62 ms, backward 1.93 vs 2.11 ms. Relative L-infinity error against
+a float64 product: 2-4e-7 (cuBLAS 4e-7 forward, 0.7-1.9e-6 backward). Tried and slower: 128 x
+128 tiles (16 warps), 64 x 64 forward tiles, 32 x 128 tiles.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from mace_accel.ops.templates import render
 STATIC_SHARED = 48 * 1024
 # (bm, bn, bk, warps_m, warps_n, stages)
 WIDE = (64, 128, 16, 2, 4, 3)
-NARROW = (32, 64, 32, 2, 2, 3)
+NARROW = (64, 64, 32, 2, 2, 2)
 WIDE_FROM = 128  # output widths from here take the wide tiles
 
 
