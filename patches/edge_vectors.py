@@ -12,6 +12,9 @@ reach. So, for a model whose edge features are fused:
   :func:`mace_accel.ops.edge_vectors.autograd.edge_vectors` inside a marked call and mace's own
   function everywhere else. Every other model in the process computes exactly what it did.
 
+The same mark carries what one call computes once for all its blocks: the element index of the
+one-hot node attributes (:func:`element_index`; four argmax kernels per MACE-MP call before).
+
 The hooks pickle with the model (module-level functions) and install the wrapper again in a new
 process on the first call; :func:`remove` (on revert) takes the hooks off. The wrapper stays:
 outside a marked call it is mace's function.
@@ -20,17 +23,30 @@ outside a marked call it is mace's function.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import importlib
 import threading
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from mace_accel.options import AccelOptions
 
-# the options of the accelerated model whose call is running (None: mace's own function)
-_ACTIVE: contextvars.ContextVar[Optional[AccelOptions]] = contextvars.ContextVar(
-    "mace_accel_edge_vectors", default=None)
+
+
+@dataclasses.dataclass
+class CallState:
+    """One accelerated model call: its options (None when its edge features are not fused) and
+    what its blocks share, per input tensor (dropped when the call ends)."""
+
+    options: Optional[AccelOptions]
+    elements: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
+        default_factory=dict)
+
+
+# the accelerated model call that is running (None: none, mace's own function)
+_ACTIVE: contextvars.ContextVar[Optional[CallState]] = contextvars.ContextVar(
+    "mace_accel_call", default=None)
 _TOKENS = threading.local()  # per thread: the tokens of the calls entered, innermost last
 _NAMESPACES = ("mace.modules.utils", "mace.modules.models")
 _FUNCTION = "get_edge_vectors_and_lengths"
@@ -49,7 +65,8 @@ def fused_edge_vectors_and_lengths(positions: torch.Tensor, edge_index: torch.Te
     results: ``(vectors [E, 3] (divided by ``lengths + eps`` if ``normalize``), lengths
     [E, 1])``."""
     # under torch.compile: mace's ops, which dynamo traces (a context variable it cannot)
-    options = None if torch.compiler.is_compiling() else _ACTIVE.get()
+    call = None if torch.compiler.is_compiling() else _ACTIVE.get()
+    options = None if call is None else call.options
     if options is None or options.backend != "cuda" or not positions.is_cuda:
         return _ORIGINAL[0](positions=positions, edge_index=edge_index, shifts=shifts,
                             normalize=normalize, eps=eps)
@@ -107,7 +124,7 @@ def enter_call(model: torch.nn.Module, args: Any) -> None:
     stack = getattr(_TOKENS, "stack", None)
     if stack is None:
         stack = _TOKENS.stack = []
-    stack.append(_ACTIVE.set(_fused_options(model)))
+    stack.append(_ACTIVE.set(CallState(_fused_options(model))))
 
 
 def leave_call(model: torch.nn.Module, args: Any, output: Any) -> None:
@@ -117,6 +134,21 @@ def leave_call(model: torch.nn.Module, args: Any, output: Any) -> None:
     stack = getattr(_TOKENS, "stack", None)
     if stack:
         _ACTIVE.reset(stack.pop())
+
+
+def element_index(node_attrs: torch.Tensor) -> torch.Tensor:
+    """``[N]`` int32: the element of each node, the argmax of the one-hot ``node_attrs [N, Z]``;
+    inside an accelerated model's call computed once for all its blocks (they get the same
+    tensor), so a captured CUDA graph computes it once per replay."""
+    call = None if torch.compiler.is_compiling() else _ACTIVE.get()
+    if call is not None:
+        hit = call.elements.get(id(node_attrs))
+        if hit is not None and hit[0] is node_attrs:
+            return hit[1]
+    elem = node_attrs.argmax(dim=-1).to(torch.int32)
+    if call is not None:
+        call.elements[id(node_attrs)] = (node_attrs, elem)
+    return elem
 
 
 def is_installed(model: torch.nn.Module) -> bool:

@@ -21,6 +21,7 @@ from mace_accel.ops.irreps_linear import spec as linear_spec
 from mace_accel.ops.irreps_linear.spec import LinearSpec, transpose_weights
 from mace_accel.options import AccelOptions
 from mace_accel.patches.adopt import FusedModule
+from mace_accel.patches.edge_vectors import element_index
 
 
 def check_one_hot(y: torch.Tensor, who: str) -> None:
@@ -96,7 +97,7 @@ class FusedSkip(_FusedLinearBase):
                              f"{tuple(y.shape)}")
         if self.options.check_indices:
             check_one_hot(y, "skip connection")
-        return self._apply_map(x, y.argmax(dim=-1).to(torch.int32))
+        return self._apply_map(x, element_index(y))
 
 
 def linear_reason(module: object) -> Optional[str]:

@@ -22,6 +22,7 @@ from mace_accel.ops.symmetric_contraction import autograd
 from mace_accel.ops.symmetric_contraction.spec import SCSpec, spec_from_mace
 from mace_accel.options import AccelOptions
 from mace_accel.patches.adopt import FusedModule
+from mace_accel.patches.edge_vectors import element_index
 from mace_accel.patches.interaction_blocks import plan_linears
 from mace_accel.patches.linears import check_one_hot
 from mace_accel.patches.registry import PartPlan, SubmodulePatch
@@ -67,7 +68,7 @@ class FusedSymmetricContraction(FusedModule):
                              f"{tuple(y.shape)}")
         if self.options.check_indices:
             check_one_hot(y, "symmetric contraction")
-        elem = y.argmax(dim=-1).to(torch.int32)
+        elem = element_index(y)
         weights = [w.to(x.dtype) for w in self.weights()]
         return autograd.symmetric_contraction(self._key, x, elem, weights, self.backend)
 

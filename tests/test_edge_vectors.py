@@ -176,7 +176,7 @@ def test_hooks_mark_only_the_accelerated_model_call(tiny_model):
     finally:
         patch._ORIGINAL[0] = original
     assert len(seen) == 2
-    assert seen[0] is not None and seen[0].backend == "reference" and seen[1] is None
+    assert seen[0] is not None and seen[0].options.backend == "reference" and seen[1] is None
     assert patch._ACTIVE.get() is None
 
 
@@ -238,3 +238,28 @@ def test_stress_from_edges_takes_the_lengths_part(tiny_model, torch_kernels, mon
     assert "backward" in torch_kernels.calls
     for key in ("energy", "forces", "stress"):
         assert torch.allclose(got[key], want[key], rtol=1e-10, atol=1e-12), key
+
+
+def test_element_index_once_per_call(tiny_model, monkeypatch):
+    """Inside an accelerated call the blocks share one element index (one argmax per call, also
+    in a captured graph); outside a call, and in the next call, it is computed afresh."""
+    model, batch = _model_and_batch(tiny_model)
+    accelerate(model, backend="reference")
+    calls = []
+    original = torch.Tensor.argmax
+
+    def counting(self, *args, **kwargs):
+        calls.append(tuple(self.shape))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "argmax", counting)
+    plain = evaluate(model, batch, False)
+    attrs = tuple(batch["node_attrs"].shape)
+    per_call = calls.count(attrs)
+    assert per_call == 1
+    evaluate(model, batch, False)
+    assert calls.count(attrs) == 2
+    y = torch.eye(3)[[0, 2, 1, 2]]
+    assert patch.element_index(y).tolist() == [0, 2, 1, 2]
+    assert patch.element_index(y).dtype == torch.int32
+    assert torch.allclose(evaluate(model, batch, False)["forces"], plain["forces"])
