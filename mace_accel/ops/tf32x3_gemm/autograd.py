@@ -1,13 +1,13 @@
 """The radial MLP's last layer ``h @ W`` as ``torch.library`` custom ops on the 3xTF32 kernels.
 
 ``W [k, n]`` is passed as ``wt = W^T``, a contiguous ``[n, k]`` (the radial MLP keeps its
-weights column-major). Two ops, each the other's backward:
+weights column-major). One op, ``mm_op(a, wt, transposed)``, both ways:
 
-* ``linear(h, wt) = h @ wt^T``   ``[M, n]``: the forward (kernel layout ``"nk"``)
-* ``linear_t(g, wt) = g @ wt``   ``[M, k]``: its ``d h`` (kernel layout ``"kn"``)
+* ``transposed``: ``h @ wt^T`` ``[M, n]``, the forward (kernel layout ``"nk"``)
+* else: ``g @ wt`` ``[M, k]``, its ``d h`` (kernel layout ``"kn"``)
 
-so double backward (training on forces) runs through them too. Weight gradients
-(``g^T @ h``, training only) are cuBLAS float32 GEMMs. Shapes and dtype are checked by the
+each the other's backward, so double backward (training on forces) runs through them too.
+Weight gradients (training only) are cuBLAS float32 GEMMs. Shapes and dtype are checked by the
 kernels (float32, CUDA, ``k`` and ``n`` multiples of 4: :func:`~.spec.unsupported_reason`).
 """
 
@@ -30,51 +30,36 @@ def _gemm(a: Tensor, b: Tensor, k: int, n: int, layout: str) -> Tensor:
     return kernels.apply(a, b)
 
 
-@torch.library.custom_op("mace_accel::tf32x3_linear", mutates_args=())
-def linear_op(h: Tensor, wt: Tensor) -> Tensor:
-    """``[M, n]`` = ``h [M, k] @ wt^T`` (``wt [n, k]``)."""
-    return _gemm(h, wt, int(wt.shape[1]), int(wt.shape[0]), "nk")
+@torch.library.custom_op("mace_accel::tf32x3_mm", mutates_args=())
+def mm_op(a: Tensor, wt: Tensor, transposed: bool) -> Tensor:
+    """``a [M, k] @ wt^T`` ``[M, n]`` (``transposed``), else ``a [M, n] @ wt`` ``[M, k]``
+    (``wt [n, k]``)."""
+    n, k = int(wt.shape[0]), int(wt.shape[1])
+    return _gemm(a, wt, k, n, "nk") if transposed else _gemm(a, wt, n, k, "kn")
 
 
-@linear_op.register_fake
-def _(h, wt):
-    return h.new_empty((h.shape[0], wt.shape[0]))
-
-
-@torch.library.custom_op("mace_accel::tf32x3_linear_t", mutates_args=())
-def linear_t_op(g: Tensor, wt: Tensor) -> Tensor:
-    """``[M, k]`` = ``g [M, n] @ wt`` (``wt [n, k]``)."""
-    return _gemm(g, wt, int(wt.shape[0]), int(wt.shape[1]), "kn")
-
-
-@linear_t_op.register_fake
-def _(g, wt):
-    return g.new_empty((g.shape[0], wt.shape[1]))
+@mm_op.register_fake
+def _(a, wt, transposed):
+    return a.new_empty((a.shape[0], wt.shape[0] if transposed else wt.shape[1]))
 
 
 def _setup(ctx, inputs, output) -> None:
-    a, wt = inputs
+    a, wt, transposed = inputs
     ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, wt)
+    ctx.transposed = transposed
 
 
-def _linear_backward(ctx, g):
-    h, wt = ctx.saved_tensors
+def _backward(ctx, g):
+    a, wt = ctx.saved_tensors
     g = g.contiguous()
-    gh = linear_t_op(g, wt) if ctx.needs_input_grad[0] else None
-    gwt = torch.mm(g.t(), h) if ctx.needs_input_grad[1] else None
-    return gh, gwt
+    ga = mm_op(g, wt, not ctx.transposed) if ctx.needs_input_grad[0] else None
+    gwt = None
+    if ctx.needs_input_grad[1]:  # training: cuBLAS float32
+        gwt = torch.mm(g.t(), a) if ctx.transposed else torch.mm(a.t(), g)
+    return ga, gwt, None
 
 
-def _linear_t_backward(ctx, gg):
-    g, wt = ctx.saved_tensors
-    gg = gg.contiguous()
-    dg = linear_op(gg, wt) if ctx.needs_input_grad[0] else None
-    dwt = torch.mm(g.t(), gg) if ctx.needs_input_grad[1] else None
-    return dg, dwt
-
-
-linear_op.register_autograd(_linear_backward, setup_context=_setup)
-linear_t_op.register_autograd(_linear_t_backward, setup_context=_setup)
+mm_op.register_autograd(_backward, setup_context=_setup)
 
 
 def runs_on(t: Tensor, k: int, n: int) -> bool:
@@ -85,7 +70,7 @@ def runs_on(t: Tensor, k: int, n: int) -> bool:
 def linear(h: Tensor, w: Tensor) -> Tensor:
     """Differentiable ``h [M, k] @ w [k, n]`` on the 3xTF32 kernels (``w`` column-major, as
     the radial MLP keeps it, costs no copy; ``h`` is made contiguous)."""
-    return linear_op(h.contiguous(), w.t().contiguous())
+    return mm_op(h.contiguous(), w.t().contiguous(), True)
 
 
 def mm(a: Tensor, w: Tensor) -> Tensor:
