@@ -129,7 +129,9 @@ class FusedRadialMLP(FusedModule):
         why = tf32x3_unsupported(k, n)
         if why is not None:
             return head + f"; last layer in float32 on cuBLAS ({why})"
-        return head + ("; last layer in float32 on the tensor cores (3xTF32 kernels, float32 "
+        return head + ("; in float32 the last layer, and below "
+                       f"{FUSED_MIN_EDGES} edges the hidden layers with widths in multiples of "
+                       "4 (with their SiLU), on the tensor cores (3xTF32 kernels, float32 "
                        "accuracy; float64 on cuBLAS)")
 
     def __setstate__(self, state) -> None:
@@ -151,11 +153,15 @@ class FusedRadialMLP(FusedModule):
         """``[h_{L-1}, h_L]`` the last layer's folded weight (column-major)."""
         return self._weights(dtype)[-1]
 
+    def _tf32x3(self) -> bool:
+        """Whether ``options.fp32_gemm`` asks for the 3xTF32 kernels (each layer runs there
+        when :func:`~mace_accel.ops.tf32x3_gemm.autograd.runs_on` its tensors: float32 on
+        CUDA, widths in multiples of 4)."""
+        return self.backend == "cuda" and self.options.fp32_gemm == "tf32x3"
+
     def uses_tf32x3(self, t: torch.Tensor) -> bool:
-        """Whether the last layer of ``t``'s dtype and device runs on the 3xTF32 kernels
-        (``options.fp32_gemm``; float32 on CUDA, widths multiples of 4)."""
-        return self.backend == "cuda" and self.options.fp32_gemm == "tf32x3" \
-            and tf32x3.runs_on(t, *self.hs[-2:])
+        """Whether the last layer of ``t``'s dtype and device runs on the 3xTF32 kernels."""
+        return self._tf32x3() and tf32x3.runs_on(t, *self.hs[-2:])
 
     def last_layer(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[E, h_L]`` = ``hidden [E, h_{L-1}] @ W_last`` (differentiable)."""
@@ -172,12 +178,13 @@ class FusedRadialMLP(FusedModule):
             hidden = silu_mlp_autograd.silu_mlp(self._hidden_key(), x, self._packed(x.dtype),
                                                 self.backend)
             return hidden if self.fold_last else self.last_layer(hidden)
-        weights = self._weights(x.dtype)
+        weights, fast = self._weights(x.dtype), self._tf32x3()
         if self.fold_last:
-            return radial_mlp.radial_mlp(x, weights[:-1], last_act=True)
+            return radial_mlp.radial_mlp(x, weights[:-1], last_act=True, tf32x3=fast)
         if len(weights) > 1 and self.uses_tf32x3(x):
-            return self.last_layer(radial_mlp.radial_mlp(x, weights[:-1], last_act=True))
-        return radial_mlp.radial_mlp(x, weights)
+            return self.last_layer(radial_mlp.radial_mlp(x, weights[:-1], last_act=True,
+                                                         tf32x3=fast))
+        return radial_mlp.radial_mlp(x, weights, tf32x3=fast)
 
     # -- the hidden layers in one kernel per pass (CUDA backend, inference) ---------------------
     def _fused_hidden(self, x: torch.Tensor) -> bool:

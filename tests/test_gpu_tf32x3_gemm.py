@@ -98,3 +98,22 @@ def test_checks_before_launch():
     misaligned = torch.randn(10 * 64 + 1, device="cuda")[1:].view(10, 64)
     with pytest.raises(KernelError, match="aligned"):
         autograd.mm(misaligned, w)
+
+
+@pytest.mark.parametrize("m", [5, 20001])
+def test_hidden_layer_epilogues_match_float64(m):
+    """A hidden layer's forward ``(z, silu(z))`` and backward ``g W^T * silu'(z)`` in one
+    kernel each, against float64 torch."""
+    h64, w64 = _inputs(m, 64, 64, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    g64 = torch.randn(m, 64, generator=gen, dtype=torch.float64)
+    z_below64 = torch.randn(m, 64, generator=gen, dtype=torch.float64) * 2
+    h, w, g, z_below = (t.float().cuda() for t in (h64, w64, g64, z_below64))
+    w = _column_major(w)
+    z, act = autograd.mm_silu(h, w)
+    z_ref = h64 @ w64
+    s = torch.sigmoid(z_below64)
+    grad_ref = (g64 @ w64.t()) * s * (1 + z_below64 * (1 - s))
+    errors = [_err(z, z_ref), _err(act, torch.nn.functional.silu(z_ref)),
+              _err(autograd.mm_t_silu_grad(g, w, z_below), grad_ref)]
+    assert max(errors) < TOLERANCE, errors

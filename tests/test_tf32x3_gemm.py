@@ -23,7 +23,19 @@ def torch_kernels(monkeypatch):
         assert a.shape[1] == k and b.is_contiguous() and a.is_contiguous()
         return a @ (b.t() if layout == "nk" else b)
 
+    def mm_silu(h, w):
+        calls.append("silu")
+        z = h @ w
+        return z, torch.nn.functional.silu(z)
+
+    def mm_t_silu_grad(g, w, z):
+        calls.append("silu_grad")
+        s = torch.sigmoid(z)
+        return (g @ w.t()) * s * (1 + z * (1 - s))
+
     monkeypatch.setattr(autograd, "_gemm", gemm)
+    monkeypatch.setattr(autograd, "mm_silu", mm_silu)
+    monkeypatch.setattr(autograd, "mm_t_silu_grad", mm_t_silu_grad)
     return calls
 
 
@@ -49,6 +61,7 @@ def test_plans_tile_into_warps_and_fit_static_shared_memory(name):
     src = codegen.render_kernel(plan)
     assert codegen.kernel_name(plan) in src and f"#define K {spec.k}\n" in src
     assert ("Bs[s][kk + t][c]" in src) == (spec.b_layout == "kn")
+    assert ("expf" in src) == (spec.epilogue != "none")
 
 
 def test_geometry_that_does_not_fit_is_refused():
@@ -105,8 +118,14 @@ def test_radial_mlp_last_layer_through_the_ops(torch_kernels, monkeypatch):
     assert "3xTF32" in fused.describe()
     x = torch.randn(30, 8, dtype=torch.float64, requires_grad=True)
     ref, out = net(x), fused(x)
-    assert torch_kernels and torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
     g = torch.randn_like(ref)
+    # inference (no create_graph): the hidden layers' backward on the fused kernels too
+    (gx_first,) = torch.autograd.grad(fused(x), x, g)
+    assert torch.allclose(gx_first, torch.autograd.grad(net(x), x, g)[0], rtol=1e-11,
+                          atol=1e-12)
+    assert torch_kernels.count("silu") >= 2 and "silu_grad" in torch_kernels
+    assert (16, 12, "nk") in torch_kernels  # the last layer
     (gx_ref,) = torch.autograd.grad(ref, x, g, create_graph=True)
     (gx,) = torch.autograd.grad(out, x, g, create_graph=True)
     assert torch.allclose(gx, gx_ref, rtol=1e-11, atol=1e-12)

@@ -13,6 +13,8 @@ kernels (float32, CUDA, ``k`` and ``n`` multiples of 4: :func:`~.spec.unsupporte
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
 
 from mace_accel.ops import registry
@@ -22,12 +24,15 @@ FAMILY = "tf32x3_gemm"
 Tensor = torch.Tensor
 
 
-def _gemm(a: Tensor, b: Tensor, k: int, n: int, layout: str) -> Tensor:
+def _kernels(k: int, n: int, layout: str, epilogue: str, device: torch.device):
     from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
 
-    spec_key = (FAMILY, k, n, layout, a.device)
-    kernels = registry.cached(spec_key, lambda: CudaGemm(GemmSpec(k, n, layout), a.device))
-    return kernels.apply(a, b)
+    return registry.cached((FAMILY, k, n, layout, epilogue, device),
+                           lambda: CudaGemm(GemmSpec(k, n, layout, epilogue), device))
+
+
+def _gemm(a: Tensor, b: Tensor, k: int, n: int, layout: str) -> Tensor:
+    return _kernels(k, n, layout, "none", a.device).apply(a, b)
 
 
 @torch.library.custom_op("mace_accel::tf32x3_mm", mutates_args=())
@@ -82,3 +87,18 @@ def mm_t(g: Tensor, w: Tensor) -> Tensor:
     """``g [M, n] @ w^T`` (``w [k, n]``) on the kernel, no autograd (inside other ops'
     backward)."""
     return _gemm(g.contiguous(), w.t().contiguous(), int(w.shape[1]), int(w.shape[0]), "kn")
+
+
+def mm_silu(h: Tensor, w: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(z, silu(z))``, ``z = h [M, k] @ w [k, n]``: a hidden layer's forward in one kernel, no
+    autograd (inside the radial MLP's own autograd function)."""
+    k, n = int(w.shape[0]), int(w.shape[1])
+    return _kernels(k, n, "nk", "silu", h.device).apply_silu(h.contiguous(), w.t().contiguous())
+
+
+def mm_t_silu_grad(g: Tensor, w: Tensor, z: Tensor) -> Tensor:
+    """``(g [M, n] @ w^T) * silu'(z)`` ``[M, k]`` (``w [k, n]``, ``z [M, k]`` the layer below's
+    pre-activations): a hidden layer's backward in one kernel, no autograd."""
+    k, n = int(w.shape[0]), int(w.shape[1])
+    return _kernels(n, k, "kn", "silu_grad", g.device).apply(g.contiguous(), w.t().contiguous(),
+                                                             z.contiguous())

@@ -39,6 +39,7 @@ class GemmPlan:
     k: int
     n: int
     b_layout: str
+    epilogue: str
     bm: int
     bn: int
     bk: int
@@ -81,7 +82,7 @@ def plan_kernel(spec: GemmSpec, arch: str = "sm_90",
     if bm % (16 * wm) or bn % (8 * wn) or bk % 8 or stages < 2 or wm * wn * 32 > 1024:
         raise ValueError(f"tile geometry {geo} does not split into warps of 16x8 mma tiles "
                          "(bm % 16 warps_m, bn % 8 warps_n, bk % 8, stages >= 2)")
-    plan = GemmPlan(spec.key(), arch, spec.k, spec.n, spec.b_layout, *geo)
+    plan = GemmPlan(spec.key(), arch, spec.k, spec.n, spec.b_layout, spec.epilogue, *geo)
     if plan.shared_bytes > STATIC_SHARED:
         raise ValueError(f"tile geometry {geo} needs {plan.shared_bytes} bytes of shared "
                          f"memory, over the {STATIC_SHARED} static limit")
@@ -98,7 +99,8 @@ def render_kernel(plan: GemmPlan) -> str:
 
 
 # the shapes every test and the CI compile cover: MACE-MP's radial last layers (64 -> 512,
-# 64 -> 1280; MP-large 64 -> 1792) forward and backward, and widths that leave ragged tiles
+# 64 -> 1280; MP-large 64 -> 1792) forward and backward, widths that leave ragged tiles, and the
+# hidden layers with their SiLU
 CATALOG = {
     "mp_l1_fwd": GemmSpec(64, 512, "nk"),
     "mp_l2_fwd": GemmSpec(64, 1280, "nk"),
@@ -106,6 +108,9 @@ CATALOG = {
     "large_fwd": GemmSpec(64, 1792, "nk"),
     "ragged_fwd": GemmSpec(36, 300, "nk"),
     "ragged_bwd": GemmSpec(300, 36, "kn"),
+    # the radial MLP's hidden layers (64 -> 64 with SiLU) forward and backward
+    "hidden_fwd": GemmSpec(64, 64, "nk", "silu"),
+    "hidden_bwd": GemmSpec(64, 64, "kn", "silu_grad"),
 }
 
 

@@ -3,7 +3,7 @@ torch's current stream (allocates only its output; graph-capturable)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -25,26 +25,47 @@ class CudaGemm:
         self.plan = codegen.plan_kernel(spec, device_limits(self.device).arch)
         self._kernel: Optional[Kernel] = None
 
-    def apply(self, a: Tensor, b: Tensor) -> Tensor:
-        """``a [M, k]``; ``b`` ``[k, n]`` (layout ``"kn"``) or ``[n, k]`` (``"nk"``), both
-        contiguous float32 on the kernel's device."""
+    def apply(self, a: Tensor, b: Tensor, z: Optional[Tensor] = None) -> Tensor:
+        """``C [M, n]`` of ``a [M, k]`` and ``b`` (``[k, n]`` for layout ``"kn"``, ``[n, k]``
+        for ``"nk"``), all contiguous float32 on the kernel's device; epilogue ``"silu_grad"``
+        reads the pre-activations ``z [M, n]``, ``"silu"`` is :meth:`apply_silu`."""
+        if (z is None) != (self.spec.epilogue == "none"):
+            raise KernelError(f"{self.spec.describe()}: pre-activations are read by the "
+                              "silu_grad epilogue only")
+        out = self._empty(a)
+        self._launch(a, b, out, z)
+        return out
+
+    def apply_silu(self, a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(z, silu(z))`` with ``z = a op(b)`` ``[M, n]`` (epilogue ``"silu"``)."""
+        if self.spec.epilogue != "silu":
+            raise KernelError(f"{self.spec.describe()} has no silu epilogue")
+        z, out = self._empty(a), self._empty(a)
+        self._launch(a, b, out, z)
+        return z, out
+
+    def _empty(self, a: Tensor) -> Tensor:
+        return torch.empty((int(a.shape[0]), self.spec.n), dtype=torch.float32,
+                           device=self.device)
+
+    def _launch(self, a: Tensor, b: Tensor, out: Tensor, z: Optional[Tensor]) -> None:
         s = self.spec
         m = int(a.shape[0]) if a.dim() == 2 else -1
         check_tensor("a", a, (m, s.k), torch.float32, self.device, s.describe())
         check_tensor("b", b, (s.k, s.n) if s.b_layout == "kn" else (s.n, s.k), torch.float32,
                      self.device, s.describe())
-        for name, t in (("a", a), ("b", b)):
-            if t.data_ptr() % 16:
+        if z is not None:
+            check_tensor("z", z, (m, s.n), torch.float32, self.device, s.describe())
+        for name, t in (("a", a), ("b", b), ("z", z)):
+            if t is not None and t.data_ptr() % 16:
                 raise KernelError(f"{name}: the 3xTF32 GEMM copies 16-byte chunks and needs a "
                                   "16-byte aligned tensor; pass a fresh .contiguous() copy")
         if m * max(s.k, s.n) > INT32_MAX:
             raise KernelError(f"{m} rows exceed the 3xTF32 GEMM's int32 row count")
-        out = torch.empty((m, s.n), dtype=torch.float32, device=self.device)
         if m == 0:
-            return out
+            return
         if self._kernel is None:
             self._kernel = Kernel(codegen.render_kernel(self.plan), codegen.kernel_name(self.plan),
                                   self.device, self.plan.arch)
-        self._kernel.launch(self.plan.grid(m), self.plan.threads, (ptr(a), ptr(b), ptr(out),
-                                                                   i32(m)))
-        return out
+        self._kernel.launch(self.plan.grid(m), self.plan.threads,
+                            (ptr(a), ptr(b), ptr(out), ptr(z), i32(m)))

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Optional
 
 B_LAYOUTS = ("kn", "nk")
+EPILOGUES = ("none", "silu", "silu_grad")
 ALIGN = 4  # the kernels copy 16-byte chunks: k and n must be multiples of 4 floats
 
 
@@ -14,11 +15,14 @@ ALIGN = 4  # the kernels copy 16-byte chunks: k and n must be multiples of 4 flo
 class GemmSpec:
     """``k``, ``n``: the inner and output widths; ``b_layout``: how ``B`` is stored, ``"kn"``
     (row-major ``[k, n]``, ``op(B) = B``) or ``"nk"`` (row-major ``[n, k]``, ``op(B) = B^T``:
-    a column-major ``[k, n]`` weight)."""
+    a column-major ``[k, n]`` weight); ``epilogue``: ``"none"``, ``"silu"`` (a hidden layer's
+    forward: ``z = A op(B)`` and ``silu(z)``) or ``"silu_grad"`` (its backward: ``A op(B) *
+    silu'(z)``)."""
 
     k: int
     n: int
     b_layout: str
+    epilogue: str = "none"
 
     def __post_init__(self) -> None:
         why = unsupported_reason(self.k, self.n)
@@ -26,12 +30,17 @@ class GemmSpec:
             raise ValueError(why)
         if self.b_layout not in B_LAYOUTS:
             raise ValueError(f"b_layout must be one of {B_LAYOUTS}, got {self.b_layout!r}")
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
 
     def key(self) -> str:
-        return f"k{self.k}_n{self.n}_{self.b_layout}"
+        tail = "" if self.epilogue == "none" else f"_{self.epilogue}"
+        return f"k{self.k}_n{self.n}_{self.b_layout}{tail}"
 
     def describe(self) -> str:
-        return f"3xTF32 GEMM [M, {self.k}] x [{self.k}, {self.n}] (B stored {self.b_layout})"
+        tail = "" if self.epilogue == "none" else f", then {self.epilogue}"
+        return (f"3xTF32 GEMM [M, {self.k}] x [{self.k}, {self.n}] (B stored "
+                f"{self.b_layout}{tail})")
 
 
 def unsupported_reason(k: int, n: int) -> Optional[str]:
