@@ -33,7 +33,6 @@ import torch
 from mace_accel.options import AccelOptions
 
 
-
 @dataclasses.dataclass
 class CallState:
     """One accelerated model call: its options (None when its edge features are not fused) and

@@ -124,8 +124,10 @@ class FusedRadialMLP(FusedModule):
     def describe(self) -> str:
         head = self.spec.describe(self.fold_last)
         k, n = self.hs[-2:]
-        if self.options.fp32_gemm != "tf32x3" or self.backend != "cuda":
-            return head + "; last layer in float32 on cuBLAS"
+        if self.backend != "cuda":
+            return head
+        if self.options.fp32_gemm != "tf32x3":
+            return head + "; last layer in float32 on cuBLAS (fp32_gemm='cublas')"
         why = tf32x3_unsupported(k, n)
         if why is not None:
             return head + f"; last layer in float32 on cuBLAS ({why})"
