@@ -13,18 +13,22 @@ kernels (float32, CUDA, ``k`` and ``n`` multiples of 4: :func:`~.spec.unsupporte
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import TYPE_CHECKING, Tuple
 
 import torch
 
 from mace_accel.ops import registry
 from mace_accel.ops.tf32x3_gemm.spec import GemmSpec, unsupported_reason
 
+if TYPE_CHECKING:
+    from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
+
 FAMILY = "tf32x3_gemm"
 Tensor = torch.Tensor
 
 
-def _kernels(k: int, n: int, layout: str, epilogue: str, device: torch.device):
+def _kernels(k: int, n: int, layout: str, epilogue: str, device: torch.device) -> "CudaGemm":
+    """The compiled kernel of one spec on ``device`` (built once per process)."""
     from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
 
     return registry.cached((FAMILY, k, n, layout, epilogue, device),

@@ -1,5 +1,5 @@
 """The CUDA side of the 3xTF32 GEMMs: one generated kernel per spec and device, launched on
-torch's current stream (allocates only its output; graph-capturable)."""
+torch's current stream (allocates only its outputs; graph-capturable)."""
 
 from __future__ import annotations
 
