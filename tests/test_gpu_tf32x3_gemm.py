@@ -62,7 +62,7 @@ def test_gradients_and_double_backward_match_float64():
     out = autograd.linear(h, w)
     g = torch.randn_like(out)
     gh, gw = torch.autograd.grad(out, (h, w), g, create_graph=True)
-    # double backward (training on forces): d/dh and d/dw of <gh, v>
+    # double backward (training on forces): d/dw of <gh, v>
     v = torch.randn_like(gh)
     (gwh,) = torch.autograd.grad((gh * v).sum(), (w,))
     hr, wr = h64.clone().requires_grad_(True), w64.clone().requires_grad_(True)
