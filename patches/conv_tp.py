@@ -71,10 +71,10 @@ class FusedConvTP(FusedModule):
         graph = graph_from_edge_index(edge_index, node_feats.shape[0], self.options.check_indices)
         run = dict(backend=self.options.backend, deterministic=self.options.deterministic)
         if self.radial is not None:  # tp_weights are the hidden activations [E, hidden]
-            w_last = self.radial.last_weight(tp_weights.dtype)
             if folded.recompute_weights(self.options.recompute_tp_weights, tp_weights.shape[0],
                                         self.spec.weight_numel, tp_weights.dtype,
                                         tp_weights.device):
+                w_last = self.radial.last_weight(tp_weights.dtype)
                 return folded.folded_conv_tp(self._key, graph, node_feats, edge_attrs,
                                              tp_weights, w_last, **run,
                                              tf32x3=self.radial.uses_tf32x3(tp_weights))

@@ -165,9 +165,12 @@ class FusedRadialMLP(FusedModule):
         """Whether the last layer of ``t``'s dtype and device runs on the 3xTF32 kernels."""
         return self._tf32x3() and tf32x3.runs_on(t, *self.hs[-2:])
 
-    def last_layer(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[E, h_L]`` = ``hidden [E, h_{L-1}] @ W_last`` (differentiable)."""
-        w = self.last_weight(hidden.dtype)
+    def last_layer(self, hidden: torch.Tensor,
+                   w: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[E, h_L]`` = ``hidden [E, h_{L-1}] @ W_last`` (differentiable); ``w``: the folded
+        ``W_last`` where the caller has it already (else fetched: built again when training)."""
+        if w is None:
+            w = self.last_weight(hidden.dtype)
         return tf32x3.linear(hidden, w) if self.uses_tf32x3(hidden) else torch.mm(hidden, w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,7 +188,7 @@ class FusedRadialMLP(FusedModule):
             return radial_mlp.radial_mlp(x, weights[:-1], last_act=True, tf32x3=fast)
         if len(weights) > 1 and self.uses_tf32x3(x):
             return self.last_layer(radial_mlp.radial_mlp(x, weights[:-1], last_act=True,
-                                                         tf32x3=fast))
+                                                         tf32x3=fast), weights[-1])
         return radial_mlp.radial_mlp(x, weights, tf32x3=fast)
 
     # -- the hidden layers in one kernel per pass (CUDA backend, inference) ---------------------

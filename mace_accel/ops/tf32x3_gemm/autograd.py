@@ -39,12 +39,17 @@ def _gemm(a: Tensor, b: Tensor, k: int, n: int, layout: str) -> Tensor:
     return _kernels(k, n, layout, "none", a.device).apply(a, b)
 
 
-@torch.library.custom_op("mace_accel::tf32x3_mm", mutates_args=())
-def mm_op(a: Tensor, wt: Tensor, transposed: bool) -> Tensor:
-    """``a [M, k] @ wt^T`` ``[M, n]`` (``transposed``), else ``a [M, n] @ wt`` ``[M, k]``
-    (``wt [n, k]``)."""
+def _mm(a: Tensor, wt: Tensor, transposed: bool) -> Tensor:
+    """``a [M, k] @ wt^T`` ``[M, n]`` (``transposed``: kernel layout ``"nk"``), else
+    ``a [M, n] @ wt`` ``[M, k]`` (layout ``"kn"``); ``wt [n, k]``."""
     n, k = int(wt.shape[0]), int(wt.shape[1])
     return _gemm(a, wt, k, n, "nk") if transposed else _gemm(a, wt, n, k, "kn")
+
+
+@torch.library.custom_op("mace_accel::tf32x3_mm", mutates_args=())
+def mm_op(a: Tensor, wt: Tensor, transposed: bool) -> Tensor:
+    """:func:`_mm` as a differentiable op."""
+    return _mm(a, wt, transposed)
 
 
 @mm_op.register_fake
@@ -84,13 +89,13 @@ def linear(h: Tensor, w: Tensor) -> Tensor:
 
 def mm(a: Tensor, w: Tensor) -> Tensor:
     """``a [M, k] @ w [k, n]`` on the kernel, no autograd (inside other ops' forward)."""
-    return _gemm(a.contiguous(), w.t().contiguous(), int(w.shape[0]), int(w.shape[1]), "nk")
+    return _mm(a.contiguous(), w.t().contiguous(), True)
 
 
 def mm_t(g: Tensor, w: Tensor) -> Tensor:
     """``g [M, n] @ w^T`` (``w [k, n]``) on the kernel, no autograd (inside other ops'
     backward)."""
-    return _gemm(g.contiguous(), w.t().contiguous(), int(w.shape[1]), int(w.shape[0]), "kn")
+    return _mm(g.contiguous(), w.t().contiguous(), False)
 
 
 def mm_silu(h: Tensor, w: Tensor) -> Tuple[Tensor, Tensor]:
