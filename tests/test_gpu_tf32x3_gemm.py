@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mace_accel.bench.timing import capture_graph
 from mace_accel.errors import KernelError
 from mace_accel.ops.tf32x3_gemm import autograd
 from mace_accel.ops.tf32x3_gemm.codegen import CATALOG
@@ -79,11 +80,7 @@ def test_repeats_are_bit_identical_and_capture_in_a_graph():
     h, w = h64.float().cuda(), _column_major(w64.float().cuda())
     first = autograd.mm(h, w)
     assert torch.equal(first, autograd.mm(h, w))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        captured = autograd.mm(h, w)
+    graph, captured = capture_graph(lambda: autograd.mm(h, w))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, first)
