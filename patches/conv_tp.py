@@ -70,7 +70,8 @@ class FusedConvTP(FusedModule):
         self._check(node_feats, edge_attrs, tp_weights, edge_index)
         graph = graph_from_edge_index(edge_index, node_feats.shape[0], self.options.check_indices)
         run = dict(backend=self.options.backend, deterministic=self.options.deterministic)
-        if self.radial is not None:  # tp_weights are the hidden activations [E, hidden]
+        if self.radial is not None and not self.radial.is_full_output(tp_weights):
+            # tp_weights are the hidden activations [E, hidden]
             if folded.recompute_weights(self.options.recompute_tp_weights, tp_weights.shape[0],
                                         self.spec.weight_numel, tp_weights.dtype,
                                         tp_weights.device):
@@ -86,6 +87,9 @@ class FusedConvTP(FusedModule):
         expected = (("node_feats", node_feats, s.dim_in1), ("edge_attrs", edge_attrs, s.dim_in2),
                     ("tp_weights", tp_weights, self.weight_columns))
         for name, t, dim in expected:
+            if t is tp_weights and self.radial is not None and t.dim() == 2 \
+                    and self.radial.is_full_output(t):
+                continue  # the radial MLP ran whole (its runs_whole): full TP weights
             if t.dim() != 2 or t.shape[1] != dim:
                 raise InputError(f"{name} must have shape [n, {dim}] for {self.describe()}, "
                                  f"got {tuple(t.shape)}")

@@ -15,6 +15,11 @@ import torch
 
 from mace_accel.errors import InputError
 from mace_accel.ops import radial_mlp, registry
+from mace_accel.ops.conv_tp import folded
+from mace_accel.ops.radial_tc import apply as radial_tc
+from mace_accel.ops.radial_tc.spec import RadialSpec
+from mace_accel.ops.radial_tc.spec import pack_weights as pack_whole
+from mace_accel.ops.radial_tc.spec import unsupported_reason as whole_unsupported
 from mace_accel.ops.silu_mlp import autograd as silu_mlp_autograd
 from mace_accel.ops.silu_mlp.spec import MAX_WIDTH, SiluMLPSpec, pack_weights
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
@@ -52,6 +57,11 @@ class RadialMLPSpec:
                            f"{self.hs[-2]}]; the TP weights [E, {self.hs[-1]}] are recomputed "
                            "in the backward when large)")
         return head + f"the TP weights [E, {self.hs[-1]}] are written"
+
+
+def _cuda_float32(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a float32 CUDA tensor (what the 3xTF32 kernels take)."""
+    return x.is_cuda and x.dtype == torch.float32
 
 
 def _is_silu(f) -> bool:
@@ -131,7 +141,14 @@ class FusedRadialMLP(FusedModule):
         why = tf32x3_unsupported(k, n)
         if why is not None:
             return head + f"; last layer in float32 on cuBLAS ({why})"
-        return head + ("; in float32 the last layer, and below "
+        whole = whole_unsupported(self.hs)
+        if whole is None:
+            return head + ("; in float32 at inference the whole MLP forward in one tensor-core "
+                           "kernel (3xTF32, float32 accuracy; hidden activations on chip, "
+                           "pre-activations written for the backward, which runs 3xTF32 GEMMs "
+                           "with SiLU epilogues), unless the conv recomputes the TP weights; "
+                           "training and float64: GEMMs")
+        return head + (f"; not in one kernel ({whole}); in float32 the last layer, and below "
                        f"{FUSED_MIN_EDGES} edges the hidden layers with widths in multiples of "
                        "4 (with their SiLU), on the tensor cores (3xTF32 kernels, float32 "
                        "accuracy; float64 on cuBLAS)")
@@ -175,10 +192,14 @@ class FusedRadialMLP(FusedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[E, h_L]`` per-edge TP weights of the radial features ``x [E, h0]``
-        (``[E, h_{L-1}]`` hidden activations with ``fold_last``)."""
+        (with ``fold_last``: ``[E, h_{L-1}]`` hidden activations, unless :meth:`runs_whole`;
+        the conv tells them apart by :meth:`is_full_output`)."""
         if x.dim() != 2 or x.shape[1] != self.hs[0]:
             raise InputError(f"edge_feats must have shape [n_edges, {self.hs[0]}] for the "
                              f"radial MLP, got {tuple(x.shape)}")
+        if self.runs_whole(x):
+            return radial_mlp.radial_mlp(x, self._weights(x.dtype), tf32x3=True,
+                                         whole=(self._whole_key(), self._packed_whole(x.dtype)))
         if self._fused_hidden(x):
             hidden = silu_mlp_autograd.silu_mlp(self._hidden_key(), x, self._packed(x.dtype),
                                                 self.backend)
@@ -191,6 +212,40 @@ class FusedRadialMLP(FusedModule):
                                                          tf32x3=fast), weights[-1])
         return radial_mlp.radial_mlp(x, weights, tf32x3=fast)
 
+    # -- the whole MLP in one tensor-core kernel per pass (CUDA float32, inference) -------------
+    def _no_weight_grads(self) -> bool:
+        return not (torch.is_grad_enabled() and any(w.requires_grad
+                                                    for w in self._raw_weights()))
+
+    def runs_whole(self, x: torch.Tensor) -> bool:
+        """Whether the whole MLP of ``x [E, h0]`` runs in the :mod:`~mace_accel.ops.radial_tc`
+        kernels: the 3xTF32 path (CUDA, float32, ``fp32_gemm="tf32x3"``), widths they take, no
+        weight gradient asked for (training keeps the GEMMs), and, with ``fold_last``, the conv
+        keeping the TP weights rather than recomputing them chunk by chunk (then the conv
+        applies the last layer itself)."""
+        if not (self._tf32x3() and _cuda_float32(x) and whole_unsupported(self.hs) is None
+                and self._no_weight_grads()):
+            return False
+        if not self.fold_last:
+            return True
+        return self.hs[-1] != self.hs[-2] and not folded.recompute_weights(
+            self.options.recompute_tp_weights, int(x.shape[0]), self.hs[-1], x.dtype, x.device)
+
+    def is_full_output(self, tp_weights: torch.Tensor) -> bool:
+        """With ``fold_last``, whether ``tp_weights`` (this module's output) holds the full TP
+        weights ``[E, h_L]`` (:meth:`runs_whole`) rather than the hidden ``[E, h_{L-1}]``."""
+        return tp_weights.shape[-1] == self.hs[-1] != self.hs[-2]
+
+    def _whole_key(self) -> str:
+        return self._kernel_cache("whole_key", lambda: radial_tc.register_spec(
+            RadialSpec(tuple(self.hs))))
+
+    def _packed_whole(self, dtype: torch.dtype) -> torch.Tensor:
+        """The folded weights in the kernel's packed layout (float32 on the GPU)."""
+        spec = registry.lookup(self._whole_key())
+        return self._derived("packed_whole", self._raw_weights(), dtype,
+                             lambda d: pack_whole(spec, self._weights(d)))
+
     # -- the hidden layers in one kernel per pass (CUDA backend, inference) ---------------------
     def _fused_hidden(self, x: torch.Tensor) -> bool:
         """The CUDA kernels of :mod:`mace_accel.ops.silu_mlp` run the hidden layers when the
@@ -201,8 +256,7 @@ class FusedRadialMLP(FusedModule):
                 or x.shape[0] < FUSED_MIN_EDGES or len(self.hs) < 3 \
                 or max(self.hs[:-1]) > MAX_WIDTH:
             return False
-        return not (torch.is_grad_enabled() and any(w.requires_grad
-                                                    for w in self._raw_weights()))
+        return self._no_weight_grads()
 
     def _hidden_key(self) -> str:
         return self._kernel_cache("hidden_key", lambda: silu_mlp_autograd.register_spec(

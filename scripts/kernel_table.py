@@ -25,7 +25,7 @@ from mace_accel.bench.timing import time_calls
 from mace_accel.models.batch import model_info
 
 FAMILIES: List[Tuple[str, str]] = [
-    (r"^mace_tf32x3_gemm", "radial GEMMs (ours, 3xTF32)"),
+    (r"^mace_(tf32x3_gemm|radial_tc)", "radial MLP (ours, 3xTF32)"),
     (r"gemm|gemv|cutlass|xmma|sgemm|dgemm", "GEMM (cuBLAS)"),
     (r"^mace_conv", "conv (ours)"),
     (r"^mace_sc|symmetric", "symmetric contraction (ours)"),
@@ -71,7 +71,7 @@ def glue_table(model_call, ops: int) -> None:
         if e.device_type != torch.autograd.DeviceType.CPU or not e.kernels:
             continue
         torch_kernels = [k for k in e.kernels if family(k.name) not in
-                         ("GEMM (cuBLAS)", "radial GEMMs (ours, 3xTF32)", "conv (ours)",
+                         ("GEMM (cuBLAS)", "radial MLP (ours, 3xTF32)", "conv (ours)",
                           "symmetric contraction (ours)", "edge features (ours)",
                           "other generated (ours)")]
         if not torch_kernels:

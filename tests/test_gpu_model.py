@@ -64,7 +64,9 @@ def test_fused_radial_mlp_hidden_layers_match_unpatched(dtype, monkeypatch):
     model = build_architecture("mp-medium", dtype=dtype, device="cuda")
     for p in model.parameters():  # inference: no weight gradients (training keeps the GEMMs)
         p.requires_grad_(False)
-    mace_accel.accelerate(model, backend="cuda", verify=False)
+    # cuBLAS GEMMs: on the 3xTF32 path, float32 runs the whole net in the radial_tc kernel
+    mace_accel.accelerate(model, backend="cuda", verify=False,
+                          options=mace_accel.AccelOptions(fp32_gemm="cublas"))
     _assert_matches_unpatched(model, dtype)
     assert len(calls) == 2  # both interaction blocks
 

@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from mace_accel.ops.radial_tc import apply as radial_tc
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3_ops
 
 Tensor = torch.Tensor
@@ -94,8 +95,12 @@ def _silu_grad(g: Tensor, z: Tensor) -> Tensor:
 
 class _RadialMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, last_act: bool, tf32x3: bool, *weights: Tensor) -> Tensor:
-        pre, out = pre_activations(x, weights, last_act, tf32x3)
+    def forward(ctx, x: Tensor, last_act: bool, tf32x3: bool, whole: Optional[Tuple[str, Tensor]],
+                *weights: Tensor) -> Tensor:
+        if whole is not None:  # the whole net in one kernel, which also writes pre
+            out, pre = radial_tc.forward(whole[0], x, whole[1])
+        else:
+            pre, out = pre_activations(x, weights, last_act, tf32x3)
         ctx.save_for_backward(x, *weights, *pre)
         ctx.n_layers, ctx.last_act, ctx.tf32x3 = len(weights), last_act, tf32x3
         return out
@@ -110,8 +115,8 @@ class _RadialMLP(torch.autograd.Function):
             pre, _ = pre_activations(x, weights, ctx.last_act)
             tf32x3 = False
         grad_x, grads_w = vjp(x, weights, pre, grad, ctx.last_act, ctx.needs_input_grad[0],
-                              ctx.needs_input_grad[3:], tf32x3)
-        return (grad_x, None, None, *grads_w)
+                              ctx.needs_input_grad[4:], tf32x3)
+        return (grad_x, None, None, None, *grads_w)
 
 
 def vjp(x: Tensor, weights: Sequence[Tensor], pre: Sequence[Tensor], grad: Tensor,
@@ -142,12 +147,16 @@ def vjp(x: Tensor, weights: Sequence[Tensor], pre: Sequence[Tensor], grad: Tenso
 
 
 def radial_mlp(x: Tensor, weights: Sequence[Tensor], last_act: bool = False,
-               tf32x3: bool = False) -> Tensor:
+               tf32x3: bool = False, whole: Optional[Tuple[str, Tensor]] = None) -> Tensor:
     """``[E, h_L]``: the folded SiLU MLP of ``x [E, h0]`` (see module docstring); with
     ``last_act`` the last layer has a SiLU too (the hidden part of a net whose own last layer
     is folded into the convolution); with ``tf32x3`` (CUDA float32) the hidden layers whose
-    widths are multiples of 4 run as 3xTF32 kernels with their SiLU, forward and backward."""
-    return _RadialMLP.apply(x, last_act, tf32x3, *weights)
+    widths are multiples of 4 run as 3xTF32 kernels with their SiLU, forward and backward;
+    ``whole``: ``(spec key, packed weights)`` of :mod:`mace_accel.ops.radial_tc`, whose one
+    kernel then runs the forward (not with ``last_act``; the backward as with ``tf32x3``)."""
+    if whole is not None and last_act:
+        raise ValueError("the whole-net kernel ends with the linear layer (last_act=False)")
+    return _RadialMLP.apply(x, last_act, tf32x3, whole, *weights)
 
 
 def reference(x: Tensor, weights: Sequence[Tensor], last_act: bool = False) -> Tensor:

@@ -145,16 +145,22 @@ def _write_atomic(path: Path, data: bytes) -> None:
 class Kernel:
     """A loaded CUDA function on one device."""
 
-    def __init__(self, source: str, name: str, device: torch.device, arch: str) -> None:
+    def __init__(self, source: str, name: str, device: torch.device, arch: str,
+                 dynamic_shared: int = 0) -> None:
+        """``dynamic_shared``: bytes of dynamic shared memory every launch gets (above the
+        48 KB default a kernel must opt in; done here, once)."""
         import cupy
 
         self.name = name
         self.device_index = device_index(device)
+        self.dynamic_shared = int(dynamic_shared)
         cubin = compile_cubin(source, arch)
         with cupy.cuda.Device(self.device_index):
             self._module = cupy.cuda.function.Module()
             self._module.load(cubin)
             self._function = self._module.get_function(name)
+            if self.dynamic_shared > 48 * 1024:
+                _opt_in_shared(self._function, self.dynamic_shared, name)
 
     def launch(self, grid, block: int, args: tuple) -> None:
         """``grid``: blocks along x, or a tuple (x, y[, z])."""
@@ -164,7 +170,23 @@ class Kernel:
                               self.device_index)
         with cupy.cuda.Device(self.device_index):
             self._function(grid if isinstance(grid, tuple) else (grid,), (block,), args,
-                           stream=stream)
+                           shared_mem=self.dynamic_shared, stream=stream)
+
+
+# CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_MAX_DYNAMIC_SHARED_ATTRIBUTE = 8
+
+
+def _opt_in_shared(function, size: int, name: str) -> None:
+    """Let ``function`` launch with ``size`` bytes of dynamic shared memory."""
+    from cupy_backends.cuda.api import driver
+
+    try:
+        driver.funcSetAttribute(function.ptr, _MAX_DYNAMIC_SHARED_ATTRIBUTE, size)
+    except Exception as exc:  # CUDA_ERROR_INVALID_VALUE: the device has less to give
+        raise KernelError(f"kernel {name} needs {size} bytes of shared memory per block, which "
+                          f"this GPU does not allow ({exc}); it is built for sm_80 or newer "
+                          "(A100, H100, H200)") from exc
 
 
 @functools.lru_cache(maxsize=64)

@@ -111,6 +111,9 @@ CATALOG = {
     # the radial MLP's hidden layers (64 -> 64 with SiLU) forward and backward
     "hidden_fwd": GemmSpec(64, 64, "nk", "silu"),
     "hidden_bwd": GemmSpec(64, 64, "kn", "silu_grad"),
+    # the last layer's backward with the SiLU of the layer below (after the radial_tc forward)
+    "mp_l1_bwd_silu": GemmSpec(512, 64, "kn", "silu_grad"),
+    "mp_l2_bwd_silu": GemmSpec(1280, 64, "kn", "silu_grad"),
 }
 
 

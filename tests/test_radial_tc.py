@@ -1,0 +1,193 @@
+"""The whole-radial-MLP kernel on the CPU: specs, packing, plans and sources, and the radial
+MLP's autograd and the model around it with the kernels stood in for by torch (forward, ``d x``
+on the 3xTF32 layer kernels, double backward; the conv taking the full TP weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mace_accel.errors import UnsupportedModelError
+from mace_accel.ops import radial_mlp
+from mace_accel.ops.radial_tc import apply, codegen
+from mace_accel.ops.radial_tc.spec import RadialSpec, pack_weights, unpack_weights, \
+    unsupported_reason
+from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
+from mace_accel.options import AccelOptions
+from mace_accel.tolerances import MODEL_TOL, rel_norm_error
+
+
+class _TorchKernel:
+    """The radial_tc kernel as torch computes it (any dtype and device)."""
+
+    def __init__(self, spec: RadialSpec, calls: list) -> None:
+        self.spec, self.calls = spec, calls
+
+    def forward(self, x, w):
+        self.calls.append("forward")
+        pre, out = radial_mlp.pre_activations(x, unpack_weights(self.spec, w))
+        z = x.new_zeros((len(pre), x.shape[0], self.spec.hidden_width))
+        for i, p in enumerate(pre):
+            z[i, :, :p.shape[1]] = p
+        return out, z
+
+
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """Both kernel families stood in for by torch; the 3xTF32 path taken for any tensor."""
+    calls = []
+    monkeypatch.setattr(apply, "_kernel", lambda key, x: _TorchKernel(
+        apply.registry.lookup(key), calls))
+
+    def gemm(a, b, k, n, layout):
+        calls.append(("gemm", k, n, layout))
+        return a @ (b.t() if layout == "nk" else b)
+
+    def mm_t_silu_grad(g, w, z):
+        calls.append("silu_grad")
+        s = torch.sigmoid(z)
+        return (g @ w.t()) * s * (1 + z * (1 - s))
+
+    def mm_silu(h, w):
+        calls.append("silu")
+        z = h @ w
+        return z, torch.nn.functional.silu(z)
+
+    monkeypatch.setattr(tf32x3, "runs_on", lambda t, k, n: True)
+    monkeypatch.setattr(tf32x3, "mm_silu", mm_silu)
+    monkeypatch.setattr(tf32x3, "_gemm", gemm)
+    monkeypatch.setattr(tf32x3, "mm_t_silu_grad", mm_t_silu_grad)
+    return calls
+
+
+def _weights(widths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(widths[i], widths[i + 1], generator=gen, dtype=torch.float64)
+            / widths[i] ** 0.5 for i in range(len(widths) - 1)]
+
+
+def test_unsupported_widths_are_named():
+    assert unsupported_reason((10, 64, 64, 64, 1280)) is None
+    assert "hidden layer" in unsupported_reason((10, 1280))
+    assert "up to 64" in unsupported_reason((10, 128, 1280))
+    assert "multiple of 4" in unsupported_reason((10, 64, 1281))
+    with pytest.raises(UnsupportedModelError):
+        RadialSpec((10, 96, 64))
+
+
+@pytest.mark.parametrize("widths", [(10, 64, 64, 64, 1280), (5, 20, 36, 300)])
+def test_packing_round_trips_with_zero_padding(widths):
+    spec = RadialSpec(widths)
+    weights = _weights(widths)
+    packed = pack_weights(spec, weights)
+    assert packed.shape == (spec.packed_numel,) and packed.is_contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(unpack_weights(spec, packed), weights))
+    assert float(packed.abs().sum()) == pytest.approx(sum(float(w.abs().sum()) for w in weights))
+    with pytest.raises(UnsupportedModelError):
+        pack_weights(spec, weights[:-1])
+
+
+@pytest.mark.parametrize("name", sorted(codegen.CATALOG))
+def test_plans_fit_shared_memory_and_sources_name_their_kernels(name):
+    plan = codegen.plan_kernel(codegen.CATALOG[name])
+    assert 0 < plan.fwd_shared_bytes <= codegen.OPTIN_SHARED
+    assert plan.fwd_min_blocks == 2  # two blocks per SM for every catalog net
+    assert f"{codegen.kernel_name(plan)}(" in codegen.render_kernel(plan)
+
+
+@pytest.mark.parametrize("widths", [(10, 16, 16, 12), (5, 20, 36, 300)])
+def test_radial_mlp_on_the_kernels_equals_the_reference(torch_kernels, widths):
+    spec = RadialSpec(widths)
+    weights = _weights(widths)
+    whole = (apply.register_spec(spec), pack_weights(spec, weights))
+    x = torch.randn(23, widths[0], dtype=torch.float64, requires_grad=True)
+    ref = radial_mlp.reference(x, weights)
+    g = torch.randn_like(ref)
+    (gref,) = torch.autograd.grad(ref, x, g, create_graph=True)
+    out = radial_mlp.radial_mlp(x, weights, tf32x3=True, whole=whole)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-13)
+    # inference: the backward on the 3xTF32 layer kernels, from the kernel's pre-activations
+    (gx,) = torch.autograd.grad(radial_mlp.radial_mlp(x, weights, tf32x3=True, whole=whole),
+                                x, g)
+    assert torch.allclose(gx, gref, rtol=1e-11, atol=1e-13)
+    assert torch_kernels.count("forward") == 2
+    assert torch_kernels.count("silu_grad") == len(widths) - 2
+    # double backward (training on forces): the differentiable torch path
+    (gx2,) = torch.autograd.grad(out, x, g, create_graph=True)
+    assert torch.allclose(gx2, gref, rtol=1e-11, atol=1e-13)
+    dd, dd_ref = (torch.autograd.grad(v.square().sum(), x)[0] for v in (gx2, gref))
+    assert torch.allclose(dd, dd_ref, rtol=1e-10, atol=1e-12)
+    assert torch_kernels.count("silu_grad") == len(widths) - 2
+
+
+def test_the_whole_net_ends_with_its_linear_layer():
+    spec = RadialSpec((3, 8, 8))
+    with pytest.raises(ValueError, match="last_act"):
+        radial_mlp.radial_mlp(torch.randn(2, 3), _weights(spec.widths), last_act=True,
+                              whole=(apply.register_spec(spec), torch.zeros(0)))
+
+
+def _fused_mlp(hs=(8, 16, 16, 12), **options):
+    from test_radial_mlp import _net
+
+    from mace_accel.patches.radial_mlp import FusedRadialMLP, spec_or_reason
+
+    net = _net(hs=hs)
+    spec, _ = spec_or_reason(net)
+    return FusedRadialMLP(net, spec, AccelOptions(backend="cuda", verify=False, **options))
+
+
+def test_when_the_whole_net_runs(monkeypatch):
+    from mace_accel.patches import radial_mlp as patch
+
+    x = torch.randn(5, 8, dtype=torch.float64)
+    assert not _fused_mlp().runs_whole(x)  # not a float32 CUDA tensor
+    monkeypatch.setattr(patch, "_cuda_float32", lambda t: True)
+    fused = _fused_mlp()
+    with torch.no_grad():
+        assert fused.runs_whole(x)
+    assert not _fused_mlp(fp32_gemm="cublas").runs_whole(x)
+    assert not _fused_mlp(hs=(8, 128, 12)).runs_whole(x)  # too wide
+    for p in fused.parameters():
+        p.requires_grad_(True)
+    assert not fused.runs_whole(x)  # training: weight gradients
+    with torch.no_grad():
+        assert fused.runs_whole(x)
+    folded = _fused_mlp(recompute_tp_weights="always")
+    folded.fold_last = True
+    with torch.no_grad():
+        assert not folded.runs_whole(x)  # the conv recomputes the TP weights itself
+    folded = _fused_mlp(recompute_tp_weights="never")
+    folded.fold_last = True
+    with torch.no_grad():
+        assert folded.runs_whole(x)
+    assert folded.is_full_output(torch.zeros(5, 12)) and not folded.is_full_output(
+        torch.zeros(5, 16))
+    assert "one tensor-core kernel" in fused.describe()
+
+
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_model_on_the_kernels_matches_unpatched(recompute, tiny_model, torch_kernels,
+                                                monkeypatch):
+    """The folded blocks take the full TP weights from the whole-net kernel (or, recomputing
+    them, the hidden activations as before); energies, forces, stress as unpatched."""
+    from mace_accel import accelerate
+    from mace_accel.models.batch import atoms_to_batch, model_info, random_structure
+    from mace_accel.patches import radial_mlp as patch
+    from mace_accel.surgery import evaluate
+
+    model = tiny_model("RealAgnosticResidualInteractionBlock", hidden_irreps="8x0e+8x1o",
+                       dtype=torch.float64, seed=1)
+    info = model_info(model)
+    batch = atoms_to_batch(random_structure(info.atomic_numbers, n_atoms=9, r_max=info.r_max,
+                                            seed=2), info)
+    before = evaluate(model, batch, compute_stress=True)
+    accelerate(model, options=AccelOptions(backend="reference", recompute_tp_weights=recompute))
+    monkeypatch.setattr(patch, "_cuda_float32", lambda t: True)
+    monkeypatch.setattr(patch.FusedRadialMLP, "_tf32x3", lambda self: True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    after = evaluate(model, batch, compute_stress=True)
+    for key in ("energy", "forces", "stress"):
+        assert rel_norm_error(after[key], before[key]) <= MODEL_TOL[torch.float64], key
+    assert ("forward" in torch_kernels) == (recompute == "never")
