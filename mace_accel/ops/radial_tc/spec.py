@@ -13,12 +13,12 @@ the same blocks as ``[k][n]``: one copy serves both.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from mace_accel.errors import UnsupportedModelError
+from mace_accel.ops.silu_mlp.spec import LayerWidths, check_layer_weights
 
 PAD = 32  # input and hidden widths are padded to this (a warp column of the 2 x 4 warp grid)
 MAX_HIDDEN = 64  # wider inputs or hidden layers keep the GEMM path (shared memory)
@@ -46,7 +46,7 @@ def unsupported_reason(widths: Sequence[int]) -> Optional[str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class RadialSpec:
+class RadialSpec(LayerWidths):
     """``[E, widths[0]] -> [E, widths[-1]]``: ``len(widths) - 2`` SiLU layers, then a linear
     one."""
 
@@ -56,14 +56,6 @@ class RadialSpec:
         why = unsupported_reason(self.widths)
         if why is not None:
             raise UnsupportedModelError(why)
-
-    def key(self) -> str:
-        """Stable hex digest of the spec (kernel names and cache keys)."""
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.widths) - 1
 
     @property
     def padded_widths(self) -> Tuple[int, ...]:
@@ -100,16 +92,11 @@ def pack_weights(spec: RadialSpec, weights: Sequence[torch.Tensor]) -> torch.Ten
     Raises:
         UnsupportedModelError: the weights do not have the spec's shapes.
     """
-    if len(weights) != spec.n_layers:
-        raise UnsupportedModelError(f"{spec.describe()} has {spec.n_layers} layers, got "
-                                    f"{len(weights)} weight matrices")
+    check_layer_weights(spec.describe(), spec.widths, weights)
     p = spec.padded_widths
     parts = []
     for i, w in enumerate(weights):
         want = (spec.widths[i], spec.widths[i + 1])
-        if tuple(w.shape) != want:
-            raise UnsupportedModelError(f"layer {i} of {spec.describe()}: weight of shape "
-                                        f"{tuple(w.shape)}, expected {want}")
         block = w.new_zeros((p[i + 1], p[i]))
         block[:want[1], :want[0]] = w.t()
         parts.append(block.reshape(-1))

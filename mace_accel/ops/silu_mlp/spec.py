@@ -27,8 +27,23 @@ def padded(width: int) -> int:
     return -(-width // PAD) * PAD
 
 
+class LayerWidths:
+    """What the MLP specs share: ``widths`` (a field of the dataclass), a stable key, the layer
+    count."""
+
+    widths: Tuple[int, ...]
+
+    def key(self) -> str:
+        """Stable hex digest of the spec (kernel names and cache keys)."""
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.widths) - 1
+
+
 @dataclasses.dataclass(frozen=True)
-class SiluMLPSpec:
+class SiluMLPSpec(LayerWidths):
     """``[E, widths[0]] -> [E, widths[-1]]`` through ``len(widths) - 1`` SiLU layers."""
 
     widths: Tuple[int, ...]
@@ -40,14 +55,6 @@ class SiluMLPSpec:
         if max(self.widths) > MAX_WIDTH:
             raise UnsupportedModelError(f"the fused SiLU MLP takes layers up to {MAX_WIDTH} "
                                         f"wide, got {self.widths}")
-
-    def key(self) -> str:
-        """Stable hex digest of the spec (kernel names and cache keys)."""
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.widths) - 1
 
     @property
     def padded_widths(self) -> Tuple[int, ...]:
@@ -72,22 +79,31 @@ class SiluMLPSpec:
         return f"SiLU MLP {'->'.join(map(str, self.widths))}"
 
 
+def check_layer_weights(what: str, widths: Sequence[int],
+                        weights: Sequence[torch.Tensor]) -> None:
+    """Raise :class:`UnsupportedModelError` unless ``weights`` are ``[widths[i], widths[i+1]]``
+    for each layer of ``what`` (a description for the message)."""
+    if len(weights) != len(widths) - 1:
+        raise UnsupportedModelError(f"{what} has {len(widths) - 1} layers, got "
+                                    f"{len(weights)} weight matrices")
+    for i, w in enumerate(weights):
+        want = (widths[i], widths[i + 1])
+        if tuple(w.shape) != want:
+            raise UnsupportedModelError(f"layer {i} of {what}: weight of shape "
+                                        f"{tuple(w.shape)}, expected {want}")
+
+
 def pack_weights(spec: SiluMLPSpec, weights: Sequence[torch.Tensor]) -> torch.Tensor:
     """The flat kernel buffer (see module docstring) of the layers' ``[w_i, w_{i+1}]`` weights.
 
     Raises:
         UnsupportedModelError: the weights do not have the spec's shapes.
     """
-    if len(weights) != spec.n_layers:
-        raise UnsupportedModelError(f"{spec.describe()} has {spec.n_layers} layers, got "
-                                    f"{len(weights)} weight matrices")
+    check_layer_weights(spec.describe(), spec.widths, weights)
     p = spec.padded_widths
     parts = []
     for i, w in enumerate(weights):
         want = (spec.widths[i], spec.widths[i + 1])
-        if tuple(w.shape) != want:
-            raise UnsupportedModelError(f"layer {i} of {spec.describe()}: weight of shape "
-                                        f"{tuple(w.shape)}, expected {want}")
         full = w.new_zeros((p[i], p[i + 1]))
         full[:want[0], :want[1]] = w
         parts += [full.reshape(-1), full.t().contiguous().reshape(-1)]
