@@ -49,9 +49,10 @@ class RadialMLPSpec:
     def describe(self, folded: bool = False) -> str:
         head = f"MLP {'->'.join(map(str, self.hs))} (SiLU), constants folded; "
         if len(self.hs) > 2 and max(self.hs[:-1]) <= MAX_WIDTH:
-            head += (f"hidden layers in one fused kernel per pass on CUDA in float32 from "
-                     f"{FUSED_MIN_EDGES} edges (forward recomputed in the backward; fewer edges, "
-                     "float64 and training: GEMMs + SiLU); ")
+            head += (f"where the whole-MLP kernel does not run, hidden layers in one fused "
+                     f"kernel per pass on CUDA in float32 from {FUSED_MIN_EDGES} edges (forward "
+                     "recomputed in the backward; fewer edges, float64 and training: GEMMs + "
+                     "SiLU); ")
         if folded:
             return head + (f"last layer folded into the conv (it takes the hidden [E, "
                            f"{self.hs[-2]}]; the TP weights [E, {self.hs[-1]}] are recomputed "
