@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from mace_accel.errors import UnsupportedModelError
-from mace_accel.ops.silu_mlp.spec import LayerWidths, check_layer_weights
+from mace_accel.ops.silu_mlp.spec import LayerWidths, check_layer_weights, zero_padded
 
 PAD = 32  # input and hidden widths are padded to this (a warp column of the 2 x 4 warp grid)
 MAX_HIDDEN = 64  # wider inputs or hidden layers keep the GEMM path (shared memory)
@@ -94,12 +94,7 @@ def pack_weights(spec: RadialSpec, weights: Sequence[torch.Tensor]) -> torch.Ten
     """
     check_layer_weights(spec.describe(), spec.widths, weights)
     p = spec.padded_widths
-    parts = []
-    for i, w in enumerate(weights):
-        want = (spec.widths[i], spec.widths[i + 1])
-        block = w.new_zeros((p[i + 1], p[i]))
-        block[:want[1], :want[0]] = w.t()
-        parts.append(block.reshape(-1))
+    parts = [zero_padded(w.t(), p[i + 1], p[i]).reshape(-1) for i, w in enumerate(weights)]
     return torch.cat(parts).contiguous()
 
 

@@ -93,6 +93,13 @@ def check_layer_weights(what: str, widths: Sequence[int],
                                         f"{tuple(w.shape)}, expected {want}")
 
 
+def zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t [r, c]`` in the top-left corner of a zero ``[rows, cols]``."""
+    full = t.new_zeros((rows, cols))
+    full[:t.shape[0], :t.shape[1]] = t
+    return full
+
+
 def pack_weights(spec: SiluMLPSpec, weights: Sequence[torch.Tensor]) -> torch.Tensor:
     """The flat kernel buffer (see module docstring) of the layers' ``[w_i, w_{i+1}]`` weights.
 
@@ -103,9 +110,7 @@ def pack_weights(spec: SiluMLPSpec, weights: Sequence[torch.Tensor]) -> torch.Te
     p = spec.padded_widths
     parts = []
     for i, w in enumerate(weights):
-        want = (spec.widths[i], spec.widths[i + 1])
-        full = w.new_zeros((p[i], p[i + 1]))
-        full[:want[0], :want[1]] = w
+        full = zero_padded(w, p[i], p[i + 1])
         parts += [full.reshape(-1), full.t().contiguous().reshape(-1)]
     return torch.cat(parts).contiguous()
 
