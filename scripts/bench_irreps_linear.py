@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from mace_accel.bench.timing import graph_replay, time_calls
+from mace_accel.bench.timing import graph_ms_per_launch
 from mace_accel.ops.irreps_linear import autograd, codegen
 from mace_accel.ops.irreps_linear.cuda import CudaIrrepsLinear
 from mace_accel.ops.irreps_linear.catalog import CATALOG
@@ -57,7 +57,7 @@ def _bench(name: str, spec: LinearSpec, nodes: int, dtype: torch.dtype, repeats:
                for i in spec.instructions)
     moved = nodes * (spec.dim_in + spec.dim_out) * real + spec.weight_numel * real
     for label, fn in rows.items():
-        ms = time_calls(graph_replay(fn, LAUNCHES), "cuda", 3, repeats).median_ms / LAUNCHES
+        ms = graph_ms_per_launch(fn, LAUNCHES, repeats)
         print(f"{str(dtype)[6:]:8s} {name:8s} {nodes:6d} nodes  {label:18s} {ms * 1e3:8.1f} us"
               f"  {2 * macs * nodes / ms / 1e9:7.2f} TFLOP/s  {moved / ms / 1e6:6.0f} GB/s",
               flush=True)

@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from mace_accel.bench.timing import graph_replay, time_calls
+from mace_accel.bench.timing import graph_ms_per_launch
 from mace_accel.ops import radial_mlp
 from mace_accel.ops.radial_tc import apply as radial_tc
 from mace_accel.ops.radial_tc.spec import RadialSpec, pack_weights
@@ -23,7 +23,7 @@ LAUNCHES = 10
 
 def _time(fn) -> float:
     """Milliseconds per launch."""
-    return time_calls(graph_replay(fn, LAUNCHES), "cuda", 3, 20).median_ms / LAUNCHES
+    return graph_ms_per_launch(fn, LAUNCHES)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

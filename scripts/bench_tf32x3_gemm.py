@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from mace_accel.bench.timing import graph_replay, time_calls
+from mace_accel.bench.timing import graph_ms_per_launch
 from mace_accel.ops.tf32x3_gemm import codegen
 from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
 from mace_accel.ops.tf32x3_gemm.spec import GemmSpec
@@ -22,7 +22,7 @@ LAUNCHES = 10
 
 def _time(fn) -> float:
     """Milliseconds per launch."""
-    return time_calls(graph_replay(fn, LAUNCHES), "cuda", 3, 20).median_ms / LAUNCHES
+    return graph_ms_per_launch(fn, LAUNCHES)
 
 
 def main() -> None:
