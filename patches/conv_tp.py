@@ -53,10 +53,11 @@ class FusedConvTP(FusedModule):
             return self.spec.describe() + "; the radial MLP's last layer folded in"
         return self.spec.describe()
 
-    @property
-    def weight_columns(self) -> int:
-        """Columns of the ``tp_weights`` this module takes (the MLP's hidden size if folded)."""
-        return self.radial.hs[-2] if self.radial is not None else self.spec.weight_numel
+    def _takes_hidden(self, tp_weights: torch.Tensor) -> bool:
+        """Whether ``tp_weights`` are the radial MLP's hidden activations ``[E, hidden]`` (the
+        last layer folded in here), not full TP weights: the MLP hands over full ones when it
+        ran whole (:meth:`~mace_accel.patches.radial_mlp.FusedRadialMLP.runs_whole`)."""
+        return self.radial is not None and not self.radial.is_full_output(tp_weights)
 
     def forward(self, node_feats: torch.Tensor, edge_attrs: torch.Tensor,
                 tp_weights: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
@@ -67,11 +68,12 @@ class FusedConvTP(FusedModule):
             tp_weights: ``[n_edges, weight_numel]`` (``[n_edges, hidden]`` when the radial
             MLP's last layer is folded in); edge_index: ``[2, n_edges]`` (sender, receiver).
         """
-        self._check(node_feats, edge_attrs, tp_weights, edge_index)
+        hidden = self._takes_hidden(tp_weights)
+        self._check(node_feats, edge_attrs, tp_weights, edge_index,
+                    self.radial.hs[-2] if hidden else self.spec.weight_numel)
         graph = graph_from_edge_index(edge_index, node_feats.shape[0], self.options.check_indices)
         run = dict(backend=self.options.backend, deterministic=self.options.deterministic)
-        if self.radial is not None and not self.radial.is_full_output(tp_weights):
-            # tp_weights are the hidden activations [E, hidden]
+        if hidden:
             if folded.recompute_weights(self.options.recompute_tp_weights, tp_weights.shape[0],
                                         self.spec.weight_numel, tp_weights.dtype,
                                         tp_weights.device):
@@ -82,14 +84,12 @@ class FusedConvTP(FusedModule):
             tp_weights = self.radial.last_layer(tp_weights)
         return autograd.conv_tp(self._key, graph, node_feats, edge_attrs, tp_weights, **run)
 
-    def _check(self, node_feats, edge_attrs, tp_weights, edge_index) -> None:
+    def _check(self, node_feats, edge_attrs, tp_weights, edge_index,
+               weight_columns: int) -> None:
         s = self.spec
         expected = (("node_feats", node_feats, s.dim_in1), ("edge_attrs", edge_attrs, s.dim_in2),
-                    ("tp_weights", tp_weights, self.weight_columns))
+                    ("tp_weights", tp_weights, weight_columns))
         for name, t, dim in expected:
-            if t is tp_weights and self.radial is not None and t.dim() == 2 \
-                    and self.radial.is_full_output(t):
-                continue  # the radial MLP ran whole (its runs_whole): full TP weights
             if t.dim() != 2 or t.shape[1] != dim:
                 raise InputError(f"{name} must have shape [n, {dim}] for {self.describe()}, "
                                  f"got {tuple(t.shape)}")

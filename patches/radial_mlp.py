@@ -235,7 +235,7 @@ class FusedRadialMLP(FusedModule):
     def is_full_output(self, tp_weights: torch.Tensor) -> bool:
         """With ``fold_last``, whether ``tp_weights`` (this module's output) holds the full TP
         weights ``[E, h_L]`` (:meth:`runs_whole`) rather than the hidden ``[E, h_{L-1}]``."""
-        return tp_weights.shape[-1] == self.hs[-1] != self.hs[-2]
+        return tp_weights.dim() == 2 and tp_weights.shape[1] == self.hs[-1] != self.hs[-2]
 
     def _whole_key(self) -> str:
         return self._kernel_cache("whole_key", lambda: radial_tc.register_spec(
