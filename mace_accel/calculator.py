@@ -58,7 +58,9 @@ class MACEAccelCalculator(Calculator):
         fallback: when the CUDA backend cannot run: ``"warn"`` (warn and use the reference
             backend) or ``"error"``.
         min_distance: smallest interatomic distance accepted in Å (None disables the check).
-        deterministic: CUDA backend: no float atomics, bit-identical repeats (the default).
+        deterministic: CUDA backend: no float atomics in mace-accel's kernels, bit-identical
+            forces and stress on repeats (the default; see
+            :class:`~mace_accel.options.AccelOptions`).
         graphs: replay each energy+forces call as one CUDA graph per shape bucket
             (:mod:`mace_accel.capture`); None (default) = on for a GPU, off on the CPU; True on a
             CPU is an error.

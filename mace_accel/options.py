@@ -117,7 +117,10 @@ class AccelOptions:
             :class:`BackendUnavailableError`, ``"warn"`` warns and uses ``"reference"``.
         verify: compare the accelerated model with the unpatched one on a random structure
             and leave the model unpatched (raising) if they disagree beyond the tolerance table.
-        deterministic: no float atomics anywhere: bit-identical repeats (CUDA backend).
+        deterministic: no float atomics in mace-accel's kernels (CUDA backend): forces and
+            stress are bit-identical on repeats. The total energy is summed by mace's own
+            ``scatter_sum`` (torch's ``scatter_add_``, float atomics on a GPU): in float32 it can
+            differ in the last bits between calls, with or without mace-accel.
         check_indices: check edge indices before every launch (synchronises; for debugging).
         parts: which parts to fuse (a subset of :data:`PARTS`); the others are left as mace
             built them and reported so.
@@ -130,6 +133,10 @@ class AccelOptions:
             kernels, each operand split into two TF32 parts and three products accumulated in
             float32: float32's accuracy, measured in the GPU tests) or ``"cublas"`` (torch's
             float32 GEMM on the FMA units). float64 always uses cuBLAS (FP64 tensor cores).
+        overlap_radial: on CUDA, start the later interaction blocks' radial MLPs on a side
+            stream right after the first block's, so they run beside the earlier blocks' work
+            (calls up to 131,072 edges; same results bit for bit). ``False`` runs every kernel
+            on the caller's stream, in order.
     """
 
     backend: str = "cuda"
@@ -140,13 +147,14 @@ class AccelOptions:
     parts: Tuple[str, ...] = PARTS
     recompute_tp_weights: str = "auto"
     fp32_gemm: str = "tf32x3"
+    overlap_radial: bool = True
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, BACKEND_CHOICES)
         check_choice("recompute_tp_weights", self.recompute_tp_weights, RECOMPUTE_CHOICES)
         check_choice("fp32_gemm", self.fp32_gemm, FP32_GEMM_CHOICES)
         check_choice("fallback", self.fallback, FALLBACKS)
-        for flag in ("verify", "deterministic", "check_indices"):
+        for flag in ("verify", "deterministic", "check_indices", "overlap_radial"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         parts = tuple(self.parts)

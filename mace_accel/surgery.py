@@ -18,7 +18,7 @@ import torch
 
 from mace_accel.errors import BackendUnavailableError, UnsupportedModelError, VerificationError
 from mace_accel.options import AccelOptions, cuda_unavailable_reason, make_options
-from mace_accel.patches import PatchRecord, find_blocks
+from mace_accel.patches import PatchRecord, find_blocks, link_across_blocks
 from mace_accel.tolerances import model_tolerance, rel_norm_error
 
 
@@ -33,6 +33,7 @@ class PatchReport:
         options: the :class:`~mace_accel.options.AccelOptions` used (backend resolved).
         verification: ``{quantity: relative error}`` of patched vs unpatched, if verified.
         tolerance: the model-level tolerance the verification used.
+        notes: what applies across blocks (the radial MLPs' overlap).
     """
 
     backend: str
@@ -41,6 +42,7 @@ class PatchReport:
     options: AccelOptions = dataclasses.field(default_factory=AccelOptions)
     verification: Dict[str, float] = dataclasses.field(default_factory=dict)
     tolerance: Optional[float] = None
+    notes: List[str] = dataclasses.field(default_factory=list)
 
     @property
     def patched(self) -> List[PatchRecord]:
@@ -58,6 +60,7 @@ class PatchReport:
             "blocks": [r.to_dict() for r in self.records],
             "verification": self.verification,
             "tolerance": self.tolerance,
+            "notes": list(self.notes),
         }
 
     def __str__(self) -> str:
@@ -71,6 +74,7 @@ class PatchReport:
             lines.append(f"  {r.path or '(model)':<16} {r.block}")
             for p in r.parts:
                 lines.append(f"    {p.part:<22} {'fused' if p.fused else 'left'}: {p.detail}")
+        lines.extend(f"  {note}" for note in self.notes)
         if self.verification:
             errs = ", ".join(f"{k} {v:.1e}" for k, v in self.verification.items())
             lines.append(f"  verified against the unpatched model: {errs} (tolerance "
@@ -171,6 +175,7 @@ def accelerate(model: torch.nn.Module, backend: Optional[str] = None,
             f"found no MACE interaction blocks in {type(model).__name__}; is this a MACE model?")
     report = PatchReport(backend=opts.backend, requested_backend=requested, records=records,
                          options=opts)
+    report.notes.extend(link_across_blocks(model, opts))
     if opts.verify and report.patched:
         verify_or_revert(model, report)
     return report

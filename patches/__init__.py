@@ -7,7 +7,7 @@ undoes them. Nothing outside this package knows what a patch swaps.
 
 from __future__ import annotations
 
-from typing import Iterator, Tuple
+from typing import Iterator, List, Tuple
 
 import torch
 
@@ -31,4 +31,15 @@ def find_blocks(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module, 
                 yield path, module, patch
 
 
-__all__ = ["PartRecord", "PatchKind", "PatchRecord", "all_patches", "find_blocks"]
+def link_across_blocks(model: torch.nn.Module, options) -> List[str]:
+    """After the blocks are patched: link what spans blocks (the radial MLPs' overlap,
+    :mod:`mace_accel.patches.radial_overlap`); returns a line for the report per link made."""
+    from mace_accel.patches import radial_overlap
+    from mace_accel.patches.radial_mlp import FusedRadialMLP
+
+    group = radial_overlap.link(model, options, lambda m: isinstance(m, FusedRadialMLP))
+    return [] if group is None else [group.describe()]
+
+
+__all__ = ["PartRecord", "PatchKind", "PatchRecord", "all_patches", "find_blocks",
+           "link_across_blocks"]

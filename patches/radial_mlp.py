@@ -194,10 +194,17 @@ class FusedRadialMLP(FusedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[E, h_L]`` per-edge TP weights of the radial features ``x [E, h0]``
         (with ``fold_last``: ``[E, h_{L-1}]`` hidden activations, unless :meth:`runs_whole`;
-        the conv tells them apart by :meth:`is_full_output`)."""
+        the conv tells them apart by :meth:`is_full_output`). Where the model's radial MLPs are
+        linked (:mod:`~mace_accel.patches.radial_overlap`), a later block's may have been
+        started already beside the earlier blocks' work."""
         if x.dim() != 2 or x.shape[1] != self.hs[0]:
             raise InputError(f"edge_feats must have shape [n_edges, {self.hs[0]}] for the "
                              f"radial MLP, got {tuple(x.shape)}")
+        overlap = self.__dict__.get("overlap")
+        return self.compute(x) if overlap is None else overlap(self, x)
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` on the current stream, ``x`` checked already."""
         if self.runs_whole(x):
             return radial_mlp.radial_mlp(x, self._weights(x.dtype), tf32x3=True,
                                          whole=(self._whole_key(), self._packed_whole(x.dtype)))

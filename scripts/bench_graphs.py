@@ -10,6 +10,7 @@ for each backend, the forces' difference to e3nn, and mace-accel's ratio to cuEq
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from typing import Callable, Dict, List
@@ -20,6 +21,8 @@ from mace_accel.bench.backends import prepare_backend, resolve_model_source
 from mace_accel.bench.systems import build_system, make_batch
 from mace_accel.bench.timing import time_calls
 from mace_accel.models.batch import model_info
+
+SERIAL = "mace-accel serial"
 
 
 def _eager(model, batch) -> Callable[[], Dict[str, torch.Tensor]]:
@@ -52,7 +55,19 @@ def _accel_graph(model, batch, r_max) -> Callable[[], Dict[str, torch.Tensor]]:
     return lambda: graphed(batch, compute_stress=False)
 
 
-def run(model_name: str, sizes: List[int], dtypes: List[str], repeats: int) -> List[dict]:
+def _serial_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the patched ``model`` with every kernel on the caller's stream, in order
+    (``overlap_radial=False``): the same kernels without the radial MLPs' overlap."""
+    from mace_accel.options import AccelOptions
+    from mace_accel.patches import link_across_blocks
+
+    serial = copy.deepcopy(model)
+    link_across_blocks(serial, AccelOptions(backend="cuda", overlap_radial=False))
+    return serial
+
+
+def run(model_name: str, sizes: List[int], dtypes: List[str], repeats: int,
+        serial: bool = False) -> List[dict]:
     source = resolve_model_source(model_name)
     rows = []
     for dtype_name in dtypes:
@@ -63,6 +78,8 @@ def run(model_name: str, sizes: List[int], dtypes: List[str], repeats: int) -> L
         for backend in ("e3nn", "cueq", "mace-accel"):
             prepared = prepare_backend(backend, base, "cuda")
             models[backend] = prepared.model if prepared.status == "ok" else prepared.status
+        if serial and not isinstance(models["mace-accel"], str):
+            models[SERIAL] = _serial_copy(models["mace-accel"])
         for size in sizes:
             system = build_system(info, size)
             batch, n_edges = make_batch(system, info, dtype, "cuda")
@@ -75,8 +92,8 @@ def run(model_name: str, sizes: List[int], dtypes: List[str], repeats: int) -> L
                     continue
                 eager = time_calls(_eager(model, batch), "cuda", 3, repeats).median_ms
                 try:
-                    replay = (_accel_graph(model, batch, info.r_max) if backend == "mace-accel"
-                              else _by_hand(model, batch))
+                    replay = (_accel_graph(model, batch, info.r_max)
+                              if backend.startswith("mace-accel") else _by_hand(model, batch))
                     got = replay()["forces"].detach()
                     graph_ms = time_calls(replay, "cuda", 3, repeats).median_ms
                     err = ((got - want).norm() / want.norm()).item()
@@ -88,6 +105,10 @@ def run(model_name: str, sizes: List[int], dtypes: List[str], repeats: int) -> L
             if isinstance(accel, dict) and isinstance(cueq, dict) and accel["graph_ms"] \
                     and cueq["graph_ms"]:
                 row["accel_over_cueq_graph"] = accel["graph_ms"] / cueq["graph_ms"]
+            plain = row.get(SERIAL)
+            if isinstance(accel, dict) and isinstance(plain, dict) and accel["graph_ms"] \
+                    and plain["graph_ms"]:
+                row["overlap_over_serial_graph"] = accel["graph_ms"] / plain["graph_ms"]
             rows.append(row)
             print(_line(row), flush=True)
     return rows
@@ -95,16 +116,19 @@ def run(model_name: str, sizes: List[int], dtypes: List[str], repeats: int) -> L
 
 def _line(row: dict) -> str:
     parts = [f"graph {row['model']} {row['dtype']} {row['atoms']} atoms {row['edges']} edges:"]
-    for backend in ("e3nn", "cueq", "mace-accel"):
+    for backend in ("e3nn", "cueq", "mace-accel", SERIAL):
         r = row.get(backend)
         if isinstance(r, dict):
             g = f"{r['graph_ms']:.3f}" if r["graph_ms"] else "n/a"
             e = r["forces_err"] if isinstance(r["forces_err"], str) else f"{r['forces_err']:.1e}"
             parts.append(f"{backend} eager {r['eager_ms']:.2f} graph {g} ms (F err {e});")
-        else:
+        elif r is not None:
             parts.append(f"{backend}: {r};")
     if "accel_over_cueq_graph" in row:
         parts.append(f"mace-accel/cueq in graphs = {row['accel_over_cueq_graph']:.2f}")
+    if "overlap_over_serial_graph" in row:
+        parts.append(f"; with/without the radial overlap = "
+                     f"{row['overlap_over_serial_graph']:.3f}")
     return " ".join(parts)
 
 
@@ -141,10 +165,12 @@ def main(argv=None) -> None:
     parser.add_argument("--md", default="", help="atom counts for ASE MD (empty: none)")
     parser.add_argument("--md-steps", type=int, default=50)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--serial", action="store_true",
+                        help="also time mace-accel without the radial MLPs' overlap")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     dtypes = args.dtypes.split(",")
-    out = {"graphs": run(args.model, sizes, dtypes, args.repeats)}
+    out = {"graphs": run(args.model, sizes, dtypes, args.repeats, args.serial) if sizes else []}
     if args.md:
         out["md"] = md(args.model, [int(s) for s in args.md.split(",")], ["float32"],
                        args.md_steps)

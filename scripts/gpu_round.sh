@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# One GPU-machine call for a round's closing numbers: the whole GPU test suite (per-file
-# progress kept in the log even if the time limit cuts it), then the 256-atom energy+forces call
-# in a CUDA graph against cuEquivariance; logs under $OUT, a short summary last.
-#   SUITE_TIMEOUT (s, default 410), GRAPH_DTYPES (default float32)
-# Compiled kernels are cached in .gpu-deps/kernel-cache, which travels with carry [".gpu-deps"]:
-# on a fresh machine NVRTC compiling the suite's few hundred kernels is a large part of a call.
+# One GPU-machine call for a round's closing numbers: the whole GPU test suite in SUITE_JOBS
+# parallel pytest processes (test files dealt out by their GPU test count; NVRTC compiling the
+# kernels is CPU work, so parallel processes finish a fresh machine's suite several times
+# sooner), then the 256-atom energy+forces call in a CUDA graph against cuEquivariance (and
+# without the radial MLPs' overlap), then optionally ASE MD with and without that overlap
+# (scripts/profile_md.py) and the 256-atom kernel table; logs under $OUT, a summary last.
+#   SUITE_TIMEOUT (s, default 330), SUITE_JOBS (default 4), GRAPH_DTYPES (default float32),
+#   GRAPH_TIMEOUT (s, default 130), MD_SIZES (atom counts, default none), MD_TIMEOUT (s, 130),
+#   KERNEL_TABLE (set: the kernel table)
+# Compiled kernels are cached in .gpu-deps/kernel-cache, which travels with carry [".gpu-deps"].
 # The cache comes back as $OUT/kernel-cache.tgz; unpack it here for the next call:
 #   tar -xzf <files_at>/kernel-cache.tgz -C .gpu-deps
 set -u
@@ -13,13 +17,34 @@ export MACE_ACCEL_CACHE_DIR="$PWD/.gpu-deps/kernel-cache"
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 FILTER='warn|visitor|_Jd|^$|Precompiled|For these|from openeq|a.shape|np.reshape|_cupy_stream|atomic_numbers|run_backward'
-timeout "${SUITE_TIMEOUT:-410}" python -m pytest -m gpu tests -p no:cacheprovider --tb=line -rf \
-  -W ignore::DeprecationWarning > "$OUT/gpu_tests.log" 2>&1
-timeout 90 python scripts/bench_graphs.py --sizes 256 --dtypes "${GRAPH_DTYPES:-float32}" \
-  --repeats 30 2>&1 | grep -v -i -E "$FILTER" > "$OUT/graphs.log"
-echo "== summary"
-grep -E "^tests/.*(F|E)" "$OUT/gpu_tests.log" | head -20
-grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -30
-tail -1 "$OUT/gpu_tests.log"; grep "^graph" "$OUT/graphs.log"
+JOBS="${SUITE_JOBS:-4}"
+mapfile -t FILES < <(python -m pytest -m gpu tests --collect-only -q -p no:cacheprovider \
+  2>/dev/null | grep '::' | cut -d: -f1 | sort | uniq -c | sort -rn | awk '{print $2}')
+declare -a GROUPS_
+for i in "${!FILES[@]}"; do GROUPS_[$((i % JOBS))]+=" ${FILES[$i]}"; done
+for j in "${!GROUPS_[@]}"; do
+  timeout "${SUITE_TIMEOUT:-330}" python -m pytest -m gpu ${GROUPS_[$j]} -p no:cacheprovider \
+    --tb=short -rf -W ignore::DeprecationWarning > "$OUT/gpu_tests_$j.log" 2>&1 &
+done
+wait
+timeout "${GRAPH_TIMEOUT:-130}" python scripts/bench_graphs.py --sizes 256 \
+  --dtypes "${GRAPH_DTYPES:-float32}" --repeats 30 --serial 2>&1 | grep -v -i -E "$FILTER" \
+  > "$OUT/graphs.log"
+if [ -n "${MD_SIZES:-}" ]; then
+  timeout "${MD_TIMEOUT:-130}" python scripts/profile_md.py --sizes "$MD_SIZES" --steps 200 \
+    --serial 2>&1 | grep -v -i -E "$FILTER" > "$OUT/md.log"
+fi
+if [ -n "${KERNEL_TABLE:-}" ]; then
+  timeout 90 python scripts/kernel_table.py --size 256 --backends mace-accel --top 25 2>&1 \
+    | grep -v -i -E "$FILTER" > "$OUT/kernel_table.log"
+fi
 tar -czf "$OUT/kernel-cache.tgz" -C .gpu-deps kernel-cache 2>/dev/null \
-  && echo "kernel cache: $(ls .gpu-deps/kernel-cache | wc -l) cubins, $(du -sh "$OUT/kernel-cache.tgz" | cut -f1)"
+  && echo "kernel cache: $(ls .gpu-deps/kernel-cache | wc -l) cubins"
+echo "== summary"
+for j in "${!GROUPS_[@]}"; do
+  echo "group $j:${GROUPS_[$j]}"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_$j.log" | head -20
+  tail -1 "$OUT/gpu_tests_$j.log"
+done
+[ -f "$OUT/kernel_table.log" ] && grep -E "^== |^   [a-z]" "$OUT/kernel_table.log" | head -14
+[ -f "$OUT/md.log" ] && grep -E "steps/s|bare graph" "$OUT/md.log"
+grep "^graph" "$OUT/graphs.log"

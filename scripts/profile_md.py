@@ -4,7 +4,8 @@
 
 Per size: steps/s of velocity Verlet; the calculator's own split (checks, neighbour list,
 model incl. the results' copy); the bare graph replay of the same call (with and without
-stress); and the 25 functions with the most own time under cProfile.
+stress); and the 25 functions with the most own time under cProfile (with ``--serial``
+instead the same without the radial MLPs' overlap, one after the other in the process).
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ from mace_accel.bench.timing import time_calls
 from mace_accel.calculator import MACEAccelCalculator, CallTimings
 from mace_accel.models.batch import model_info
 from mace_accel.models.outputs import evaluate as evaluate_model
+from mace_accel.options import AccelOptions
 
 
-def profile(model_name: str, size: int, steps: int, dtype: str) -> None:
+def profile(model_name: str, size: int, steps: int, dtype: str, overlap: bool = True,
+            cprofile: bool = True) -> None:
     source = resolve_model_source(model_name)
     model = source.load(getattr(torch, dtype), torch.device("cuda"))
     atoms = build_system(model_info(model), size).atoms
     _thermalize(atoms, 300.0, 0)
-    calc = MACEAccelCalculator(model, device="cuda", default_dtype=dtype)
+    calc = MACEAccelCalculator(model, device="cuda", default_dtype=dtype,
+                               options=AccelOptions(overlap_radial=overlap))
     atoms.calc = calc
     dyn = VelocityVerlet(atoms, timestep=1.0 * units.fs)
     dyn.run(20)  # captures, compiles
@@ -43,7 +47,8 @@ def profile(model_name: str, size: int, steps: int, dtype: str) -> None:
     dyn.run(steps)
     wall = time.perf_counter() - t0
     split = calc.timings.per_call_ms()
-    print(f"{model_name} {dtype} {len(atoms)} atoms: {steps / wall:.1f} steps/s, "
+    print(f"{model_name} {dtype} {len(atoms)} atoms{'' if overlap else ' (serial)'}: "
+          f"{steps / wall:.1f} steps/s, "
           f"{1e3 * wall / steps:.2f} ms/step; calculator per call: "
           + ", ".join(f"{k} {v:.3f} ms" for k, v in split.items())
           + f"; calls/step {calc.timings.calls / steps:.2f}; list rebuilds "
@@ -54,6 +59,8 @@ def profile(model_name: str, size: int, steps: int, dtype: str) -> None:
         ms = time_calls(lambda: calc._graphed(batch, compute_stress=stress), "cuda", 5,
                         50).median_ms
         print(f"   bare graph replay (stress={stress}): {ms:.3f} ms", flush=True)
+    if not cprofile:
+        return
     prof = cProfile.Profile()
     prof.enable()
     dyn.run(min(steps, 100))
@@ -92,6 +99,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="256,864")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--serial", action="store_true",
+                        help="also run without the radial MLPs' overlap (no cProfile tables)")
     parser.add_argument("--stress-profile", type=int, default=0, metavar="ATOMS",
                         help="only profile the kernels of one call with and without stress")
     args = parser.parse_args()
@@ -99,7 +108,9 @@ def main() -> None:
         stress_profile(args.model, args.stress_profile, args.dtype)
         return
     for size in (int(s) for s in args.sizes.split(",")):
-        profile(args.model, size, args.steps, args.dtype)
+        profile(args.model, size, args.steps, args.dtype, cprofile=not args.serial)
+        if args.serial:
+            profile(args.model, size, args.steps, args.dtype, overlap=False, cprofile=False)
 
 
 if __name__ == "__main__":

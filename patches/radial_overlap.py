@@ -1,0 +1,126 @@
+"""The later interaction blocks' radial MLPs beside the earlier blocks' work, on a side stream.
+
+Every interaction block's radial MLP maps the same edge features ``[E, h0]`` to its TP weights;
+nothing else feeds it. In a small system's call the blocks' node-wise kernels (linears, skip,
+symmetric contraction on a few hundred nodes) fill a few SMs each, one after the other, and
+leave the rest of the GPU idle. So when the first block calls its radial MLP, the later blocks'
+radial MLPs are launched on a side CUDA stream right after it, and each later block takes its
+weights from there (its stream waits on an event). Inside a captured CUDA graph the fork and
+the join become graph edges: the later MLPs run beside the first block's conv, linears and
+product. Autograd runs each op's backward on the stream of its forward, so their backward also
+runs beside the earlier blocks' backward.
+
+Results are bit for bit those of the serial call: the same kernels on the same inputs, only the
+order between independent kernels changes. Above :data:`OVERLAP_MAX_EDGES` edges every kernel
+fills the GPU by itself, and starting a block's MLP early would only hold its ``[E, weights]``
+output longer, so larger calls run in order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from mace_accel.options import AccelOptions
+
+Tensor = torch.Tensor
+OVERLAP_MAX_EDGES = 131072
+
+
+class RadialOverlap:
+    """The radial MLPs of one model, in block order, sharing one side stream per device.
+
+    Args:
+        members: the model's fused radial MLP modules in the order the blocks call them; each
+            has a ``compute(x [E, h0]) -> Tensor`` method (its serial forward).
+    """
+
+    def __init__(self, members: List[torch.nn.Module]) -> None:
+        self.members = list(members)
+        self._pending: Dict[int, Tuple[Tensor, int, Tensor, torch.cuda.Event]] = {}
+        self._streams: Dict[int, torch.cuda.Stream] = {}
+
+    def __getstate__(self) -> dict:
+        return {"members": self.members}  # streams, events and results stay in this process
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["members"])
+
+    def describe(self) -> str:
+        return (f"the radial MLPs of blocks 2..{len(self.members)} start on a side CUDA stream "
+                f"after block 1's, beside the earlier blocks' work (calls up to "
+                f"{OVERLAP_MAX_EDGES} edges; same results bit for bit)")
+
+    @staticmethod
+    def overlaps(x: Tensor) -> bool:
+        """Whether a call on edge features ``x`` forks: CUDA, at most :data:`OVERLAP_MAX_EDGES`
+        edges, not inside ``torch.compile`` (which orders the kernels itself)."""
+        return x.is_cuda and x.shape[0] <= OVERLAP_MAX_EDGES \
+            and not torch.compiler.is_compiling()
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    def __call__(self, member: torch.nn.Module, x: Tensor) -> Tensor:
+        """``member.compute(x)``, forked or joined as above."""
+        index = next((i for i, m in enumerate(self.members) if m is member), None)
+        if index == 0:
+            return self._first(x)
+        if index is not None:
+            pending = self._pending.pop(index, None)
+            if pending is not None:
+                return self._join(pending, x, lambda: member.compute(x))
+        return member.compute(x)
+
+    def _first(self, x: Tensor) -> Tensor:
+        self._pending.clear()  # a call that stopped half-way leaves nothing for the next
+        out = self.members[0].compute(x)
+        if len(self.members) < 2 or not self.overlaps(x):
+            return out
+        main = torch.cuda.current_stream(x.device)
+        side = self._side_stream(x.device)
+        if side == main:
+            return out
+        side.wait_stream(main)
+        x.record_stream(side)
+        with torch.cuda.stream(side):
+            for i, member in enumerate(self.members[1:], start=1):
+                result = member.compute(x)
+                done = torch.cuda.Event()
+                done.record(side)
+                self._pending[i] = (x, x._version, result, done)
+        return out
+
+    @staticmethod
+    def _join(pending: Tuple[Tensor, int, Tensor, torch.cuda.Event], x: Tensor,
+              serial: Callable[[], Tensor]) -> Tensor:
+        """The forked result if it was made from this very ``x``, else the serial one; the
+        current stream waits on the fork either way (a capture needs every fork joined)."""
+        made_from, version, result, done = pending
+        main = torch.cuda.current_stream(x.device)
+        main.wait_event(done)
+        if made_from is not x or version != x._version:
+            return serial()
+        result.record_stream(main)  # the side stream's allocator must not reuse it early
+        return result
+
+
+def link(model: torch.nn.Module, options: AccelOptions,
+         is_member: Callable[[torch.nn.Module], bool]) -> Optional[RadialOverlap]:
+    """Give the fused radial MLPs of ``model`` (those ``is_member`` takes, in module order) one
+    :class:`RadialOverlap` as ``overlap``, when ``options.overlap_radial``, the backend is
+    CUDA and there are at least two; returns it, or None (then each runs in order)."""
+    members = [m for m in model.modules() if is_member(m)]
+    for m in members:
+        m.overlap = None
+    if not options.overlap_radial or options.backend != "cuda" or len(members) < 2:
+        return None
+    group = RadialOverlap(members)
+    for m in members:
+        m.overlap = group
+    return group
