@@ -18,8 +18,9 @@ def all_patches() -> Tuple[PatchKind, ...]:
     from mace_accel.patches.edge_features import PATCHES as edge_features
     from mace_accel.patches.interaction_blocks import PATCHES as interaction
     from mace_accel.patches.product_blocks import PATCHES as product
+    from mace_accel.patches.readout_blocks import PATCHES as readout
 
-    return tuple(interaction) + tuple(product) + tuple(edge_features)
+    return tuple(interaction) + tuple(product) + tuple(edge_features) + tuple(readout)
 
 
 def find_blocks(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module, PatchKind]]:

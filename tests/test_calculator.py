@@ -68,8 +68,8 @@ def test_reports_reference_backend_once(model_file, caplog):
     assert len(messages) == 1 and "'reference'" in messages[0]
     assert calc.backend == "reference" and calc.report.backend == "reference"
     assert [r.kind for r in calc.report.patched] == [
-        "edge_features", "interaction_block", "interaction_block", "product_block",
-        "product_block"]
+        "edge_features", "node_embedding", "interaction_block", "interaction_block",
+        "product_block", "product_block", "readout_block", "readout_block"]
 
 
 @pytest.mark.parametrize("structure", ["cu_atoms", "molecule_atoms"])

@@ -41,8 +41,8 @@ def test_patched_matches_unpatched(arch, dtype):
     model = build_architecture(arch, dtype=dtype, device="cuda")
     report = mace_accel.accelerate(model, backend="cuda", verify=True)
     assert report.backend == "cuda"
-    assert [r.kind for r in report.patched] == ["edge_features"] + ["interaction_block"] * 2 + \
-        ["product_block"] * 2
+    assert [r.kind for r in report.patched] == ["edge_features", "node_embedding"] + \
+        ["interaction_block"] * 2 + ["product_block"] * 2 + ["readout_block"] * 2
     assert all(r.part("symmetric_contraction").fused for r in report.patched
                if r.kind == "product_block")
     _assert_matches_unpatched(model, dtype)

@@ -39,7 +39,8 @@ ONE, TWO = ("Default",), ("pbe", "r2scan")
 # D = ...Density, DR = ...DensityResidual, A = ...AttResidual, NL = ...ResidualNonLinear.
 # what accelerate() patches in a two-layer model, in model order: the edge features (the model
 # itself), each interaction block (conv), each product block (symmetric contraction)
-EXPECTED_PATHS = ["", "interactions.0", "interactions.1", "products.0", "products.1"]
+EXPECTED_PATHS = ["", "node_embedding", "interactions.0", "interactions.1", "products.0",
+                  "products.1", "readouts.0", "readouts.1"]
 
 MATRIX = [
     (I, A, L0, ONE, F64), (D, R, L0, TWO, F32), (DR, NL, L0, TWO, F64),

@@ -1,7 +1,7 @@
 """The linear maps every test and the CI compile cover: MACE-MP-like shapes (message linear with
-two inputs into the scalars, the 89-element skip), odd multiplicities, an output block without
-inputs, more channels than threads, input blocks staged in chunks; each with its transpose (the
-backward), float32 and float64."""
+two inputs into the scalars, the 89-element skip, the readouts and the node embedding), odd
+multiplicities, an output block without inputs, more channels than threads, input blocks staged
+in chunks; each with its transpose (the backward), float32 and float64."""
 
 from __future__ import annotations
 
@@ -26,6 +26,14 @@ CATALOG: Dict[str, LinearSpec] = {
                          (Block(0, 128, 1), Block(128, 128, 3)),
                          (LinearInstruction(0, 0, 0), LinearInstruction(1, 1, 89 * 128 * 128)),
                          89),
+    # the readouts and the node embedding: one output channel (an energy per node), the
+    # non-linear readout's 16 gate channels, the one-hot elements in
+    "readout": LinearSpec((Block(0, 128, 1), Block(128, 128, 3)), (Block(0, 1, 1),),
+                          (LinearInstruction(0, 0, 0),)),
+    "gate_in": LinearSpec((Block(0, 128, 1),), (Block(0, 16, 1),), (LinearInstruction(0, 0, 0),)),
+    "gate_out": LinearSpec((Block(0, 16, 1),), (Block(0, 1, 1),), (LinearInstruction(0, 0, 0),)),
+    "embedding": LinearSpec((Block(0, 89, 1),), (Block(0, 128, 1),),
+                            (LinearInstruction(0, 0, 0),)),
     # input blocks wider than one staged tile: the sum runs over chunks of input channels
     "wide": LinearSpec((Block(0, 384, 5), Block(1920, 40, 1)),
                        (Block(0, 96, 5), Block(480, 33, 1)),
