@@ -30,6 +30,7 @@ FAMILIES: List[Tuple[str, str]] = [
     (r"^mace_conv", "conv (ours)"),
     (r"^mace_sc|symmetric", "symmetric contraction (ours)"),
     (r"^mace_(sh|radial|edge)", "edge features (ours)"),
+    (r"^mace_linear", "linears (ours)"),
     (r"^mace_", "other generated (ours)"),
     (r"scatter|index|gather", "index/scatter"),
     (r"reduce|scan|sum", "reductions"),

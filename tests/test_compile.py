@@ -332,9 +332,10 @@ def test_inductor_fullgraph_forces_through_all_three_families():
 
 
 # ----- a whole accelerated MACE model, compiled ---------------------------------------------------
-# irreps_linear: linear_up, linear and skip_tp of each interaction, linear of each product
+# irreps_linear: linear_up, linear and skip_tp of each interaction, linear of each product, the
+# node embedding, the linear readout's linear and the non-linear readout's two
 FORWARD_OPS = {"edge_sh": 1, "edge_radial": 1, "conv_tp": 2, "symmetric_contraction": 2,
-               "irreps_linear": 8}
+               "irreps_linear": 12}
 BACKWARD_OPS = ("edge_sh_backward", "edge_radial_backward", "conv_tp_backward",
                 "symmetric_contraction_backward", "irreps_linear")
 
