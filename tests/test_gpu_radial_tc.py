@@ -87,3 +87,31 @@ def test_checks_before_launch():
         apply.forward(key, x.cuda(), packed)  # float64 input
     with pytest.raises(KernelError):
         apply.forward(key, x.float().cuda(), packed[:-4])  # wrong packed size
+
+
+def test_rows_past_the_int32_offset_of_the_widest_output():
+    """So many edges that the TP weights' offsets pass 2^31 (MACE-MP-large at 6,912 atoms has
+    539k edges of 1,792): the kernels index rows in int32 and offsets in 64 bits. The rows
+    before, around and after that offset, forward and ``d x`` (3xTF32 GEMMs), against float64."""
+    from mace_accel.ops.runtime import INT32_MAX
+
+    if torch.cuda.mem_get_info()[0] < 40 * 2**30:
+        pytest.skip("needs 40 GiB of free GPU memory")
+    spec, weights, _, _ = _problem("mp_l2", 1)
+    width = spec.widths[-1]
+    edge = INT32_MAX // width  # the first row whose offset passes 2^31
+    rows = edge + 4096
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, spec.widths[0], device="cuda", generator=gen)
+    g = torch.randn(rows, width, device="cuda", generator=gen)
+    w32, whole = _whole(spec, weights)
+    xc = x.clone().requires_grad_(True)
+    out = radial_mlp.radial_mlp(xc, w32, tf32x3=True, whole=whole)
+    (gx,) = torch.autograd.grad(out, xc, g)
+    pick = torch.cat([torch.arange(64), torch.arange(edge - 64, edge + 64),
+                      torch.arange(rows - 64, rows)]).cuda()
+    x64 = x[pick].double().cpu().requires_grad_(True)
+    _, ref = radial_mlp.pre_activations(x64, weights)
+    (gref,) = torch.autograd.grad(ref, x64, g[pick].double().cpu())
+    assert rel_linf_error(out[pick].detach().cpu(), ref) < PASS_TOL[torch.float32]["forward"]
+    assert rel_linf_error(gx[pick].cpu(), gref) < PASS_TOL[torch.float32]["backward"]

@@ -191,3 +191,16 @@ def test_model_on_the_kernels_matches_unpatched(recompute, tiny_model, torch_ker
     for key in ("energy", "forces", "stress"):
         assert rel_norm_error(after[key], before[key]) <= MODEL_TOL[torch.float64], key
     assert ("forward" in torch_kernels) == (recompute == "never")
+
+
+def test_row_limit_counts_rows_not_the_output_width():
+    """The radial and 3xTF32 kernels index rows in int32 and every global offset in 64 bits: a
+    MACE-MP-large call (539,136 edges of 2,560 TP weights each, 1.4e9 floats) is in range; only
+    the row count itself is bounded."""
+    from mace_accel.errors import KernelError
+    from mace_accel.ops.runtime import INT32_MAX, check_rows
+
+    check_rows(539_136, codegen.BM, "the radial MLP kernel")
+    check_rows(INT32_MAX // 64, codegen.BM, "the radial MLP kernel")
+    with pytest.raises(KernelError, match="int32 row index"):
+        check_rows(INT32_MAX - 10, codegen.BM, "the radial MLP kernel")

@@ -197,6 +197,15 @@ def _cupy_stream(handle: int, index: int):
     return cupy.cuda.ExternalStream(handle, index)
 
 
+def check_rows(n: int, tile: int, what: str) -> None:
+    """Raise :class:`KernelError` unless ``n`` rows, rounded up to a tile of ``tile``, index in
+    int32: for kernels that take the row index as an ``int`` and every global offset in 64 bits
+    (``(size_t)row * width``), so the width does not count."""
+    if n + tile > INT32_MAX:
+        raise KernelError(f"{n} rows exceed {what}'s int32 row index (at most "
+                          f"{INT32_MAX - tile})")
+
+
 def ptr(t: Optional[torch.Tensor]) -> np.uint64:
     """A tensor's device pointer as a kernel argument (0 for an absent output)."""
     return np.uint64(0 if t is None else t.data_ptr())

@@ -11,7 +11,7 @@ import torch
 from mace_accel.errors import KernelError
 from mace_accel.ops.radial_tc import codegen
 from mace_accel.ops.radial_tc.spec import RadialSpec
-from mace_accel.ops.runtime import INT32_MAX, Kernel, check_tensor, device_limits, i32, \
+from mace_accel.ops.runtime import Kernel, check_rows, check_tensor, device_limits, i32, \
     kernel_device, ptr
 
 Tensor = torch.Tensor
@@ -38,8 +38,7 @@ class CudaRadialMLP:
         if w.data_ptr() % 16:
             raise KernelError("the packed radial weights must be 16-byte aligned (a fresh "
                               "tensor)")
-        if n * max(s.widths) * (len(s.widths) - 2) > INT32_MAX:
-            raise KernelError(f"{n} edges exceed the radial kernel's int32 edge count")
+        check_rows(n, codegen.BM, "the radial MLP kernel")  # offsets are 64-bit
         out = torch.empty((n, s.widths[-1]), dtype=torch.float32, device=self.device)
         z = torch.empty((len(s.widths) - 2, n, s.hidden_width), dtype=torch.float32,
                         device=self.device)

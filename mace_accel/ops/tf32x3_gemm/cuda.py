@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 
 from mace_accel.errors import KernelError
-from mace_accel.ops.runtime import INT32_MAX, Kernel, check_tensor, device_limits, i32, \
+from mace_accel.ops.runtime import Kernel, check_rows, check_tensor, device_limits, i32, \
     kernel_device, ptr
 from mace_accel.ops.tf32x3_gemm import codegen
 from mace_accel.ops.tf32x3_gemm.spec import GemmSpec
@@ -60,8 +60,7 @@ class CudaGemm:
             if t is not None and t.data_ptr() % 16:
                 raise KernelError(f"{name}: the 3xTF32 GEMM copies 16-byte chunks and needs a "
                                   "16-byte aligned tensor; pass a fresh .contiguous() copy")
-        if m * max(s.k, s.n) > INT32_MAX:
-            raise KernelError(f"{m} rows exceed the 3xTF32 GEMM's int32 row count")
+        check_rows(m, self.plan.bm, "the 3xTF32 GEMM")  # offsets are 64-bit
         if m == 0:
             return
         if self._kernel is None:
