@@ -7,7 +7,8 @@
 # (scripts/profile_md.py) and the 256-atom kernel table; logs under $OUT, a summary last.
 #   SUITE_TIMEOUT (s, default 330), SUITE_JOBS (default 4), GRAPH_DTYPES (default float32),
 #   GRAPH_TIMEOUT (s, default 130), MD_SIZES (atom counts, default none), MD_TIMEOUT (s, 130),
-#   KERNEL_TABLE (set: the kernel table)
+#   KERNEL_TABLE (set: the kernel table), BENCH_MODELS (e.g. mp-medium,mp-large: the 6,912-atom
+#   bench against cuEquivariance with --profile), BENCH_DTYPES (float32), BENCH_TIMEOUT (s, 200)
 # Compiled kernels are cached in .gpu-deps/kernel-cache, which travels with carry [".gpu-deps"].
 # The cache comes back as $OUT/kernel-cache.tgz; unpack it here for the next call:
 #   tar -xzf <files_at>/kernel-cache.tgz -C .gpu-deps
@@ -34,6 +35,11 @@ if [ -n "${MD_SIZES:-}" ]; then
   timeout "${MD_TIMEOUT:-130}" python scripts/profile_md.py --sizes "$MD_SIZES" --steps 200 \
     --serial 2>&1 | grep -v -i -E "$FILTER" > "$OUT/md.log"
 fi
+if [ -n "${BENCH_MODELS:-}" ]; then  # e.g. BENCH_MODELS=mp-medium,mp-large
+  timeout "${BENCH_TIMEOUT:-200}" python -m mace_accel.cli bench --models "$BENCH_MODELS" \
+    --dtypes "${BENCH_DTYPES:-float32}" --sizes 6912 --backends mace-accel,cueq --profile \
+    --repeats 10 --out "$OUT/bench" 2>&1 | grep -v -i -E "$FILTER" > "$OUT/bench.log"
+fi
 if [ -n "${KERNEL_TABLE:-}" ]; then
   timeout 90 python scripts/kernel_table.py --size 256 --backends mace-accel --top 25 2>&1 \
     | grep -v -i -E "$FILTER" > "$OUT/kernel_table.log"
@@ -47,4 +53,5 @@ for j in "${!GROUPS_[@]}"; do
 done
 [ -f "$OUT/kernel_table.log" ] && grep -E "^== |^   [a-z]" "$OUT/kernel_table.log" | head -14
 [ -f "$OUT/md.log" ] && grep -E "steps/s|bare graph" "$OUT/md.log"
+[ -f "$OUT/bench/bench_table.txt" ] && cat "$OUT/bench/bench_table.txt"
 grep "^graph" "$OUT/graphs.log"
