@@ -17,6 +17,11 @@ import torch
 from mace_accel.options import AccelOptions
 
 
+def grads_wanted(params: List[torch.Tensor]) -> bool:
+    """Whether autograd will want a gradient of any of ``params`` (training), not inference."""
+    return torch.is_grad_enabled() and any(p.requires_grad for p in params)
+
+
 class FusedModule(torch.nn.Module):
     """Base of the fused replacements: adopts ``original``'s tensors and children.
 
@@ -86,8 +91,7 @@ class FusedModule(torch.nn.Module):
         ``name`` per dtype while the parameters are the same unmodified tensors and nobody needs
         their gradient (inference); rebuilt on every call while a gradient is needed (training:
         differentiable) or dynamo traces (it cannot guard on ``_version``)."""
-        if (torch.is_grad_enabled() and any(p.requires_grad for p in params)) or \
-                torch.compiler.is_compiling():
+        if grads_wanted(params) or torch.compiler.is_compiling():
             return build(dtype)
         key = (dtype, tuple((p.data_ptr(), p._version, p.device) for p in params))
         cached = self._kernels.get(name)

@@ -25,7 +25,7 @@ from mace_accel.ops.silu_mlp.spec import MAX_WIDTH, SiluMLPSpec, pack_weights
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 from mace_accel.ops.tf32x3_gemm.spec import unsupported_reason as tf32x3_unsupported
 from mace_accel.options import AccelOptions
-from mace_accel.patches.adopt import FusedModule
+from mace_accel.patches.adopt import FusedModule, grads_wanted
 
 PART = "radial_mlp"
 # When the hidden layers run in the fused kernels (scripts/bench_silu_mlp.py on an H100,
@@ -222,8 +222,7 @@ class FusedRadialMLP(FusedModule):
 
     # -- the whole MLP in one tensor-core kernel per pass (CUDA float32, inference) -------------
     def _no_weight_grads(self) -> bool:
-        return not (torch.is_grad_enabled() and any(w.requires_grad
-                                                    for w in self._raw_weights()))
+        return not grads_wanted(self._raw_weights())
 
     def runs_whole(self, x: torch.Tensor) -> bool:
         """Whether the whole MLP of ``x [E, h0]`` runs in the :mod:`~mace_accel.ops.radial_tc`

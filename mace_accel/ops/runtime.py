@@ -197,6 +197,14 @@ def _cupy_stream(handle: int, index: int):
     return cupy.cuda.ExternalStream(handle, index)
 
 
+def check_aligned(name: str, t: Optional[torch.Tensor], what: str) -> None:
+    """Raise :class:`KernelError` unless ``t`` (None: nothing to check) starts on a 16-byte
+    boundary, as ``what``'s 16-byte copies need."""
+    if t is not None and t.data_ptr() % 16:
+        raise KernelError(f"{name}: {what} copies 16-byte chunks and needs a 16-byte aligned "
+                          "tensor; pass a fresh .contiguous() copy")
+
+
 def check_rows(n: int, tile: int, what: str) -> None:
     """Raise :class:`KernelError` unless ``n`` rows, rounded up to a tile of ``tile``, index in
     int32: for kernels that take the row index as an ``int`` and every global offset in 64 bits

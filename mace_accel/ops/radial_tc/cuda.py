@@ -8,11 +8,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from mace_accel.errors import KernelError
 from mace_accel.ops.radial_tc import codegen
 from mace_accel.ops.radial_tc.spec import RadialSpec
-from mace_accel.ops.runtime import Kernel, check_rows, check_tensor, device_limits, i32, \
-    kernel_device, ptr
+from mace_accel.ops.runtime import Kernel, check_rows, device_limits, i32, kernel_device, ptr
+from mace_accel.ops.silu_mlp.cuda import check_mlp_inputs
 
 Tensor = torch.Tensor
 
@@ -31,13 +30,7 @@ class CudaRadialMLP:
         weights ``w`` (:func:`~.spec.pack_weights`): the output and each hidden layer's
         pre-activations (a narrower layer in its first columns)."""
         s = self.spec
-        n = int(x.shape[0]) if x.dim() == 2 else -1
-        check_tensor("x", x, (n, s.widths[0]), torch.float32, self.device, s.describe())
-        check_tensor("packed weights", w, (s.packed_numel,), torch.float32, self.device,
-                     s.describe())
-        if w.data_ptr() % 16:
-            raise KernelError("the packed radial weights must be 16-byte aligned (a fresh "
-                              "tensor)")
+        n = check_mlp_inputs(s, x, w, torch.float32, self.device, "the radial MLP kernel")
         check_rows(n, codegen.BM, "the radial MLP kernel")  # offsets are 64-bit
         out = torch.empty((n, s.widths[-1]), dtype=torch.float32, device=self.device)
         z = torch.empty((len(s.widths) - 2, n, s.hidden_width), dtype=torch.float32,

@@ -12,6 +12,7 @@ from mace_accel.errors import KernelError
 from mace_accel.ops.runtime import (
     INT32_MAX,
     Kernel,
+    check_aligned,
     check_tensor,
     device_limits,
     i32,
@@ -23,6 +24,18 @@ from mace_accel.ops.silu_mlp.spec import SiluMLPSpec
 from mace_accel.options import dtype_name
 
 Tensor = torch.Tensor
+
+
+def check_mlp_inputs(spec, x: Tensor, w: Tensor, dtype: torch.dtype, device: torch.device,
+                     what: str) -> int:
+    """The edge count of ``x [E, widths[0]]``, after checking it and the packed weights
+    ``w [packed_numel]`` (16-byte aligned) of an MLP ``spec`` (widths, packed_numel,
+    describe()) for ``what``, a kernel that takes them in ``dtype`` on ``device``."""
+    n = int(x.shape[0]) if x.dim() == 2 else -1
+    check_tensor("x", x, (n, spec.widths[0]), dtype, device, spec.describe())
+    check_tensor("packed weights", w, (spec.packed_numel,), dtype, device, spec.describe())
+    check_aligned("packed weights", w, what)
+    return n
 
 
 class CudaSiluMLP:
@@ -45,12 +58,7 @@ class CudaSiluMLP:
 
     def _check(self, x: Tensor, w: Tensor) -> int:
         s = self.spec
-        n = int(x.shape[0]) if x.dim() == 2 else -1
-        check_tensor("x", x, (n, s.widths[0]), self.dtype, self.device, s.describe())
-        check_tensor("packed weights", w, (s.packed_numel,), self.dtype, self.device,
-                     s.describe())
-        if w.data_ptr() % 16:
-            raise KernelError("the packed MLP weights must be 16-byte aligned (a fresh tensor)")
+        n = check_mlp_inputs(s, x, w, self.dtype, self.device, "the SiLU MLP kernel")
         if n * max(s.widths) > INT32_MAX:
             raise KernelError(f"{n} edges exceed the SiLU MLP kernel's int32 edge count")
         return n

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 
 from mace_accel.errors import KernelError
-from mace_accel.ops.runtime import Kernel, check_rows, check_tensor, device_limits, i32, \
+from mace_accel.ops.runtime import Kernel, check_aligned, check_rows, check_tensor, device_limits, i32, \
     kernel_device, ptr
 from mace_accel.ops.tf32x3_gemm import codegen
 from mace_accel.ops.tf32x3_gemm.spec import GemmSpec
@@ -57,9 +57,7 @@ class CudaGemm:
         if z is not None:
             check_tensor("z", z, (m, s.n), torch.float32, self.device, s.describe())
         for name, t in (("a", a), ("b", b), ("z", z)):
-            if t is not None and t.data_ptr() % 16:
-                raise KernelError(f"{name}: the 3xTF32 GEMM copies 16-byte chunks and needs a "
-                                  "16-byte aligned tensor; pass a fresh .contiguous() copy")
+            check_aligned(name, t, "the 3xTF32 GEMM")
         check_rows(m, self.plan.bm, "the 3xTF32 GEMM")  # offsets are 64-bit
         if m == 0:
             return
