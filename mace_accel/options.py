@@ -118,9 +118,11 @@ class AccelOptions:
         verify: compare the accelerated model with the unpatched one on a random structure
             and leave the model unpatched (raising) if they disagree beyond the tolerance table.
         deterministic: no float atomics in mace-accel's kernels (CUDA backend): forces and
-            stress are bit-identical on repeats. The total energy is summed by mace's own
-            ``scatter_sum`` (torch's ``scatter_add_``, float atomics on a GPU): in float32 it can
-            differ in the last bits between calls, with or without mace-accel.
+            stress are bit-identical on repeats. With ``lean_head`` the energies are too (summed
+            in float64 without atomics); mace's own forward (the model called directly, or
+            ``lean_head=False``) sums them with ``scatter_sum`` (torch's ``scatter_add_``,
+            float atomics on a GPU): in float32 they can then differ in the last bits between
+            calls, with or without mace-accel.
         check_indices: check edge indices before every launch (synchronises; for debugging).
         parts: which parts to fuse (a subset of :data:`PARTS`); the others are left as mace
             built them and reported so.
@@ -137,6 +139,12 @@ class AccelOptions:
             stream right after the first block's, so they run beside the earlier blocks' work
             (calls up to 131,072 edges; same results bit for bit). ``False`` runs every kernel
             on the caller's stream, in order.
+        lean_head: evaluate a ``MACE`` / ``ScaleShiftMACE`` (the calculator, CUDA graphs,
+            batched and YAML runs) through :mod:`mace_accel.models.energy_head`: mace's blocks
+            in mace's order, with its per-head indexing, readout stacking, scale-shift lookups
+            and atomic ``scatter_sum`` replaced by a few tensor ops (~25 fewer kernels per
+            call; per-structure energies summed in float64 without atomics). ``False`` runs
+            mace's ``forward``. Calling the model yourself always runs mace's ``forward``.
     """
 
     backend: str = "cuda"
@@ -148,13 +156,14 @@ class AccelOptions:
     recompute_tp_weights: str = "auto"
     fp32_gemm: str = "tf32x3"
     overlap_radial: bool = True
+    lean_head: bool = True
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, BACKEND_CHOICES)
         check_choice("recompute_tp_weights", self.recompute_tp_weights, RECOMPUTE_CHOICES)
         check_choice("fp32_gemm", self.fp32_gemm, FP32_GEMM_CHOICES)
         check_choice("fallback", self.fallback, FALLBACKS)
-        for flag in ("verify", "deterministic", "check_indices", "overlap_radial"):
+        for flag in ("verify", "deterministic", "check_indices", "overlap_radial", "lean_head"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         parts = tuple(self.parts)

@@ -10,6 +10,11 @@ the join become graph edges: the later MLPs run beside the first block's conv, l
 product. Autograd runs each op's backward on the stream of its forward, so their backward also
 runs beside the earlier blocks' backward.
 
+A caller that has the edge features before the first block runs (the lean energy head,
+:mod:`mace_accel.models.energy_head`, which calls the blocks itself) starts every block's MLP,
+the first one's too, right after the edge features (:meth:`RadialOverlap.start`): the first
+block's node-wise linears then run beside its radial MLP as well.
+
 Results are bit for bit those of the serial call: the same kernels on the same inputs, only the
 order between independent kernels changes. Above :data:`OVERLAP_MAX_EDGES` edges every kernel
 fills the GPU by itself, and starting a block's MLP early would only hold its ``[E, weights]``
@@ -49,7 +54,8 @@ class RadialOverlap:
 
     def describe(self) -> str:
         return (f"the radial MLPs of blocks 2..{len(self.members)} start on a side CUDA stream "
-                f"after block 1's, beside the earlier blocks' work (calls up to "
+                f"after block 1's (with the lean energy head every block's, right after the "
+                f"edge features), beside the earlier blocks' work (calls up to "
                 f"{OVERLAP_MAX_EDGES} edges; same results bit for bit)")
 
     @staticmethod
@@ -69,31 +75,46 @@ class RadialOverlap:
     def __call__(self, member: torch.nn.Module, x: Tensor) -> Tensor:
         """``member.compute(x)``, forked or joined as above."""
         index = next((i for i, m in enumerate(self.members) if m is member), None)
-        if index == 0:
-            return self._first(x)
         if index is not None:
             pending = self._pending.pop(index, None)
             if pending is not None:
                 return self._join(pending, x, lambda: member.compute(x))
+        if index == 0:
+            return self._first(x)
         return member.compute(x)
+
+    def start(self, x: Tensor) -> bool:
+        """Launch every member's MLP, the first block's too, on the side stream now: a caller
+        that has the edge features before the first block's node-wise work (the lean energy
+        head, :mod:`mace_accel.models.energy_head`) lets that work run beside them. Each block
+        joins its result at its call (or computes its own if handed other features). Returns
+        whether anything was forked."""
+        self._pending.clear()
+        return self._fork(x, range(len(self.members)))
+
+    def _fork(self, x: Tensor, indices: range) -> bool:
+        """Launch the members ``indices`` on ``x`` on the side stream (when :meth:`overlaps`
+        and there is a side stream), each result pending with its event; whether it did."""
+        if len(indices) == 0 or not self.overlaps(x):
+            return False
+        main = torch.cuda.current_stream(x.device)
+        side = self._side_stream(x.device)
+        if side == main:
+            return False
+        side.wait_stream(main)
+        x.record_stream(side)
+        with torch.cuda.stream(side):
+            for i in indices:
+                result = self.members[i].compute(x)
+                done = torch.cuda.Event()
+                done.record(side)
+                self._pending[i] = (x, x._version, result, done)
+        return True
 
     def _first(self, x: Tensor) -> Tensor:
         self._pending.clear()  # a call that stopped half-way leaves nothing for the next
         out = self.members[0].compute(x)
-        if len(self.members) < 2 or not self.overlaps(x):
-            return out
-        main = torch.cuda.current_stream(x.device)
-        side = self._side_stream(x.device)
-        if side == main:
-            return out
-        side.wait_stream(main)
-        x.record_stream(side)
-        with torch.cuda.stream(side):
-            for i, member in enumerate(self.members[1:], start=1):
-                result = member.compute(x)
-                done = torch.cuda.Event()
-                done.record(side)
-                self._pending[i] = (x, x._version, result, done)
+        self._fork(x, range(1, len(self.members)))
         return out
 
     @staticmethod
@@ -108,6 +129,15 @@ class RadialOverlap:
             return serial()
         result.record_stream(main)  # the side stream's allocator must not reuse it early
         return result
+
+
+def group_of(model: torch.nn.Module) -> Optional[RadialOverlap]:
+    """The :class:`RadialOverlap` linking ``model``'s radial MLPs, or None."""
+    for module in model.modules():
+        group = module.__dict__.get("overlap")
+        if isinstance(group, RadialOverlap):
+            return group
+    return None
 
 
 def link(model: torch.nn.Module, options: AccelOptions,

@@ -4,7 +4,7 @@ padded; 6,912 atoms), each captured ten times in a CUDA graph so launches do not
 CUDA events, medians, with the FLOPs and bytes each launch moves.
 
     python scripts/bench_irreps_linear.py --nodes 280,2048,6912 --maps message,skip89 \
-        --variants 8:4:1,4:4:2
+        --variants 8:4:1,4:4:2 --dtypes float32
 
 ``--variants`` times other kernel geometries too, each ``tile_nodes:k_split:v_tile``
 (:func:`mace_accel.ops.irreps_linear.codegen.plan_kernel`).
@@ -69,8 +69,9 @@ def main() -> None:
     parser.add_argument("--maps", default="message,skip89")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--variants", default="", help="geometries tile_nodes:k_split:v_tile")
+    parser.add_argument("--dtypes", default="float32,float64")
     args = parser.parse_args()
-    for dtype in (torch.float32, torch.float64):
+    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         for name in args.maps.split(","):
             for label, spec in ((name, CATALOG[name]), (name + "_t", CATALOG[name].transposed())):
                 for nodes in (int(n) for n in args.nodes.split(",")):

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from mace_accel.bench.backends import prepare_backend, resolve_model_source
 from mace_accel.bench.systems import build_system, make_batch
 from mace_accel.models.batch import model_info
+from mace_accel.models.outputs import evaluate as evaluate_model
 
 # views, allocations and metadata: no kernel
 SKIP = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.view.default",
@@ -75,7 +76,7 @@ def main() -> None:
     def call():
         b = dict(batch)
         b["positions"] = batch["positions"].detach().clone().requires_grad_(True)
-        return prepared.model(b, compute_force=True, training=False)["forces"]
+        return evaluate_model(prepared.model, b, False)["forces"]  # as the calculator does
 
     call()
     call()

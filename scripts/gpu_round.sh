@@ -8,7 +8,11 @@
 #   SUITE_TIMEOUT (s, default 330), SUITE_JOBS (default 4), GRAPH_DTYPES (default float32),
 #   GRAPH_TIMEOUT (s, default 130), MD_SIZES (atom counts, default none), MD_TIMEOUT (s, 130),
 #   KERNEL_TABLE (set: the kernel table), BENCH_MODELS (e.g. mp-medium,mp-large: the 6,912-atom
-#   bench against cuEquivariance with --profile), BENCH_DTYPES (float32), BENCH_TIMEOUT (s, 200)
+#   bench against cuEquivariance with --profile), BENCH_DTYPES (float32), BENCH_TIMEOUT (s, 200),
+#   GLUE_TRACE (set: scripts/glue_trace.py at 256 atoms), TIMELINE (set: the kernels of the
+#   256-atom graph replay, scripts/graph_timeline.py), LINEAR_SWEEP (arguments of
+#   scripts/bench_irreps_linear.py, e.g. "--nodes 280 --maps readout --variants 4:4:1")
+# Every log ends up in $OUT/logs.tgz (the device tool returns few files: one archive).
 # Compiled kernels are cached in .gpu-deps/kernel-cache, which travels with carry [".gpu-deps"].
 # The cache comes back as $OUT/kernel-cache.tgz; unpack it here for the next call:
 #   tar -xzf <files_at>/kernel-cache.tgz -C .gpu-deps
@@ -16,7 +20,7 @@ set -u
 source .gpu-deps/setup.sh && export PYTHONPATH=/tmp/site:$PWD/.gpu-deps/oeq
 export MACE_ACCEL_CACHE_DIR="$PWD/.gpu-deps/kernel-cache"
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
-OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+RESULTS="${OUT:-$PWD/out}"; OUT="$RESULTS/logs"; mkdir -p "$OUT"
 FILTER='warn|visitor|_Jd|^$|Precompiled|For these|from openeq|a.shape|np.reshape|_cupy_stream|atomic_numbers|run_backward'
 JOBS="${SUITE_JOBS:-4}"
 mapfile -t FILES < <(python -m pytest -m gpu tests --collect-only -q -p no:cacheprovider \
@@ -40,11 +44,22 @@ if [ -n "${BENCH_MODELS:-}" ]; then  # e.g. BENCH_MODELS=mp-medium,mp-large
     --dtypes "${BENCH_DTYPES:-float32}" --sizes 6912 --backends mace-accel,cueq --profile \
     --repeats 10 --out "$OUT/bench" 2>&1 | grep -v -i -E "$FILTER" > "$OUT/bench.log"
 fi
+if [ -n "${GLUE_TRACE:-}" ]; then
+  timeout 90 python scripts/glue_trace.py cuda 256 2>&1 | grep -v -i -E "$FILTER" > "$OUT/glue_trace.log"
+fi
+if [ -n "${TIMELINE:-}" ]; then
+  timeout 90 python scripts/graph_timeline.py --size 256 2>&1 \
+    | grep -v -i -E "$FILTER" > "$OUT/timeline.log"
+fi
+if [ -n "${LINEAR_SWEEP:-}" ]; then
+  timeout 120 python scripts/bench_irreps_linear.py $LINEAR_SWEEP 2>&1 | grep -v -i -E "$FILTER" \
+    > "$OUT/linear_sweep.log"
+fi
 if [ -n "${KERNEL_TABLE:-}" ]; then
   timeout 90 python scripts/kernel_table.py --size 256 --backends mace-accel --top 25 2>&1 \
     | grep -v -i -E "$FILTER" > "$OUT/kernel_table.log"
 fi
-tar -czf "$OUT/kernel-cache.tgz" -C .gpu-deps kernel-cache 2>/dev/null \
+tar -czf "$RESULTS/kernel-cache.tgz" -C .gpu-deps kernel-cache 2>/dev/null \
   && echo "kernel cache: $(ls .gpu-deps/kernel-cache | wc -l) cubins"
 echo "== summary"
 for j in "${!GROUPS_[@]}"; do
@@ -52,6 +67,9 @@ for j in "${!GROUPS_[@]}"; do
   tail -1 "$OUT/gpu_tests_$j.log"
 done
 [ -f "$OUT/kernel_table.log" ] && grep -E "^== |^   [a-z]" "$OUT/kernel_table.log" | head -14
+[ -f "$OUT/glue_trace.log" ] && head -1 "$OUT/glue_trace.log"
+[ -f "$OUT/timeline.log" ] && grep -E "^replay" "$OUT/timeline.log"
 [ -f "$OUT/md.log" ] && grep -E "steps/s|bare graph" "$OUT/md.log"
 [ -f "$OUT/bench/bench_table.txt" ] && cat "$OUT/bench/bench_table.txt"
 grep "^graph" "$OUT/graphs.log"
+tar -czf "$RESULTS/logs.tgz" -C "$RESULTS" logs && rm -rf "$OUT"

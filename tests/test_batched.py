@@ -9,6 +9,7 @@ import torch
 from ase import Atoms
 from ase.build import bulk
 
+from mace_accel import batched
 from mace_accel.batched import BatchEvaluator
 from mace_accel.calculator import MACEAccelCalculator
 from mace_accel.errors import ConfigError, InputError
@@ -142,15 +143,14 @@ def test_out_of_memory_splits_the_chunk(monkeypatch):
                         max_edges=10**7)
     frames = _frames(4)
     want = [r["energy"] for r in ev.evaluate(frames)]
-    model = ev.prepared.model
-    real = model.forward
+    real = batched.evaluate_model
 
-    def tight(batch, **kwargs):
+    def tight(model, batch, compute_stress):
         if int(batch["ptr"].numel()) - 1 > 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
-        return real(batch, **kwargs)
+        return real(model, batch, compute_stress)
 
-    monkeypatch.setattr(model, "forward", tight)
+    monkeypatch.setattr(batched, "evaluate_model", tight)
     got = [r["energy"] for r in ev.evaluate(frames)]
     assert got == pytest.approx(want, abs=1e-10)
     assert ev.budget.max_edges < 10**7
@@ -159,10 +159,10 @@ def test_out_of_memory_splits_the_chunk(monkeypatch):
 def test_single_frame_out_of_memory_is_a_clear_error(monkeypatch):
     ev = BatchEvaluator(None, device="cpu", default_dtype="float64", verify=False)
 
-    def never(batch, **kwargs):
+    def never(model, batch, compute_stress):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
 
-    monkeypatch.setattr(ev.prepared.model, "forward", never)
+    monkeypatch.setattr(batched, "evaluate_model", never)
     with pytest.raises(InputError, match="does not fit"):
         ev.evaluate(_frames(1))
 

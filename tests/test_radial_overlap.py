@@ -82,6 +82,11 @@ def test_overlap_pickles_without_streams_or_results():
     assert new.members == list(copy.blocks) and not new._pending and not new._streams
 
 
+def test_start_forks_nothing_off_the_gpu():
+    group = RadialOverlap([torch.nn.Identity(), torch.nn.Identity()])
+    assert group.start(torch.randn(10, 4)) is False and not group._pending
+
+
 def test_overlap_option_is_checked():
     with pytest.raises(ConfigError, match="overlap_radial"):
         AccelOptions(overlap_radial="yes")
@@ -90,7 +95,8 @@ def test_overlap_option_is_checked():
 def test_reference_backend_links_nothing_and_reports_no_overlap():
     model = small_test_model("RealAgnosticResidualInteractionBlock")
     report = mace_accel.accelerate(model, backend="reference", verify=False)
-    assert report.notes == [] and report.to_dict()["notes"] == []
+    assert not any("radial MLPs" in n for n in report.notes)
+    assert report.to_dict()["notes"] == report.notes
     radials = [m for m in model.modules() if isinstance(m, FusedRadialMLP)]
     assert len(radials) == 2 and all(m.overlap is None for m in radials)
 
@@ -112,7 +118,7 @@ def _patched_pair(dtype, **options):
         model = build_architecture("mp-medium", dtype=dtype, device="cuda")
         report = mace_accel.accelerate(model, options=AccelOptions(
             backend="cuda", overlap_radial=overlap, **options))
-        assert bool(report.notes) == overlap
+        assert any("radial MLPs" in n for n in report.notes) == overlap
         models.append(model)
     return models
 
@@ -141,6 +147,23 @@ def test_forked_call_equals_the_serial_one_bit_for_bit(dtype, monkeypatch):
         want = serial(dict(batch), training=False, compute_force=True, compute_stress=True)
         assert_same_results(got, want, KEYS, len(batch["positions"]))
     assert joined == [True, True]  # block 2 took the forked result, in each call
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_lean_head_starts_every_block_early_bit_for_bit(monkeypatch):
+    """The lean energy head forks every block's radial MLP, the first block's too, as soon as
+    the edge features exist; the forces are those of the serial forward, bit for bit."""
+    from mace_accel.models.outputs import evaluate
+
+    forked, serial = _patched_pair(torch.float32)
+    joined = _count_joins(monkeypatch)
+    batch = _cu_ni_batch(forked)
+    for _ in range(2):
+        got = evaluate(forked, dict(batch), compute_stress=False)
+        want = serial(dict(batch), training=False, compute_force=True)
+        assert torch.equal(got["forces"], want["forces"])
+    assert joined == [True, True] * 2  # both blocks took the early results, in each call
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -221,8 +221,10 @@ def attribute(events, on_cuda: bool) -> Tuple[List[PartTime], float, int]:
 
 
 def profile_call(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
-                 device: torch.device | str, compute_stress: bool = False) -> ProfileResult:
-    """Profile one ``model(batch, training=False, compute_force=True)`` call (run it warm)."""
+                 device: torch.device | str, compute_stress: bool = False,
+                 call: Optional[Callable[[], Any]] = None) -> ProfileResult:
+    """Profile one ``model(batch, training=False, compute_force=True)`` call, or ``call()``
+    (the same model's call another way), run warm."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     on_cuda = torch.device(device).type == "cuda"
@@ -231,8 +233,11 @@ def profile_call(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
         synchronize(device)
         with profile(activities=activities) as prof:
             with record_function(_CALL_RANGE):
-                model(dict(batch), training=False, compute_force=True,
-                      compute_stress=compute_stress)
+                if call is not None:
+                    call()
+                else:
+                    model(dict(batch), training=False, compute_force=True,
+                          compute_stress=compute_stress)
             synchronize(device)
     parts, total_ms, total_n = attribute(prof.events(), on_cuda)
     return ProfileResult("self CUDA time" if on_cuda else "self CPU time",

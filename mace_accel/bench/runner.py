@@ -11,7 +11,7 @@ becomes a record; nothing is dropped.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -37,6 +37,7 @@ from mace_accel.bench.systems import (
 from mace_accel.bench.timing import Deadline, as_device, free_memory, time_calls, track_peak_memory
 from mace_accel.errors import ConfigError
 from mace_accel.models.batch import ModelInfo, model_info
+from mace_accel.models.outputs import evaluate as evaluate_accelerated
 from mace_accel.surgery import evaluate
 from mace_accel.tolerances import model_tolerance, rel_linf_error, rel_norm_error
 
@@ -221,6 +222,19 @@ class _Case:
     host: Optional[Dict[str, float]] = None
 
 
+OUTPUT_KEYS = {False: ("energy", "forces"), True: ("energy", "forces", "stress")}
+
+
+def backend_call(backend: str, model: torch.nn.Module, batch: Dict[str, torch.Tensor],
+                 compute_stress: bool) -> Dict[str, Any]:
+    """One timed call: mace-accel as its calculator, graphs and runs call a model
+    (:func:`mace_accel.models.outputs.evaluate`: the lean energy head, the stress from the
+    edges), every other backend as mace's calculator does (the model's own forward)."""
+    if backend == "mace-accel":
+        return evaluate_accelerated(model, dict(batch), compute_stress)
+    return model(dict(batch), training=False, compute_force=True, compute_stress=compute_stress)
+
+
 def _cpu64(out: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", torch.float64) for k, v in out.items()}
 
@@ -371,18 +385,17 @@ class BenchRunner:
         model, batch, stress = prepared.model, case.batch, cfg.compute_stress
         try:
             with track_peak_memory(self.device) as memory:
-                outputs = _cpu64(evaluate(model, batch, stress))
-                timing = time_calls(
-                    lambda: model(dict(batch), training=False, compute_force=True,
-                                  compute_stress=stress),
-                    self.device, warmup=cfg.warmup, repeats=cfg.repeats)
+                out = backend_call(prepared.name, model, batch, stress)
+                outputs = _cpu64({k: out[k].detach() for k in OUTPUT_KEYS[stress]})
+                timing = time_calls(lambda: backend_call(prepared.name, model, batch, stress),
+                                    self.device, warmup=cfg.warmup, repeats=cfg.repeats)
         except Exception as exc:
             record.status = failure_status(exc)
             free_memory(self.device)
             return record
         if cfg.profile:
             try:
-                record.profile = self._profile(model, case)
+                record.profile = self._profile(prepared.name, model, case)
             except Exception as exc:  # the timing stands; say why there is no breakdown
                 record.profile = {"error": failure_status(exc)}
                 self.log(f"   profile failed: {record.profile['error']}")
@@ -413,13 +426,15 @@ class BenchRunner:
                               record.stress_rel_err) if e is not None]
         record.within_tolerance = all(e <= model_tolerance(dtype) for e in errors)
 
-    def _profile(self, model: torch.nn.Module, case: _Case) -> dict:
+    def _profile(self, backend: str, model: torch.nn.Module, case: _Case) -> dict:
         from mace_accel.bench.profile import profile_call, render_profile, time_host_graph
 
         info = model_info(model)
         if case.host is None:
             case.host = time_host_graph(case.system.atoms, info, info.dtype, self.device)
-        result = profile_call(model, case.batch, self.device, self.config.compute_stress)
+        stress = self.config.compute_stress
+        result = profile_call(model, case.batch, self.device, stress,
+                              call=lambda: backend_call(backend, model, case.batch, stress))
         result.host = dict(case.host)
         self.log(render_profile(result, f"   profile of one call ({case.system.n_atoms} atoms, "
                                         f"{case.edges} edges):"))
@@ -435,7 +450,7 @@ class BenchRunner:
             try:
                 with track_peak_memory(self.device) as memory:
                     batch, edges = make_batch(system, info, dtype, self.device)
-                    evaluate(prepared.model, batch, cfg.compute_stress)
+                    backend_call(prepared.name, prepared.model, batch, cfg.compute_stress)
             finally:
                 del batch
                 free_memory(self.device)

@@ -18,10 +18,11 @@ hold for (other classes) take mace's own path.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
+from mace_accel.models import energy_head
 from mace_accel.ops.edge_vectors.autograd import edge_gradient
 
 Tensor = torch.Tensor
@@ -43,8 +44,17 @@ def evaluate(model: torch.nn.Module, batch: Dict[str, Tensor], compute_stress: b
 
     Equal to ``model(batch, training=False, compute_force=True, compute_stress=...)`` (mace's
     stress convention and its zeroing of the stress of a structure without a volume); the
-    stress costs a sum over edges instead of mace's displacement backward.
+    stress costs a sum over edges instead of mace's displacement backward. A model accelerated
+    with ``lean_head=True`` runs its blocks through :func:`energy_head.forward` (fewer glue
+    kernels, per-structure energies summed deterministically); others run mace's forward.
     """
+    plan = energy_head.lean_plan(model)
+    if plan is not None:
+        head = energy_head.forward(model, plan, batch)
+        grads = _gradients(head.differentiable.sum(), batch, head.vectors, head.lengths,
+                           compute_stress)
+        head.wait()  # the energies ran on a side stream beside the backward
+        return {"energy": head.energy, "node_energy": head.node_energy, **grads}
     if not compute_stress or not stress_from_edges_supported(model):
         return model(batch, training=False, compute_force=True, compute_stress=compute_stress)
     captured: List[Tensor] = []
@@ -60,14 +70,25 @@ def evaluate(model: torch.nn.Module, batch: Dict[str, Tensor], compute_stress: b
             hook.remove()
     if len(captured) != 1:
         raise RuntimeError(f"expected one call of the spherical harmonics, saw {len(captured)}")
-    vectors, positions = captured[0], batch["positions"]
     lengths = lengths_seen[0] if len(lengths_seen) == 1 else None
+    return {**out, **_gradients(out["energy"].sum(), batch, captured[0], lengths, True)}
+
+
+def _gradients(energy: Tensor, batch: Dict[str, Tensor], vectors: Tensor,
+               lengths: Optional[Tensor], compute_stress: bool) -> Dict[str, Tensor]:
+    """``{"forces" [N, 3], "stress" [S, 3, 3] (if asked)}`` from one backward of the scalar
+    ``energy`` (the sum over structures) to the positions (and the edge ``vectors [E, 3]``,
+    ``lengths [E, 1]`` the model computed from them)."""
+    positions = batch["positions"]
+    if not compute_stress:  # seeded with -1: the forces themselves, no negation kernel
+        grad = torch.autograd.grad([energy], [positions], [torch.full_like(energy, -1.0)],
+                                   allow_unused=True)[0]
+        return {"forces": grad if grad is not None else torch.zeros_like(positions)}
     # the fused edge-vector op makes the lengths beside the vectors, not from them: then dE/dv
     # takes the lengths' part explicitly (else autograd's dE/dv holds it already)
     siblings = (lengths is not None and lengths.grad_fn is not None
                 and lengths.grad_fn is vectors.grad_fn)
-    grads = torch.autograd.grad([out["energy"].sum()],
-                                [positions, vectors] + ([lengths] if siblings else []),
+    grads = torch.autograd.grad([energy], [positions, vectors] + ([lengths] if siblings else []),
                                 allow_unused=True)
     grad_positions, grad_vectors = grads[:2]
     if siblings and grads[2] is not None:
@@ -81,7 +102,7 @@ def evaluate(model: torch.nn.Module, batch: Dict[str, Tensor], compute_stress: b
     volume = torch.linalg.det(cell).abs().view(-1, 1, 1)
     stress = 0.5 * (strain + strain.transpose(1, 2)) / volume
     stress = torch.where(stress.abs() < 1e10, stress, torch.zeros_like(stress))  # as mace
-    return {**out, "forces": forces, "stress": stress}
+    return {"forces": forces, "stress": stress}
 
 
 def _strain_derivative(vectors: Tensor, grad: Tensor, batch: Dict[str, Tensor],

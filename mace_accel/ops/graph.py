@@ -52,13 +52,39 @@ class ConvGraph:
         """
         key = (by, index_dtype)
         if key not in self._derived:
-            idx = self.receiver if by == "receiver" else self.sender
-            perm = torch.sort(idx, stable=True).indices
-            counts = torch.zeros(self.n_nodes + 1, dtype=torch.int64, device=idx.device)
-            counts.index_add_(0, idx + 1, torch.ones_like(idx))
-            row_ptr = torch.cumsum(counts, 0)
-            self._derived[key] = (row_ptr.to(index_dtype), perm.to(index_dtype))
+            self._derived[key] = self._build(key)
         return self._derived[key]
+
+    def _build(self, key: tuple):
+        """The derived tensor(s) of ``key``: ``("index32", which)`` or ``(by, index_dtype)``."""
+        if key[0] == "index32":
+            return getattr(self, key[1]).to(torch.int32)
+        by, index_dtype = key
+        idx = self.receiver if by == "receiver" else self.sender
+        # node indices as 32-bit sort keys: half the radix passes of int64 keys
+        keys = idx.to(torch.int32) if self.n_nodes <= torch.iinfo(torch.int32).max else idx
+        perm = torch.sort(keys, stable=True).indices
+        counts = torch.zeros(self.n_nodes + 1, dtype=torch.int64, device=idx.device)
+        counts.index_add_(0, idx + 1, torch.ones_like(idx))
+        row_ptr = torch.cumsum(counts, 0)
+        return (row_ptr.to(index_dtype), perm.to(index_dtype))
+
+    def refresh(self, edge_index: torch.Tensor, keys=None) -> None:
+        """Rebuild, in place, the endpoints and the derived tensors of ``keys`` (default: all
+        built so far) from ``edge_index [2, E]`` of the same shape. A captured CUDA graph reads
+        them at fixed addresses: this is how it sees new edges."""
+        if tuple(edge_index.shape) != (2, self.n_edges):
+            raise InputError(f"refresh needs edge_index of shape [2, {self.n_edges}], got "
+                             f"{tuple(edge_index.shape)}")
+        with torch.no_grad():
+            for mine, row in ((self.sender, edge_index[0]), (self.receiver, edge_index[1])):
+                if mine.data_ptr() != row.data_ptr():  # a view of edge_index needs no copy
+                    mine.copy_(row)
+            for key in list(self._derived if keys is None else keys):
+                old, new = self._derived[key], self._build(key)
+                for o, n in zip(old if isinstance(old, tuple) else (old,),
+                                new if isinstance(new, tuple) else (new,)):
+                    o.copy_(n)
 
 
     def tensors(self, backend: str) -> List[torch.Tensor]:
@@ -140,6 +166,17 @@ def receiver_chunks(recv_ptr: torch.Tensor, n_nodes: int, n_edges: int,
 
 
 _LAST: Optional[Tuple[weakref.ref, int, int, ConvGraph]] = None
+
+
+def cached_graph(edge_index: torch.Tensor, n_nodes: int) -> Optional[ConvGraph]:
+    """The graph :func:`graph_from_edge_index` would reuse for this unmodified ``edge_index``
+    and node count, or None."""
+    if _LAST is None:
+        return None
+    ref, version, nodes, graph = _LAST
+    if ref() is edge_index and version == edge_index._version and nodes == n_nodes:
+        return graph
+    return None
 
 
 def forget_cached_graph() -> None:
