@@ -16,9 +16,10 @@ shapes, so a structure of ``N`` atoms and ``E`` edges is padded up to a bucket `
 Static input buffers are written before every replay; outputs are read from the graph's static
 outputs. The edge orderings the fused kernels walk (receiver and sender CSRs of the static
 ``edge_index``) are built outside the graph, which reads them, and rebuilt in place only when
-the edges change: a replay with the same neighbour list sorts nothing. All graphs share one memory pool and are replayed one at a time on the capturing
-stream; at most ``max_graphs`` are kept (least recently used dropped first). A structure beyond
-every captured bucket is captured afresh (logged at debug level).
+the edges change: a replay with the same neighbour list sorts nothing. All graphs share one
+memory pool and are replayed one at a time on the capturing stream; at most ``max_graphs`` are
+kept (least recently used dropped first). A structure beyond every captured bucket is captured
+afresh (logged at debug level).
 """
 
 from __future__ import annotations

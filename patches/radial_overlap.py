@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from mace_accel.ops.runtime import side_stream
 from mace_accel.options import AccelOptions
 
 Tensor = torch.Tensor
@@ -65,13 +66,6 @@ class RadialOverlap:
         return x.is_cuda and x.shape[0] <= OVERLAP_MAX_EDGES \
             and not torch.compiler.is_compiling()
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._streams.get(index)
-        if stream is None:
-            stream = self._streams[index] = torch.cuda.Stream(device=index)
-        return stream
-
     def __call__(self, member: torch.nn.Module, x: Tensor) -> Tensor:
         """``member.compute(x)``, forked or joined as above."""
         index = next((i for i, m in enumerate(self.members) if m is member), None)
@@ -98,7 +92,7 @@ class RadialOverlap:
         if len(indices) == 0 or not self.overlaps(x):
             return False
         main = torch.cuda.current_stream(x.device)
-        side = self._side_stream(x.device)
+        side = side_stream(self._streams, x.device)
         if side == main:
             return False
         side.wait_stream(main)

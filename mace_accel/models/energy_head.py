@@ -31,6 +31,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from mace_accel.ops.runtime import side_stream
+
 Tensor = torch.Tensor
 
 HEAD_MODELS = ("MACE", "ScaleShiftMACE")
@@ -232,12 +234,16 @@ def _select(values: Tensor, heads: Optional[Tensor]) -> Tensor:
 
 
 def segment_sums(values: Tensor, ptr: Tensor) -> Tensor:
-    """``[S, ...]``: the sums of ``values [N, ...]`` over the row ranges ``ptr[s]:ptr[s+1]``, in
-    float64 prefix sums (deterministic, no host synchronisation: CUDA-graph safe)."""
-    prefix = torch.cumsum(values.to(torch.float64), dim=0)
-    prefix = torch.cat([prefix.new_zeros((1, *prefix.shape[1:])), prefix])
+    """``[S, ...]`` float64: the sums of ``values [N, ...]`` over the row ranges
+    ``ptr[s]:ptr[s+1]``, as differences of float64 prefix sums (deterministic, no host
+    synchronisation: CUDA-graph safe). Each column is scanned along the contiguous dimension
+    (``[k, N]``: a scan down ``[N, k]`` runs ``k`` threads long)."""
+    columns = values.to(torch.float64).reshape(values.shape[0], -1).t().contiguous()
+    prefix = torch.cumsum(columns, dim=1)
+    prefix = torch.cat([prefix.new_zeros((prefix.shape[0], 1)), prefix], dim=1)
     ptr = ptr.long()
-    return prefix[ptr[1:]] - prefix[ptr[:-1]]
+    sums = prefix[:, ptr[1:]] - prefix[:, ptr[:-1]]
+    return sums.t().reshape(-1, *values.shape[1:])
 
 
 def _scale_shift(module: torch.nn.Module, x: Tensor, heads: Optional[Tensor]) -> Tensor:
@@ -326,7 +332,7 @@ def forward(model: torch.nn.Module, plan: HeadPlan, data: Dict[str, Tensor]) -> 
         return HeadOutputs(energy, node_energy, inter, vectors, lengths)
     # the energies feed no gradient: they run on a side stream beside the backward
     main = torch.cuda.current_stream(inter.device)
-    side = _side_stream(inter.device)
+    side = side_stream(_SIDE_STREAMS, inter.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         node_energy, energy = _energies(model, plan, *inputs, vectors.dtype)
@@ -357,15 +363,7 @@ def _overlap(model: torch.nn.Module):
     return group
 
 
-_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return stream
+_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}  # the energies' side stream per device
 
 
 def _energies(model: torch.nn.Module, plan: HeadPlan, node_attrs: Tensor,

@@ -110,14 +110,10 @@ def _strain_derivative(vectors: Tensor, grad: Tensor, batch: Dict[str, Tensor],
     """``[S, 3, 3]``: ``sum_e v_e (x) g_e`` over each structure's edges (grouped by structure)."""
     if grad is None or vectors.shape[0] == 0:
         return vectors.new_zeros((n_graphs, 3, 3))
-    # float64 prefix sums: deterministic, no host synchronisation (CUDA-graph safe)
-    outer = (vectors[:, :, None] * grad[:, None, :]).reshape(-1, 9).to(torch.float64)
+    outer = (vectors[:, :, None] * grad[:, None, :]).reshape(-1, 9)
     graph_of_edge = batch["batch"][batch["edge_index"][0]]
     lengths = torch.zeros(n_graphs, dtype=torch.int64, device=outer.device).scatter_add_(
         0, graph_of_edge, torch.ones_like(graph_of_edge))
     bounds = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
-    # scan along the contiguous dimension: [9, E] (a scan down [E, 9] runs 9 threads long)
-    prefix = torch.cumsum(outer.t().contiguous(), dim=1)
-    prefix = torch.cat([prefix.new_zeros(9, 1), prefix], dim=1)
-    sums = prefix[:, bounds[1:]] - prefix[:, bounds[:-1]]
-    return sums.t().to(vectors.dtype).reshape(n_graphs, 3, 3)
+    # float64 prefix sums per structure, as the energies (deterministic, CUDA-graph safe)
+    return energy_head.segment_sums(outer, bounds).to(vectors.dtype).reshape(n_graphs, 3, 3)

@@ -197,6 +197,17 @@ def _cupy_stream(handle: int, index: int):
     return cupy.cuda.ExternalStream(handle, index)
 
 
+def side_stream(streams: Dict[int, "torch.cuda.Stream"],
+                device: torch.device) -> "torch.cuda.Stream":
+    """The side stream of ``device`` kept in ``streams`` (one per device index; its owner's
+    cache), made on first use."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = streams.get(index)
+    if stream is None:
+        stream = streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
 def check_aligned(name: str, t: Optional[torch.Tensor], what: str) -> None:
     """Raise :class:`KernelError` unless ``t`` (None: nothing to check) starts on a 16-byte
     boundary, as ``what``'s 16-byte copies need."""
