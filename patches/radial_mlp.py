@@ -18,7 +18,6 @@ from mace_accel.ops import radial_mlp, registry
 from mace_accel.ops.conv_tp import folded
 from mace_accel.ops.radial_tc import apply as radial_tc
 from mace_accel.ops.radial_tc.spec import RadialSpec
-from mace_accel.ops.radial_tc.spec import pack_weights as pack_whole
 from mace_accel.ops.radial_tc.spec import unsupported_reason as whole_unsupported
 from mace_accel.ops.silu_mlp import autograd as silu_mlp_autograd
 from mace_accel.ops.silu_mlp.spec import MAX_WIDTH, SiluMLPSpec, pack_weights
@@ -145,7 +144,8 @@ class FusedRadialMLP(FusedModule):
         whole = whole_unsupported(self.hs)
         if whole is None:
             return head + ("; in float32 at inference the whole MLP forward in one tensor-core "
-                           "kernel (3xTF32, float32 accuracy; hidden activations on chip, "
+                           "kernel (wgmma on H100/H200, mma.sync on other GPUs; 3xTF32, float32 "
+                           "accuracy; hidden activations on chip, "
                            "pre-activations written for the backward, which runs 3xTF32 GEMMs "
                            "with SiLU epilogues), unless the conv recomputes the TP weights; "
                            "training and float64: GEMMs")
@@ -203,11 +203,15 @@ class FusedRadialMLP(FusedModule):
         overlap = self.__dict__.get("overlap")
         return self.compute(x) if overlap is None else overlap(self, x)
 
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` on the current stream, ``x`` checked already."""
+    def compute(self, x: torch.Tensor, sm_share: Optional[float] = None) -> torch.Tensor:
+        """:meth:`forward` on the current stream, ``x`` checked already; ``sm_share``: the share
+        of the GPU's multiprocessors the whole-MLP kernel may hold (a launch beside other
+        work; None: all)."""
         if self.runs_whole(x):
-            return radial_mlp.radial_mlp(x, self._weights(x.dtype), tf32x3=True,
-                                         whole=(self._whole_key(), self._packed_whole(x.dtype)))
+            return radial_mlp.radial_mlp(
+                x, self._weights(x.dtype), tf32x3=True,
+                whole=radial_mlp.WholeNet(self._whole_key(), self._packed_whole(x.dtype),
+                                          sm_share))
         if self._fused_hidden(x):
             hidden = silu_mlp_autograd.silu_mlp(self._hidden_key(), x, self._packed(x.dtype),
                                                 self.backend)
@@ -249,9 +253,9 @@ class FusedRadialMLP(FusedModule):
 
     def _packed_whole(self, dtype: torch.dtype) -> torch.Tensor:
         """The folded weights in the kernel's packed layout (float32 on the GPU)."""
-        spec = registry.lookup(self._whole_key())
+        key = self._whole_key()
         return self._derived("packed_whole", self._raw_weights(), dtype,
-                             lambda d: pack_whole(spec, self._weights(d)))
+                             lambda d: radial_tc.pack_weights(key, self._weights(d)))
 
     # -- the hidden layers in one kernel per pass (CUDA backend, inference) ---------------------
     def _fused_hidden(self, x: torch.Tensor) -> bool:

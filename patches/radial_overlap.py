@@ -32,6 +32,10 @@ from mace_accel.options import AccelOptions
 
 Tensor = torch.Tensor
 OVERLAP_MAX_EDGES = 131072
+# the share of the GPU's multiprocessors a later block's MLP may hold while it runs beside the
+# earlier blocks' work (its kernel strides over the rest of the edges): the rest stays free for
+# the critical path (measured: docs/h100-2026-11-23-s7)
+LATER_SM_SHARE = 0.5
 
 
 class RadialOverlap:
@@ -39,7 +43,9 @@ class RadialOverlap:
 
     Args:
         members: the model's fused radial MLP modules in the order the blocks call them; each
-            has a ``compute(x [E, h0]) -> Tensor`` method (its serial forward).
+            has a ``compute(x [E, h0], sm_share=None) -> Tensor`` method (its serial forward;
+            ``sm_share``: the share of the GPU it may hold, :data:`LATER_SM_SHARE` when forked
+            beside earlier blocks).
     """
 
     def __init__(self, members: List[torch.nn.Module]) -> None:
@@ -56,7 +62,8 @@ class RadialOverlap:
     def describe(self) -> str:
         return (f"the radial MLPs of blocks 2..{len(self.members)} start on a side CUDA stream "
                 f"after block 1's (with the lean energy head every block's, right after the "
-                f"edge features), beside the earlier blocks' work (calls up to "
+                f"edge features), beside the earlier blocks' work, blocks 2.. on at most "
+                f"{LATER_SM_SHARE:.0%} of the GPU where their kernel allows (calls up to "
                 f"{OVERLAP_MAX_EDGES} edges; same results bit for bit)")
 
     @staticmethod
@@ -98,8 +105,8 @@ class RadialOverlap:
         side.wait_stream(main)
         x.record_stream(side)
         with torch.cuda.stream(side):
-            for i in indices:
-                result = self.members[i].compute(x)
+            for i in indices:  # the first block's MLP is on the critical path: all the GPU
+                result = self.members[i].compute(x, None if i == 0 else LATER_SM_SHARE)
                 done = torch.cuda.Event()
                 done.record(side)
                 self._pending[i] = (x, x._version, result, done)

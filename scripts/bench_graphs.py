@@ -13,7 +13,7 @@ import argparse
 import copy
 import json
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
@@ -66,8 +66,24 @@ def _serial_copy(model: torch.nn.Module) -> torch.nn.Module:
     return serial
 
 
+def _share_rows(model, batch, r_max, shares: List[float], repeats: int) -> Dict[str, float]:
+    """mace-accel's graph captured again with each ``patches.radial_overlap.LATER_SM_SHARE``
+    (the share of the GPU the later blocks' forked radial MLPs may hold): ms per replay."""
+    from mace_accel.patches import radial_overlap
+
+    keep, out = radial_overlap.LATER_SM_SHARE, {}
+    try:
+        for share in shares:
+            radial_overlap.LATER_SM_SHARE = share
+            out[f"share {share:g}"] = time_calls(_accel_graph(model, batch, r_max), "cuda", 3,
+                                                 repeats).median_ms
+    finally:
+        radial_overlap.LATER_SM_SHARE = keep
+    return out
+
+
 def run(model_name: str, sizes: List[int], dtypes: List[str], repeats: int,
-        serial: bool = False) -> List[dict]:
+        serial: bool = False, shares: Sequence[float] = ()) -> List[dict]:
     source = resolve_model_source(model_name)
     rows = []
     for dtype_name in dtypes:
@@ -101,6 +117,9 @@ def run(model_name: str, sizes: List[int], dtypes: List[str], repeats: int,
                     graph_ms, err = None, f"{type(exc).__name__}: {exc}"[:120]
                 row[backend] = {"eager_ms": eager, "graph_ms": graph_ms, "forces_err": err}
                 torch.cuda.synchronize()
+            if shares and not isinstance(models["mace-accel"], str):
+                row["shares_graph_ms"] = _share_rows(models["mace-accel"], batch, info.r_max,
+                                                     list(shares), repeats)
             accel, cueq = row.get("mace-accel"), row.get("cueq")
             if isinstance(accel, dict) and isinstance(cueq, dict) and accel["graph_ms"] \
                     and cueq["graph_ms"]:
@@ -129,6 +148,8 @@ def _line(row: dict) -> str:
     if "overlap_over_serial_graph" in row:
         parts.append(f"; with/without the radial overlap = "
                      f"{row['overlap_over_serial_graph']:.3f}")
+    for name, ms in row.get("shares_graph_ms", {}).items():
+        parts.append(f"; later radial MLPs' {name}: graph {ms:.3f} ms")
     return " ".join(parts)
 
 
@@ -167,10 +188,15 @@ def main(argv=None) -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--serial", action="store_true",
                         help="also time mace-accel without the radial MLPs' overlap")
+    parser.add_argument("--shares", default="",
+                        help="also time mace-accel's graph captured with each of these shares "
+                        "of the GPU for the later blocks' radial MLPs (e.g. 1,0.5,0.25)")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     dtypes = args.dtypes.split(",")
-    out = {"graphs": run(args.model, sizes, dtypes, args.repeats, args.serial) if sizes else []}
+    shares = [float(s) for s in args.shares.split(",") if s]
+    out = {"graphs": run(args.model, sizes, dtypes, args.repeats, args.serial, shares)
+           if sizes else []}
     if args.md:
         out["md"] = md(args.model, [int(s) for s in args.md.split(",")], ["float32"],
                        args.md_steps)

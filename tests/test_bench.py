@@ -489,3 +489,23 @@ def test_throughput_over_gpus_reports_what_it_could_not_run_and_parses_results()
     failed = parse_result("", "Traceback...\nRuntimeError: NCCL error", 1,
                           ThroughputRecord("m", "float32", "batched, 2 GPU(s)", "ok", 100, 0))
     assert failed.status == "failed (exit 1): RuntimeError: NCCL error"
+
+
+def test_energy_error_is_against_the_exact_sum_of_the_reference_per_atom_energies():
+    """The reference's total is the float64 sum of its per-atom energies (its own float32 total
+    may have drifted from them), measured at their scale as the verification does; without
+    per-atom energies, the reference's total and the total's relative error."""
+    from mace_accel.bench.runner import BenchRunner as Runner
+
+    node = torch.tensor([100.0, -99.0], dtype=torch.float64)
+    ref = {"energy": torch.tensor([1.0 + 3e-3], dtype=torch.float64), "node_energy": node,
+           "forces": torch.ones(2, 3, dtype=torch.float64)}
+    out = {"energy": torch.tensor([1.0 + 1e-4], dtype=torch.float64),
+           "forces": torch.ones(2, 3, dtype=torch.float64)}
+    record = CaseRecord("m", "float32", 2, "mace-accel", "ok")
+    Runner._fill_errors(record, out, ref, torch.float32)
+    assert record.energy_rel_err == pytest.approx(1e-4 / 199.0)
+    assert record.within_tolerance
+    ref.pop("node_energy")
+    Runner._fill_errors(record, out, ref, torch.float32)
+    assert record.energy_rel_err == pytest.approx(2.9e-3 / 1.003) and not record.within_tolerance

@@ -12,8 +12,8 @@ import torch
 from mace_accel.bench.timing import capture_graph
 from mace_accel.errors import KernelError
 from mace_accel.ops import radial_mlp
-from mace_accel.ops.radial_tc import apply, codegen
-from mace_accel.ops.radial_tc.spec import pack_weights
+from mace_accel.ops.radial_tc import apply, codegen, wgmma
+from mace_accel.ops.radial_tc.cuda import CudaRadialMLP
 from mace_accel.tolerances import PASS_TOL, rel_linf_error
 
 pytestmark = [pytest.mark.gpu,
@@ -33,7 +33,8 @@ def _problem(name: str, rows: int, seed: int = 0):
 
 def _whole(spec, weights):
     w32 = [w.float().cuda() for w in weights]
-    return w32, (apply.register_spec(spec), pack_weights(spec, w32))
+    key = apply.register_spec(spec)
+    return w32, (key, apply.pack_weights(key, w32))
 
 
 @pytest.mark.parametrize("rows", [1, 37, 20000])
@@ -60,6 +61,24 @@ def test_forward_and_backward_against_float64(name, rows):
         err, bar_err = rel_linf_error(a.cpu(), exact), rel_linf_error(bar.cpu(), exact)
         assert err < max(16 * bar_err, 1e-6) and err < PASS_TOL[torch.float32][pass_], \
             (pass_, err, bar_err)
+
+
+@pytest.mark.parametrize("variant", [("mma", None), ("wgmma", None)]
+                         + [("wgmma", v) for v in wgmma.TESTED_VARIANTS])
+@pytest.mark.parametrize("rows", [1, 100, 20000])
+@pytest.mark.parametrize("name", sorted(codegen.CATALOG))
+def test_both_kernel_designs_against_float64(name, rows, variant):
+    """The mma.sync kernel (every sm_80+ GPU) and the wgmma kernel (sm_90: the one that runs
+    here) in each of their variants, output and pre-activations, against float64."""
+    if variant[0] == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90")
+    spec, weights, x, _ = _problem(name, rows, seed=2)
+    kernel = CudaRadialMLP(spec, torch.device("cuda"), layout=variant[0], variant=variant[1])
+    out, z = kernel.forward(x.float().cuda(), kernel.pack(weights))
+    pre64, ref = radial_mlp.pre_activations(x, weights)
+    assert rel_linf_error(out.cpu(), ref) < 2e-6
+    for i, p in enumerate(pre64):
+        assert rel_linf_error(z[i, :, :p.shape[1]].cpu(), p) < 2e-6
 
 
 def test_repeats_are_bit_identical_and_capture_in_a_graph():

@@ -25,14 +25,15 @@ KEYS = ("energy", "forces", "stress")
 
 
 class _Member(torch.nn.Module):
-    """A stand-in radial MLP: ``compute`` counts its calls."""
+    """A stand-in radial MLP: ``compute`` counts its calls and records the SM shares asked."""
 
     def __init__(self, scale: float) -> None:
         super().__init__()
-        self.scale, self.calls = scale, 0
+        self.scale, self.calls, self.shares = scale, 0, []
 
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, sm_share=None) -> torch.Tensor:
         self.calls += 1
+        self.shares.append(sm_share)
         return x * self.scale
 
 

@@ -23,7 +23,7 @@ class _TorchKernel:
     def __init__(self, spec: RadialSpec, calls: list) -> None:
         self.spec, self.calls = spec, calls
 
-    def forward(self, x, w):
+    def forward(self, x, w, sm_share=None):
         self.calls.append("forward")
         pre, out = radial_mlp.pre_activations(x, unpack_weights(self.spec, w))
         z = x.new_zeros((len(pre), x.shape[0], self.spec.hidden_width))
@@ -204,3 +204,37 @@ def test_row_limit_counts_rows_not_the_output_width():
     check_rows(INT32_MAX // 64, codegen.BM, "the radial MLP kernel")
     with pytest.raises(KernelError, match="int32 row index"):
         check_rows(INT32_MAX - 10, codegen.BM, "the radial MLP kernel")
+
+
+def _uncanonical(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return flat.reshape(rows // 8, cols // 4, 8, 4).permute(0, 2, 1, 3).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("name", sorted(codegen.CATALOG))
+def test_wgmma_packing_holds_the_split_weights_in_the_canonical_layout(name):
+    """Every layer's big + small parts, read back at the kernel's canonical offsets, are the
+    float32 weight (exactly), big is TF32 (its low 13 bits clear) and the padding is zero."""
+    from mace_accel.ops.radial_tc import wgmma
+
+    spec = codegen.CATALOG[name]
+    plan = wgmma.plan_kernel(spec, bn=40)  # 1280 and 1792 in whole tiles, 512 not
+    weights = [w.float() for w in _weights(spec.widths)]
+    packed = wgmma.pack_weights(plan, spec, weights)
+    assert packed.numel() == plan.packed_numel and packed.dtype == torch.float32
+    for layer, w in zip(plan.hidden, weights[:-1]):
+        n, k = layer["n"], layer["k"]
+        big = _uncanonical(packed[layer["big"]:layer["big"] + n * k], n, k)
+        small = _uncanonical(packed[layer["small"]:layer["small"] + n * k], n, k)
+        assert not (big.contiguous().view(torch.int32) & 0x1fff).any()
+        assert torch.equal((big + small)[:w.shape[1], :w.shape[0]], w.t())
+        assert not (big + small)[w.shape[1]:].any() and not (big + small)[:, w.shape[0]:].any()
+    tiles = []
+    for nt in range(plan.n_tiles):
+        at = plan.hidden_floats + nt * plan.tile_floats
+        half = plan.tile_floats // 2
+        tiles.append(_uncanonical(packed[at:at + half], plan.bn, plan.kl)
+                     + _uncanonical(packed[at + half:at + 2 * half], plan.bn, plan.kl))
+    last = torch.cat(tiles)
+    w = weights[-1]
+    assert torch.equal(last[:w.shape[1], :w.shape[0]], w.t())
+    assert not last[w.shape[1]:].any() and not last[:, w.shape[0]:].any()

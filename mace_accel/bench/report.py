@@ -28,7 +28,8 @@ JSON schema ``mace-accel-bench``, version 1 (``bench.json``)::
                         resident weights and the batch
         force_rel_err   |F - F_e3nn| / |F_e3nn| (same dtype; null for e3nn itself)
         force_max_err   max|F - F_e3nn| / max|F_e3nn|
-        energy_rel_err  |E - E_e3nn| / |E_e3nn|
+        energy_rel_err  |E - sum e_i| / max(|sum e_i|, sum |e_i|), e_i e3nn's per-atom energies
+                        summed in float64 (else |E - E_e3nn| / |E_e3nn|)
         stress_rel_err  as above, when --stress
         within_tolerance all errors within the model-level tolerance (fp64 1e-10, fp32 1e-5)
         edges_per_s     edges / median time

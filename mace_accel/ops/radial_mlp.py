@@ -16,7 +16,8 @@ Shapes: ``x [E, h0]``, ``weights[i] [h_i, h_{i+1}]``, output ``[E, h_L]``.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import dataclasses
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,17 @@ def layer_scales(fan_in: Sequence[int], var_in: Sequence[float], var_out: Sequen
     return scales
 
 
+@dataclasses.dataclass(frozen=True)
+class WholeNet:
+    """The whole net's forward in one :mod:`~mace_accel.ops.radial_tc` kernel: its spec
+    ``key`` and ``packed`` weights (:func:`~mace_accel.ops.radial_tc.apply.pack_weights`);
+    ``sm_share``: the share of the GPU's multiprocessors that kernel may hold (None: all)."""
+
+    key: str
+    packed: Tensor
+    sm_share: Optional[float] = None
+
+
 def _fused(tf32x3: bool, t: Tensor, w: Tensor) -> bool:
     """Whether the layer of weight ``w [k, n]`` runs as one 3xTF32 kernel with its SiLU."""
     return tf32x3 and tf32x3_ops.runs_on(t, int(w.shape[0]), int(w.shape[1]))
@@ -95,10 +107,10 @@ def _silu_grad(g: Tensor, z: Tensor) -> Tensor:
 
 class _RadialMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, last_act: bool, tf32x3: bool, whole: Optional[Tuple[str, Tensor]],
+    def forward(ctx, x: Tensor, last_act: bool, tf32x3: bool, whole: Optional[WholeNet],
                 *weights: Tensor) -> Tensor:
         if whole is not None:  # the whole net in one kernel, which also writes pre
-            out, pre = radial_tc.forward(whole[0], x, whole[1])
+            out, pre = radial_tc.forward(whole.key, x, whole.packed, whole.sm_share)
         else:
             pre, out = pre_activations(x, weights, last_act, tf32x3)
         ctx.save_for_backward(x, *weights, *pre)
@@ -147,15 +159,18 @@ def vjp(x: Tensor, weights: Sequence[Tensor], pre: Sequence[Tensor], grad: Tenso
 
 
 def radial_mlp(x: Tensor, weights: Sequence[Tensor], last_act: bool = False,
-               tf32x3: bool = False, whole: Optional[Tuple[str, Tensor]] = None) -> Tensor:
+               tf32x3: bool = False, whole: Union[WholeNet, tuple, None] = None) -> Tensor:
     """``[E, h_L]``: the folded SiLU MLP of ``x [E, h0]`` (see module docstring); with
     ``last_act`` the last layer has a SiLU too (the hidden part of a net whose own last layer
     is folded into the convolution); with ``tf32x3`` (CUDA float32) the hidden layers whose
     widths are multiples of 4 run as 3xTF32 kernels with their SiLU, forward and backward;
-    ``whole``: ``(spec key, packed weights)`` of :mod:`mace_accel.ops.radial_tc`, whose one
-    kernel then runs the forward (not with ``last_act``; the backward as with ``tf32x3``)."""
+    ``whole``: a :class:`WholeNet` (or its ``(key, packed)``) of :mod:`mace_accel.ops.radial_tc`,
+    whose one kernel then runs the forward (not with ``last_act``; the backward as with
+    ``tf32x3``)."""
     if whole is not None and last_act:
         raise ValueError("the whole-net kernel ends with the linear layer (last_act=False)")
+    if isinstance(whole, tuple):
+        whole = WholeNet(*whole)
     return _RadialMLP.apply(x, last_act, tf32x3, whole, *weights)
 
 

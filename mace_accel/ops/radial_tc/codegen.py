@@ -119,6 +119,14 @@ CATALOG = {
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
     """``(name, source)`` of every catalog kernel (float32 only: float64 keeps cuBLAS, which
-    runs on the FP64 tensor cores)."""
+    runs on the FP64 tensor cores): the mma.sync kernels, then the wgmma ones (sm_90a) in the
+    variant each spec runs and in those the GPU tests run."""
+    from mace_accel.ops.radial_tc import wgmma
+
     for name, spec in sorted(CATALOG.items()):
         yield f"radial_tc/{name}", render_kernel(plan_kernel(spec, limits.arch))
+    for name, spec in sorted(CATALOG.items()):
+        variants = {wgmma.default_variant(spec), *wgmma.TESTED_VARIANTS}
+        for variant in sorted(variants):
+            plan = wgmma.plan_kernel(spec, *variant)
+            yield f"radial_tc/{name}_{wgmma.kernel_name(plan)}", wgmma.render_kernel(plan)

@@ -1,45 +1,90 @@
 """The CUDA side of the radial-MLP kernel: one kernel per spec and device (float32), launched on
 torch's current stream (it allocates nothing but its outputs, so it can be captured in a CUDA
-graph)."""
+graph). On sm_90 (H100, H200) the ``wgmma`` kernel of :mod:`.wgmma` runs, elsewhere the
+``mma.sync`` kernel of :mod:`.codegen`; each reads its own packing of the weights
+(:meth:`CudaRadialMLP.pack`)."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from mace_accel.ops.radial_tc import codegen
-from mace_accel.ops.radial_tc.spec import RadialSpec
+from mace_accel.ops.radial_tc import codegen, wgmma
+from mace_accel.ops.radial_tc.spec import RadialSpec, pack_weights
 from mace_accel.ops.runtime import Kernel, check_rows, device_limits, i32, kernel_device, ptr
 from mace_accel.ops.silu_mlp.cuda import check_mlp_inputs
 
 Tensor = torch.Tensor
+WGMMA_ARCH = "sm_90"
+
+
+def layout_for(arch: str) -> str:
+    """``"wgmma"`` where the Hopper kernel runs (sm_90), else ``"mma"``."""
+    return "wgmma" if arch == WGMMA_ARCH else "mma"
 
 
 class CudaRadialMLP:
-    """The kernel of one :class:`RadialSpec` on one device."""
+    """The kernel of one :class:`RadialSpec` on one device; ``layout`` and ``variant`` (the
+    wgmma kernel's ``(wg, stages)``) are for benchmarks, the default picks by the device."""
 
-    def __init__(self, spec: RadialSpec, device: torch.device) -> None:
+    def __init__(self, spec: RadialSpec, device: torch.device, layout: Optional[str] = None,
+                 variant: Optional[Tuple[int, ...]] = None) -> None:
         self.spec = spec
         self.device = kernel_device(torch.float32, device)
-        self.plan = codegen.plan_kernel(spec, device_limits(self.device).arch)
+        arch = device_limits(self.device).arch
+        self.layout = layout or layout_for(arch)
+        if self.layout == "wgmma":
+            self.plan = wgmma.plan_kernel(spec, *(variant or wgmma.default_variant(spec)))
+            self._source = lambda: wgmma.render_kernel(self.plan)
+            self._name = wgmma.kernel_name(self.plan)
+            self._shared, self._rows = self.plan.shared_bytes, self.plan.block_rows
+            self.packed_numel = self.plan.packed_numel
+        else:
+            self.plan = codegen.plan_kernel(spec, arch)
+            self._source = lambda: codegen.render_kernel(self.plan)
+            self._name = codegen.kernel_name(self.plan)
+            self._shared, self._rows = self.plan.fwd_shared_bytes, codegen.BM
+            self.packed_numel = spec.packed_numel
         self._kernel: Optional[Kernel] = None
+        self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
-    def forward(self, x: Tensor, w: Tensor) -> Tuple[Tensor, Tensor]:
+    def describe(self) -> str:
+        return ("wgmma (sm_90a)" if self.layout == "wgmma" else "mma.sync") + " kernel"
+
+    def _max_blocks(self, sm_share: Optional[float]) -> Optional[int]:
+        if sm_share is None:
+            return None
+        return max(1, round(sm_share * self._sms * self.plan.min_blocks))
+
+    def pack(self, weights: Sequence[Tensor]) -> Tensor:
+        """The layers' ``[w_i, w_{i+1}]`` folded weights packed for this kernel (float32, on
+        its device)."""
+        w32 = [w.detach().to(self.device, torch.float32) for w in weights]
+        if self.layout == "wgmma":
+            return wgmma.pack_weights(self.plan, self.spec, w32)
+        return pack_weights(self.spec, w32)
+
+    def forward(self, x: Tensor, w: Tensor, sm_share: Optional[float] = None
+                ) -> Tuple[Tensor, Tensor]:
         """``(out [E, n_out], z [n_hidden, E, hidden_width])`` of ``x [E, h0]`` and the packed
-        weights ``w`` (:func:`~.spec.pack_weights`): the output and each hidden layer's
-        pre-activations (a narrower layer in its first columns)."""
+        weights ``w`` (:meth:`pack`): the output and each hidden layer's pre-activations (a
+        narrower layer in its first columns). ``sm_share`` (wgmma kernel): launch at most that
+        share of the blocks the GPU holds at once; they stride over the rest of the edges,
+        leaving the other multiprocessors to work on other streams."""
         s = self.spec
-        n = check_mlp_inputs(s, x, w, torch.float32, self.device, "the radial MLP kernel")
-        check_rows(n, codegen.BM, "the radial MLP kernel")  # offsets are 64-bit
+        what = f"the radial MLP {self.describe()}"
+        n = check_mlp_inputs(s, x, w, torch.float32, self.device, what, self.packed_numel)
+        check_rows(n, self._rows, what)  # offsets are 64-bit
         out = torch.empty((n, s.widths[-1]), dtype=torch.float32, device=self.device)
         z = torch.empty((len(s.widths) - 2, n, s.hidden_width), dtype=torch.float32,
                         device=self.device)
         if n:
             if self._kernel is None:
-                self._kernel = Kernel(codegen.render_kernel(self.plan),
-                                      codegen.kernel_name(self.plan), self.device,
-                                      self.plan.arch, dynamic_shared=self.plan.fwd_shared_bytes)
-            self._kernel.launch(self.plan.grid(n), self.plan.threads,
+                self._kernel = Kernel(self._source(), self._name, self.device, self.plan.arch,
+                                      dynamic_shared=self._shared)
+            grid = (self.plan.grid(n, self._max_blocks(sm_share)) if self.layout == "wgmma"
+                    else self.plan.grid(n))
+            self._kernel.launch(grid, self.plan.threads,
                                 (ptr(x), ptr(w), ptr(out), ptr(z), i32(n)))
         return out, z

@@ -27,13 +27,15 @@ Tensor = torch.Tensor
 
 
 def check_mlp_inputs(spec, x: Tensor, w: Tensor, dtype: torch.dtype, device: torch.device,
-                     what: str) -> int:
+                     what: str, packed_numel: Optional[int] = None) -> int:
     """The edge count of ``x [E, widths[0]]``, after checking it and the packed weights
-    ``w [packed_numel]`` (16-byte aligned) of an MLP ``spec`` (widths, packed_numel,
-    describe()) for ``what``, a kernel that takes them in ``dtype`` on ``device``."""
+    ``w [packed_numel]`` (16-byte aligned; by default the spec's ``packed_numel``) of an MLP
+    ``spec`` (widths, packed_numel, describe()) for ``what``, a kernel that takes them in
+    ``dtype`` on ``device``."""
     n = int(x.shape[0]) if x.dim() == 2 else -1
+    numel = spec.packed_numel if packed_numel is None else packed_numel
     check_tensor("x", x, (n, spec.widths[0]), dtype, device, spec.describe())
-    check_tensor("packed weights", w, (spec.packed_numel,), dtype, device, spec.describe())
+    check_tensor("packed weights", w, (numel,), dtype, device, spec.describe())
     check_aligned("packed weights", w, what)
     return n
 
