@@ -34,7 +34,7 @@ def _problem(name: str, rows: int, seed: int = 0):
 def _whole(spec, weights):
     w32 = [w.float().cuda() for w in weights]
     key = apply.register_spec(spec)
-    return w32, (key, apply.pack_weights(key, w32))
+    return w32, radial_mlp.WholeNet(key, apply.pack_weights(key, w32))
 
 
 @pytest.mark.parametrize("rows", [1, 37, 20000])
@@ -45,7 +45,7 @@ def test_forward_and_backward_against_float64(name, rows):
     pre64, ref = radial_mlp.pre_activations(x64, weights)
     (gref,) = torch.autograd.grad(ref, x64, g)
     w32, whole = _whole(spec, weights)
-    out, pre = apply.forward(whole[0], x.float().cuda(), whole[1])
+    out, pre = apply.forward(whole.key, x.float().cuda(), whole.packed)
     assert len(pre) == len(pre64)
     for z, z64 in zip(pre, pre64):
         assert rel_linf_error(z.cpu(), z64) < PASS_TOL[torch.float32]["forward"]
@@ -101,7 +101,8 @@ def test_repeats_are_bit_identical_and_capture_in_a_graph():
 
 def test_checks_before_launch():
     spec, weights, x, _ = _problem("ragged", 8)
-    _, (key, packed) = _whole(spec, weights)
+    _, whole = _whole(spec, weights)
+    key, packed = whole.key, whole.packed
     with pytest.raises(KernelError):
         apply.forward(key, x.cuda(), packed)  # float64 input
     with pytest.raises(KernelError):

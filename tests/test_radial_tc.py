@@ -99,7 +99,7 @@ def test_plans_fit_shared_memory_and_sources_name_their_kernels(name):
 def test_radial_mlp_on_the_kernels_equals_the_reference(torch_kernels, widths):
     spec = RadialSpec(widths)
     weights = _weights(widths)
-    whole = (apply.register_spec(spec), pack_weights(spec, weights))
+    whole = radial_mlp.WholeNet(apply.register_spec(spec), pack_weights(spec, weights))
     x = torch.randn(23, widths[0], dtype=torch.float64, requires_grad=True)
     ref = radial_mlp.reference(x, weights)
     g = torch.randn_like(ref)
@@ -124,7 +124,8 @@ def test_the_whole_net_ends_with_its_linear_layer():
     spec = RadialSpec((3, 8, 8))
     with pytest.raises(ValueError, match="last_act"):
         radial_mlp.radial_mlp(torch.randn(2, 3), _weights(spec.widths), last_act=True,
-                              whole=(apply.register_spec(spec), torch.zeros(0)))
+                              whole=radial_mlp.WholeNet(apply.register_spec(spec),
+                                                        torch.zeros(0)))
 
 
 def _fused_mlp(hs=(8, 16, 16, 12), **options):

@@ -17,7 +17,7 @@ Shapes: ``x [E, h0]``, ``weights[i] [h_i, h_{i+1}]``, output ``[E, h_L]``.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -159,18 +159,15 @@ def vjp(x: Tensor, weights: Sequence[Tensor], pre: Sequence[Tensor], grad: Tenso
 
 
 def radial_mlp(x: Tensor, weights: Sequence[Tensor], last_act: bool = False,
-               tf32x3: bool = False, whole: Union[WholeNet, tuple, None] = None) -> Tensor:
+               tf32x3: bool = False, whole: Optional[WholeNet] = None) -> Tensor:
     """``[E, h_L]``: the folded SiLU MLP of ``x [E, h0]`` (see module docstring); with
     ``last_act`` the last layer has a SiLU too (the hidden part of a net whose own last layer
     is folded into the convolution); with ``tf32x3`` (CUDA float32) the hidden layers whose
     widths are multiples of 4 run as 3xTF32 kernels with their SiLU, forward and backward;
-    ``whole``: a :class:`WholeNet` (or its ``(key, packed)``) of :mod:`mace_accel.ops.radial_tc`,
-    whose one kernel then runs the forward (not with ``last_act``; the backward as with
-    ``tf32x3``)."""
+    ``whole``: a :class:`WholeNet` of :mod:`mace_accel.ops.radial_tc`, whose one kernel then
+    runs the forward (not with ``last_act``; the backward as with ``tf32x3``)."""
     if whole is not None and last_act:
         raise ValueError("the whole-net kernel ends with the linear layer (last_act=False)")
-    if isinstance(whole, tuple):
-        whole = WholeNet(*whole)
     return _RadialMLP.apply(x, last_act, tf32x3, whole, *weights)
 
 

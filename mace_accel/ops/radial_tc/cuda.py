@@ -26,7 +26,8 @@ def layout_for(arch: str) -> str:
 
 class CudaRadialMLP:
     """The kernel of one :class:`RadialSpec` on one device; ``layout`` and ``variant`` (the
-    wgmma kernel's ``(wg, stages)``) are for benchmarks, the default picks by the device."""
+    wgmma kernel's ``(wg, stages, bn, splits)``) are for benchmarks and tests, the default
+    picks by the device."""
 
     def __init__(self, spec: RadialSpec, device: torch.device, layout: Optional[str] = None,
                  variant: Optional[Tuple[int, ...]] = None) -> None:
@@ -34,16 +35,14 @@ class CudaRadialMLP:
         self.device = kernel_device(torch.float32, device)
         arch = device_limits(self.device).arch
         self.layout = layout or layout_for(arch)
+        # the module that plans, names and renders this layout's kernel
+        self._family = wgmma if self.layout == "wgmma" else codegen
         if self.layout == "wgmma":
             self.plan = wgmma.plan_kernel(spec, *(variant or wgmma.default_variant(spec)))
-            self._source = lambda: wgmma.render_kernel(self.plan)
-            self._name = wgmma.kernel_name(self.plan)
             self._shared, self._rows = self.plan.shared_bytes, self.plan.block_rows
             self.packed_numel = self.plan.packed_numel
         else:
             self.plan = codegen.plan_kernel(spec, arch)
-            self._source = lambda: codegen.render_kernel(self.plan)
-            self._name = codegen.kernel_name(self.plan)
             self._shared, self._rows = self.plan.fwd_shared_bytes, codegen.BM
             self.packed_numel = spec.packed_numel
         self._kernel: Optional[Kernel] = None
@@ -81,8 +80,9 @@ class CudaRadialMLP:
                         device=self.device)
         if n:
             if self._kernel is None:
-                self._kernel = Kernel(self._source(), self._name, self.device, self.plan.arch,
-                                      dynamic_shared=self._shared)
+                self._kernel = Kernel(self._family.render_kernel(self.plan),
+                                      self._family.kernel_name(self.plan), self.device,
+                                      self.plan.arch, dynamic_shared=self._shared)
             grid = (self.plan.grid(n, self._max_blocks(sm_share)) if self.layout == "wgmma"
                     else self.plan.grid(n))
             self._kernel.launch(grid, self.plan.threads,
