@@ -203,15 +203,16 @@ class FusedRadialMLP(FusedModule):
         overlap = self.__dict__.get("overlap")
         return self.compute(x) if overlap is None else overlap(self, x)
 
-    def compute(self, x: torch.Tensor, sm_share: Optional[float] = None) -> torch.Tensor:
-        """:meth:`forward` on the current stream, ``x`` checked already; ``sm_share``: the share
-        of the GPU's multiprocessors the whole-MLP kernel may hold (a launch beside other
-        work; None: all)."""
+    def compute(self, x: torch.Tensor, sm_share: Optional[float] = None,
+                backward_sm_share: Optional[float] = None) -> torch.Tensor:
+        """:meth:`forward` on the current stream, ``x`` checked already; ``sm_share``,
+        ``backward_sm_share``: the share of the GPU's multiprocessors the whole-MLP forward and
+        backward kernels may hold (a launch beside other work; None: all)."""
         if self.runs_whole(x):
             return radial_mlp.radial_mlp(
                 x, self._weights(x.dtype), tf32x3=True,
                 whole=radial_mlp.WholeNet(self._whole_key(), self._packed_whole(x.dtype),
-                                          sm_share))
+                                          sm_share, backward_sm_share))
         if self._fused_hidden(x):
             hidden = silu_mlp_autograd.silu_mlp(self._hidden_key(), x, self._packed(x.dtype),
                                                 self.backend)

@@ -36,6 +36,8 @@ OVERLAP_MAX_EDGES = 131072
 # earlier blocks' work (its kernel strides over the rest of the edges): the rest stays free for
 # the critical path (measured: docs/h100-2026-11-23-s7)
 LATER_SM_SHARE = 0.5
+# the same for their backward kernels (which autograd runs on the side stream too); None: all
+LATER_BACKWARD_SM_SHARE: Optional[float] = 0.5
 
 
 class RadialOverlap:
@@ -43,8 +45,9 @@ class RadialOverlap:
 
     Args:
         members: the model's fused radial MLP modules in the order the blocks call them; each
-            has a ``compute(x [E, h0], sm_share=None) -> Tensor`` method (its serial forward;
-            ``sm_share``: the share of the GPU it may hold, :data:`LATER_SM_SHARE` when forked
+            has a ``compute(x [E, h0], sm_share=None, backward_sm_share=None) -> Tensor``
+            method (its serial forward; the shares of the GPU its forward and backward kernels
+            may hold, :data:`LATER_SM_SHARE` and :data:`LATER_BACKWARD_SM_SHARE` when forked
             beside earlier blocks).
     """
 
@@ -106,7 +109,8 @@ class RadialOverlap:
         x.record_stream(side)
         with torch.cuda.stream(side):
             for i in indices:  # the first block's MLP is on the critical path: all the GPU
-                result = self.members[i].compute(x, None if i == 0 else LATER_SM_SHARE)
+                result = (self.members[i].compute(x) if i == 0 else self.members[i].compute(
+                    x, LATER_SM_SHARE, LATER_BACKWARD_SM_SHARE))
                 done = torch.cuda.Event()
                 done.record(side)
                 self._pending[i] = (x, x._version, result, done)

@@ -66,24 +66,28 @@ def _serial_copy(model: torch.nn.Module) -> torch.nn.Module:
     return serial
 
 
-def _share_rows(model, batch, r_max, shares: List[float], repeats: int) -> Dict[str, float]:
-    """mace-accel's graph captured again with each ``patches.radial_overlap.LATER_SM_SHARE``
-    (the share of the GPU the later blocks' forked radial MLPs may hold): ms per replay."""
+def _share_rows(model, batch, r_max, shares: List[str], repeats: int) -> Dict[str, float]:
+    """mace-accel's graph captured again with each share of the GPU the later blocks' forked
+    radial MLPs may hold (``patches.radial_overlap.LATER_SM_SHARE``; ``"F/B"`` also sets their
+    backward's, ``LATER_BACKWARD_SM_SHARE``, else the same; 1: all): ms per replay."""
     from mace_accel.patches import radial_overlap
 
-    keep, out = radial_overlap.LATER_SM_SHARE, {}
+    keep = radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE
+    out = {}
     try:
         for share in shares:
-            radial_overlap.LATER_SM_SHARE = share
-            out[f"share {share:g}"] = time_calls(_accel_graph(model, batch, r_max), "cuda", 3,
-                                                 repeats).median_ms
+            forward, _, backward = share.partition("/")
+            values = [None if float(v) >= 1 else float(v) for v in (forward, backward or forward)]
+            radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE = values
+            out[f"share {share}"] = time_calls(_accel_graph(model, batch, r_max), "cuda", 3,
+                                               repeats).median_ms
     finally:
-        radial_overlap.LATER_SM_SHARE = keep
+        radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE = keep
     return out
 
 
 def run(model_name: str, sizes: List[int], dtypes: List[str], repeats: int,
-        serial: bool = False, shares: Sequence[float] = ()) -> List[dict]:
+        serial: bool = False, shares: Sequence[str] = ()) -> List[dict]:
     source = resolve_model_source(model_name)
     rows = []
     for dtype_name in dtypes:
@@ -190,11 +194,12 @@ def main(argv=None) -> None:
                         help="also time mace-accel without the radial MLPs' overlap")
     parser.add_argument("--shares", default="",
                         help="also time mace-accel's graph captured with each of these shares "
-                        "of the GPU for the later blocks' radial MLPs (e.g. 1,0.5,0.25)")
+                        "of the GPU for the later blocks' radial MLPs (e.g. 1,0.5,0.25; "
+                        "FORWARD/BACKWARD sets the backward kernel's apart, e.g. 0.5/1)")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     dtypes = args.dtypes.split(",")
-    shares = [float(s) for s in args.shares.split(",") if s]
+    shares = [s for s in args.shares.split(",") if s]
     out = {"graphs": run(args.model, sizes, dtypes, args.repeats, args.serial, shares)
            if sizes else []}
     if args.md:

@@ -9,8 +9,13 @@ SPLITS``) on the same inputs, each one's error against float64 (output and pre-a
 the signed error summed over all outputs: a bias), bandwidth (output bytes over time) and TF32
 rate (three products per multiply-add).
 
+With ``--backward``, the input gradient alone: the 3xTF32 layer kernels (``vjp`` from the
+pre-activations) against the wgmma backward kernel in the given ``WGxSTAGES`` variants, each
+one's error against float64, bandwidth (bytes of the gradient read over time) and TF32 rate.
+
     python scripts/bench_radial_tc.py --edges 20000,539000 --outs 512,1280
     python scripts/bench_radial_tc.py --kernels mma,wgmma,wgmma:1x4x32x1
+    python scripts/bench_radial_tc.py --backward 1x2,2x2
 """
 
 from __future__ import annotations
@@ -95,6 +100,41 @@ def kernels(widths: Sequence[int], weights: List[torch.Tensor], x: torch.Tensor,
         del out, z
 
 
+def backwards(widths: Sequence[int], weights: List[torch.Tensor], x: torch.Tensor,
+              g: torch.Tensor, variants: Sequence[str]) -> None:
+    """``d x`` on the layer kernels, then on the wgmma backward kernel in ``variants``."""
+    spec = RadialSpec(tuple(widths))
+    x64 = x.double().requires_grad_(True)
+    (gref,) = torch.autograd.grad(radial_mlp.reference(x64, [w.double() for w in weights]),
+                                  x64, g.double())
+    macs = sum(widths[i] * widths[i + 1] for i in range(len(widths) - 1))
+    with torch.no_grad():
+        pre, _ = radial_mlp.pre_activations(x, weights, tf32x3=True)
+    no_w = [False] * len(weights)
+
+    def layers() -> torch.Tensor:
+        with torch.no_grad():
+            return radial_mlp.vjp(x, weights, pre, g, False, True, no_w, tf32x3=True)[0]
+
+    runs = [("layers", layers, "3xTF32 layer kernels")]
+    for variant in variants:
+        kernel = CudaRadialMLP(spec, x.device, layout="wgmma",
+                               backward_variant=tuple(int(v) for v in variant.split("x")))
+        packed = kernel.pack(weights)
+        _, z = kernel.forward(x, packed)
+        runs.append((f"wgmma:{variant}", lambda k=kernel, p=packed, z=z: k.backward(g, z, p),
+                     f"wgmma backward, {kernel.backward_plan.threads} threads"))
+    base = None
+    for name, fn, what in runs:
+        err = _rel(fn(), gref)
+        ms = _time(fn)
+        base = base or ms
+        print(f"{_label(widths, x.shape[0], name)} {ms * 1e3:8.1f} us ({ms / base:4.2f}x)  grad "
+              f"{x.shape[0] * widths[-1] * 4 / ms / 1e6:6.0f} GB/s  "
+              f"{6 * x.shape[0] * macs / ms / 1e9:5.0f} TFLOP/s tf32  err {err:.1e}  {what}",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--edges", default="20000,539000")
@@ -102,6 +142,9 @@ def main() -> None:
     parser.add_argument("--outs", default="512,1280")
     parser.add_argument("--kernels", default="",
                         help="compare these forward kernels (e.g. mma,wgmma,wgmma:1x4x32x1)")
+    parser.add_argument("--backward", default="",
+                        help="compare the layer kernels' d x with these wgmma backward "
+                             "variants (WGxSTAGES, e.g. 1x2,2x2)")
     args = parser.parse_args()
     hidden = tuple(int(v) for v in args.hidden.split(","))
     torch.manual_seed(0)
@@ -114,6 +157,9 @@ def main() -> None:
             x = torch.randn(e, widths[0], device="cuda")
             if args.kernels:
                 kernels(widths, weights, x, args.kernels.split(","))
+            elif args.backward:
+                backwards(widths, weights, x, torch.randn(e, n_out, device="cuda"),
+                          args.backward.split(","))
             else:
                 whole_vs_layers(widths, weights, x, torch.randn(e, n_out, device="cuda"))
 

@@ -1,6 +1,7 @@
-"""The whole-radial-MLP kernel on the GPU: every catalog spec against float64 (output and
-pre-activations; through the radial MLP, ``d x`` on the 3xTF32 layer kernels from them), as
-accurate as the layer-by-layer float32 path; bit-identical repeats; capture in a CUDA graph;
+"""The whole-radial-MLP kernels on the GPU: every catalog spec against float64 (output and
+pre-activations; through the radial MLP, ``d x``: on sm_90 the wgmma backward kernel, elsewhere
+the 3xTF32 layer kernels), as accurate as the layer-by-layer float32 path; weight gradients
+(training) on the layer kernels; bit-identical repeats; capture in a CUDA graph;
 the checks before launch. Whole models on it: tests/test_gpu_model.py (float32 takes this path
 by default)."""
 
@@ -12,7 +13,7 @@ import torch
 from mace_accel.bench.timing import capture_graph
 from mace_accel.errors import KernelError
 from mace_accel.ops import radial_mlp
-from mace_accel.ops.radial_tc import apply, codegen, wgmma
+from mace_accel.ops.radial_tc import apply, codegen, wgmma, wgmma_backward
 from mace_accel.ops.radial_tc.cuda import CudaRadialMLP
 from mace_accel.tolerances import PASS_TOL, rel_linf_error
 
@@ -45,7 +46,8 @@ def test_forward_and_backward_against_float64(name, rows):
     pre64, ref = radial_mlp.pre_activations(x64, weights)
     (gref,) = torch.autograd.grad(ref, x64, g)
     w32, whole = _whole(spec, weights)
-    out, pre = apply.forward(whole.key, x.float().cuda(), whole.packed)
+    out, z = apply.forward(whole.key, x.float().cuda(), whole.packed)
+    pre = apply.pre_views(whole.key, z)
     assert len(pre) == len(pre64)
     for z, z64 in zip(pre, pre64):
         assert rel_linf_error(z.cpu(), z64) < PASS_TOL[torch.float32]["forward"]
@@ -79,6 +81,68 @@ def test_both_kernel_designs_against_float64(name, rows, variant):
     assert rel_linf_error(out.cpu(), ref) < 2e-6
     for i, p in enumerate(pre64):
         assert rel_linf_error(z[i, :, :p.shape[1]].cpu(), p) < 2e-6
+
+
+def _needs_sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90")
+
+
+@pytest.mark.parametrize("variant", [wgmma_backward.DEFAULT_VARIANT, *wgmma_backward.TESTED_VARIANTS])
+@pytest.mark.parametrize("rows", [1, 100, 20000])
+@pytest.mark.parametrize("name", sorted(codegen.CATALOG))
+def test_backward_kernel_against_float64(name, rows, variant):
+    """The wgmma backward kernel's ``d x`` in each variant against float64, as accurate as
+    float32 GEMMs (cuBLAS, no TF32) on the same inputs; a share of the GPU changes no bit."""
+    _needs_sm90()
+    spec, weights, x, g = _problem(name, rows, seed=3)
+    kernel = CudaRadialMLP(spec, torch.device("cuda"), layout="wgmma", backward_variant=variant)
+    packed = kernel.pack(weights)
+    _, z = kernel.forward(x.float().cuda(), packed)
+    dx = kernel.backward(g.float().cuda(), z, packed)
+    x64 = x.clone().requires_grad_(True)
+    (gref,) = torch.autograd.grad(radial_mlp.reference(x64, weights), x64, g)
+    xl = x.float().cuda().requires_grad_(True)
+    (gl,) = torch.autograd.grad(radial_mlp.reference(xl, [w.float().cuda() for w in weights]),
+                                xl, g.float().cuda())
+    err, bar = rel_linf_error(dx.cpu(), gref), rel_linf_error(gl.cpu(), gref)
+    assert err < max(4 * bar, 2e-6), (err, bar)
+    assert torch.equal(kernel.backward(g.float().cuda(), z, packed, sm_share=0.1), dx)
+
+
+def test_weight_gradients_take_the_layer_kernels():
+    """With a weight gradient asked for (training), the whole-net forward's backward runs on
+    the layer kernels and gives every gradient, as the plain float32 path does."""
+    spec, weights, x, g = _problem("mp_l1", 300, seed=4)
+    w32, whole = _whole(spec, weights)
+    ws = [w.clone().requires_grad_(True) for w in w32]
+    xc = x.float().cuda().requires_grad_(True)
+    ours = torch.autograd.grad(radial_mlp.radial_mlp(xc, ws, tf32x3=True, whole=whole),
+                               [xc, *ws], g.float().cuda())
+    xr = x.float().cuda().requires_grad_(True)
+    wr = [w.clone().requires_grad_(True) for w in w32]
+    ref = torch.autograd.grad(radial_mlp.reference(xr, wr), [xr, *wr], g.float().cuda())
+    for a, b in zip(ours, ref):
+        assert rel_linf_error(a.cpu(), b.cpu().double()) < 1e-5
+
+
+def test_backward_checks_before_launch():
+    _needs_sm90()
+    spec, weights, x, g = _problem("ragged", 8)
+    kernel = CudaRadialMLP(spec, torch.device("cuda"), layout="wgmma")
+    packed = kernel.pack(weights)
+    _, z = kernel.forward(x.float().cuda(), packed)
+    gc = g.float().cuda()
+    with pytest.raises(KernelError):
+        kernel.backward(g.cuda(), z, packed)  # float64 gradient
+    with pytest.raises(KernelError):
+        kernel.backward(gc[:4], z, packed)  # rows differ from z's
+    with pytest.raises(KernelError):
+        kernel.backward(gc, z, packed[:-4])  # wrong packed size
+    mma = CudaRadialMLP(spec, torch.device("cuda"), layout="mma")
+    assert not mma.has_backward
+    with pytest.raises(KernelError, match="no backward kernel"):
+        mma.backward(gc, z, mma.pack(weights))
 
 
 def test_repeats_are_bit_identical_and_capture_in_a_graph():

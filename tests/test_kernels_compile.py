@@ -1,5 +1,6 @@
 """Every generated kernel of the catalog compiles with nvcc for sm_90 (the wgmma ones for
-sm_90a), without register spills, stack frames or serialized wgmmas (ptxas's C7514).
+sm_90a), without register spills, stack frames, or ptxas's wgmma performance notes (C7511-C7519:
+wgmmas serialized, fences injected).
 
 Runs on CPU machines (nvcc only, no GPU). On CI (CI=true) a missing nvcc is a failure.
 """
@@ -43,4 +44,5 @@ def test_kernel_compiles_without_spills(name, tmp_path):
     assert spills and max(spills) == 0, f"register spills in {name}:\n{log}"
     frames = [int(v) for v in re.findall(r"(\d+) bytes stack frame", log)]
     assert max(frames) == 0, f"local-memory stack frame in {name}:\n{log}"
-    assert "C7514" not in log, f"ptxas serializes the wgmmas of {name}:\n{log}"
+    assert not re.search(r"C751[1-9]", log), \
+        f"ptxas serializes or fences the wgmmas of {name}:\n{log}"

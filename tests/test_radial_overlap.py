@@ -25,15 +25,14 @@ KEYS = ("energy", "forces", "stress")
 
 
 class _Member(torch.nn.Module):
-    """A stand-in radial MLP: ``compute`` counts its calls and records the SM shares asked."""
+    """A stand-in radial MLP: ``compute`` counts its calls."""
 
     def __init__(self, scale: float) -> None:
         super().__init__()
-        self.scale, self.calls, self.shares = scale, 0, []
+        self.scale, self.calls = scale, 0
 
-    def compute(self, x: torch.Tensor, sm_share=None) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, sm_share=None, backward_sm_share=None) -> torch.Tensor:
         self.calls += 1
-        self.shares.append(sm_share)
         return x * self.scale
 
 
@@ -159,12 +158,25 @@ def test_the_lean_head_starts_every_block_early_bit_for_bit(monkeypatch):
 
     forked, serial = _patched_pair(torch.float32)
     joined = _count_joins(monkeypatch)
+    shares = []
+    compute = FusedRadialMLP.compute
+
+    def recording(self, x, *args):
+        shares.append(args)
+        return compute(self, x, *args)
+
+    monkeypatch.setattr(FusedRadialMLP, "compute", recording)
     batch = _cu_ni_batch(forked)
     for _ in range(2):
         got = evaluate(forked, dict(batch), compute_stress=False)
+        monkeypatch.setattr(FusedRadialMLP, "compute", compute)  # the serial model's: not asked
         want = serial(dict(batch), training=False, compute_force=True)
+        monkeypatch.setattr(FusedRadialMLP, "compute", recording)
         assert torch.equal(got["forces"], want["forces"])
     assert joined == [True, True] * 2  # both blocks took the early results, in each call
+    # the first block's MLP holds the whole GPU, the later one the shares it is given
+    later = (radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE)
+    assert shares == [(), later] * 2
 
 
 @pytest.mark.gpu

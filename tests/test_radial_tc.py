@@ -18,10 +18,18 @@ from mace_accel.tolerances import MODEL_TOL, rel_norm_error
 
 
 class _TorchKernel:
-    """The radial_tc kernel as torch computes it (any dtype and device)."""
+    """The radial_tc kernels as torch computes them (any dtype and device); ``has_backward``:
+    the input gradient has its kernel (the wgmma layout) or not (the mma one)."""
 
-    def __init__(self, spec: RadialSpec, calls: list) -> None:
-        self.spec, self.calls = spec, calls
+    def __init__(self, spec: RadialSpec, calls: list, has_backward: bool = False) -> None:
+        self.spec, self.calls, self.has_backward = spec, calls, has_backward
+
+    def backward(self, grad, z, w, sm_share=None):
+        self.calls.append("backward")
+        weights = unpack_weights(self.spec, w)
+        pre = [z[i, :, :h] for i, h in enumerate(self.spec.widths[1:-1])]
+        no_w = [False] * len(weights)
+        return radial_mlp.vjp(None, weights, pre, grad, False, True, no_w)[0]
 
     def forward(self, x, w, sm_share=None):
         self.calls.append("forward")
@@ -32,12 +40,13 @@ class _TorchKernel:
         return out, z
 
 
-@pytest.fixture
-def torch_kernels(monkeypatch):
-    """Both kernel families stood in for by torch; the 3xTF32 path taken for any tensor."""
+@pytest.fixture(params=[False, True], ids=["layer-backward", "kernel-backward"])
+def torch_kernels(monkeypatch, request):
+    """Both kernel families stood in for by torch, the whole-net backward with its kernel or
+    without; the 3xTF32 path taken for any tensor."""
     calls = []
-    monkeypatch.setattr(apply, "_kernel", lambda key, x: _TorchKernel(
-        apply.registry.lookup(key), calls))
+    monkeypatch.setattr(apply, "_kernel", lambda key, device: _TorchKernel(
+        apply.registry.lookup(key), calls, request.param))
 
     def gemm(a, b, k, n, layout):
         calls.append(("gemm", k, n, layout))
@@ -106,18 +115,28 @@ def test_radial_mlp_on_the_kernels_equals_the_reference(torch_kernels, widths):
     (gref,) = torch.autograd.grad(ref, x, g, create_graph=True)
     out = radial_mlp.radial_mlp(x, weights, tf32x3=True, whole=whole)
     assert torch.allclose(out, ref, rtol=1e-12, atol=1e-13)
-    # inference: the backward on the 3xTF32 layer kernels, from the kernel's pre-activations
+    # inference: the backward in its kernel, or on the 3xTF32 layer kernels, from the forward
+    # kernel's pre-activations
     (gx,) = torch.autograd.grad(radial_mlp.radial_mlp(x, weights, tf32x3=True, whole=whole),
                                 x, g)
     assert torch.allclose(gx, gref, rtol=1e-11, atol=1e-13)
     assert torch_kernels.count("forward") == 2
-    assert torch_kernels.count("silu_grad") == len(widths) - 2
+    kernel_backward = "backward" in torch_kernels
+    assert torch_kernels.count("silu_grad") == (0 if kernel_backward else len(widths) - 2)
+    # a weight gradient (training) takes the layer kernels either way
+    wg = [w.clone().requires_grad_(True) for w in weights]
+    grads = torch.autograd.grad(radial_mlp.radial_mlp(x, wg, tf32x3=True, whole=whole),
+                                [x, *wg], g)
+    refs = torch.autograd.grad(radial_mlp.reference(x, wg), [x, *wg], g)
+    assert all(torch.allclose(a, b, rtol=1e-11, atol=1e-13) for a, b in zip(grads, refs))
+    assert torch_kernels.count("backward") == (1 if kernel_backward else 0)
+    calls = len(torch_kernels)
     # double backward (training on forces): the differentiable torch path
     (gx2,) = torch.autograd.grad(out, x, g, create_graph=True)
     assert torch.allclose(gx2, gref, rtol=1e-11, atol=1e-13)
     dd, dd_ref = (torch.autograd.grad(v.square().sum(), x)[0] for v in (gx2, gref))
     assert torch.allclose(dd, dd_ref, rtol=1e-10, atol=1e-12)
-    assert torch_kernels.count("silu_grad") == len(widths) - 2
+    assert "backward" not in torch_kernels[calls:] and "silu_grad" not in torch_kernels[calls:]
 
 
 def test_the_whole_net_ends_with_its_linear_layer():
@@ -239,3 +258,59 @@ def test_wgmma_packing_holds_the_split_weights_in_the_canonical_layout(name):
     w = weights[-1]
     assert torch.equal(last[:w.shape[1], :w.shape[0]], w.t())
     assert not last[w.shape[1]:].any() and not last[:, w.shape[0]:].any()
+
+
+def test_wgmma_backward_orders_match_the_register_fragments():
+    """The K orders of the backward's packed weights are the columns the registers hold: a
+    thread ``t`` of the last layer reads columns ``4t .. 4t + 3`` of each group of 16 and hands
+    ``4t + 2u`` / ``4t + 2u + 1`` to k8 step ``2q + u`` as its columns ``t`` / ``t + 4``; a hidden
+    layer's thread holds accumulator columns ``8j + 2t`` / ``8j + 2t + 1``, step ``j``'s ``t`` /
+    ``t + 4``. Both orders are permutations."""
+    from mace_accel.ops.radial_tc.wgmma_backward import CK, chunk_order, step_order
+
+    chunk, step = chunk_order(CK), step_order(64)
+    assert sorted(chunk) == list(range(CK)) and sorted(step) == list(range(64))
+    for t in range(4):
+        for q in range(CK // 16):
+            for u in range(2):
+                s = 2 * q + u
+                assert chunk[8 * s + t] == 16 * q + 4 * t + 2 * u
+                assert chunk[8 * s + t + 4] == 16 * q + 4 * t + 2 * u + 1
+        for j in range(8):
+            assert step[8 * j + t] == 8 * j + 2 * t and step[8 * j + t + 4] == 8 * j + 2 * t + 1
+
+
+@pytest.mark.parametrize("name", sorted(codegen.CATALOG))
+def test_wgmma_backward_packing_holds_the_split_weights_in_k_order(name):
+    """Every GEMM of the backward, read back at the kernel's canonical offsets and its K order
+    undone, is the float32 weight (exactly: big + small), big is TF32 and the padding is zero;
+    the last layer's chunks cover its padded columns."""
+    from mace_accel.ops.radial_tc import wgmma_backward as wb
+
+    spec = codegen.CATALOG[name]
+    plan = wb.plan_backward(spec)
+    weights = [w.float() for w in _weights(spec.widths)]
+    packed = wb.pack_backward(plan, spec, weights)
+    assert packed.numel() == plan.packed_numel and packed.dtype == torch.float32
+
+    def read(at: int, rows: int, cols: int, order) -> torch.Tensor:
+        big = _uncanonical(packed[at:at + rows * cols], rows, cols)
+        small = _uncanonical(packed[at + rows * cols:at + 2 * rows * cols], rows, cols)
+        assert not (big.contiguous().view(torch.int32) & 0x1fff).any()
+        out = torch.empty_like(big)
+        out[:, torch.tensor(order)] = big + small
+        return out
+
+    n_hidden = len(spec.widths) - 2
+    assert [layer["z"] for layer in plan.layers] == list(range(n_hidden - 2, -1, -1)) + [None]
+    for layer, i in zip(plan.layers, range(n_hidden - 1, -1, -1)):
+        m = read(layer["big"], layer["n"], layer["k"], wb.step_order(layer["k"]))
+        w = weights[i]
+        assert torch.equal(m[:w.shape[0], :w.shape[1]], w)
+        assert not m[w.shape[0]:].any() and not m[:, w.shape[1]:].any()
+    chunks = [read(plan.hidden_floats + c * plan.stage_floats, plan.kh, wb.CK,
+                   wb.chunk_order(wb.CK)) for c in range(plan.n_chunks)]
+    last, w = torch.cat(chunks, dim=1), weights[-1]
+    assert last.shape[1] == plan.n_chunks * wb.CK >= w.shape[1]
+    assert torch.equal(last[:w.shape[0], :w.shape[1]], w)
+    assert not last[w.shape[0]:].any() and not last[:, w.shape[1]:].any()

@@ -62,13 +62,16 @@ def layer_scales(fan_in: Sequence[int], var_in: Sequence[float], var_out: Sequen
 
 @dataclasses.dataclass(frozen=True)
 class WholeNet:
-    """The whole net's forward in one :mod:`~mace_accel.ops.radial_tc` kernel: its spec
-    ``key`` and ``packed`` weights (:func:`~mace_accel.ops.radial_tc.apply.pack_weights`);
-    ``sm_share``: the share of the GPU's multiprocessors that kernel may hold (None: all)."""
+    """The whole net's forward (and input gradient) in one :mod:`~mace_accel.ops.radial_tc`
+    kernel each: its spec ``key`` and ``packed`` weights
+    (:func:`~mace_accel.ops.radial_tc.apply.pack_weights`); ``sm_share``,
+    ``backward_sm_share``: the share of the GPU's multiprocessors the forward and the backward
+    kernel may hold (None: all)."""
 
     key: str
     packed: Tensor
     sm_share: Optional[float] = None
+    backward_sm_share: Optional[float] = None
 
 
 def _fused(tf32x3: bool, t: Tensor, w: Tensor) -> bool:
@@ -109,25 +112,34 @@ class _RadialMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, last_act: bool, tf32x3: bool, whole: Optional[WholeNet],
                 *weights: Tensor) -> Tensor:
-        if whole is not None:  # the whole net in one kernel, which also writes pre
-            out, pre = radial_tc.forward(whole.key, x, whole.packed, whole.sm_share)
+        if whole is not None:  # the whole net in one kernel, which also writes the z buffer
+            out, z = radial_tc.forward(whole.key, x, whole.packed, whole.sm_share)
+            ctx.save_for_backward(x, *weights, z)
         else:
             pre, out = pre_activations(x, weights, last_act, tf32x3)
-        ctx.save_for_backward(x, *weights, *pre)
-        ctx.n_layers, ctx.last_act, ctx.tf32x3 = len(weights), last_act, tf32x3
+            ctx.save_for_backward(x, *weights, *pre)
+        ctx.n_layers, ctx.last_act, ctx.tf32x3, ctx.whole = len(weights), last_act, tf32x3, whole
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        n = ctx.n_layers
+        n, whole = ctx.n_layers, ctx.whole
         saved = ctx.saved_tensors
         x, weights, pre = saved[0], saved[1:1 + n], list(saved[1 + n:])
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
         tf32x3 = ctx.tf32x3
         if torch.is_grad_enabled():  # create_graph: pre-activations connected to x and W
             pre, _ = pre_activations(x, weights, ctx.last_act)
             tf32x3 = False
-        grad_x, grads_w = vjp(x, weights, pre, grad, ctx.last_act, ctx.needs_input_grad[0],
-                              ctx.needs_input_grad[4:], tf32x3)
+        elif whole is not None:
+            z = pre[0]
+            if need_x and not any(need_w) and radial_tc.has_backward(whole.key, grad.device):
+                # d x in one kernel (forces, stress)
+                grad_x = radial_tc.backward(whole.key, grad, z, whole.packed,
+                                            whole.backward_sm_share)
+                return (grad_x, None, None, None, *([None] * n))
+            pre = radial_tc.pre_views(whole.key, z)
+        grad_x, grads_w = vjp(x, weights, pre, grad, ctx.last_act, need_x, need_w, tf32x3)
         return (grad_x, None, None, None, *grads_w)
 
 
@@ -165,7 +177,9 @@ def radial_mlp(x: Tensor, weights: Sequence[Tensor], last_act: bool = False,
     is folded into the convolution); with ``tf32x3`` (CUDA float32) the hidden layers whose
     widths are multiples of 4 run as 3xTF32 kernels with their SiLU, forward and backward;
     ``whole``: a :class:`WholeNet` of :mod:`mace_accel.ops.radial_tc`, whose one kernel then
-    runs the forward (not with ``last_act``; the backward as with ``tf32x3``)."""
+    runs the forward (not with ``last_act``), and where the device has one (sm_90) another
+    the input gradient when no weight gradient is asked for (else the backward as with
+    ``tf32x3``)."""
     if whole is not None and last_act:
         raise ValueError("the whole-net kernel ends with the linear layer (last_act=False)")
     return _RadialMLP.apply(x, last_act, tf32x3, whole, *weights)

@@ -1,6 +1,7 @@
-"""The radial-MLP kernel as the forward of :func:`mace_accel.ops.radial_mlp.radial_mlp`: the
-output and the hidden pre-activations its backward (the 3xTF32 layer kernels) reads. Not
-differentiable by itself: the radial MLP's autograd function calls it."""
+"""The radial-MLP kernels as the forward and backward of :func:`mace_accel.ops.radial_mlp.
+radial_mlp`: the forward writes the output and the hidden pre-activations; the backward (where
+the device has its kernel, :func:`has_backward`; else the 3xTF32 layer kernels) reads them. Not
+differentiable by themselves: the radial MLP's autograd function calls them."""
 
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ def register_spec(spec: RadialSpec) -> str:
     return registry.register(FAMILY, spec)
 
 
-def _kernel(key: str, x: Tensor):
-    """The compiled kernel of spec ``key`` on ``x``'s device (built once per process)."""
+def _kernel(key: str, device: torch.device):
+    """The kernels of spec ``key`` on ``device`` (built once per process)."""
     from mace_accel.ops.radial_tc.cuda import CudaRadialMLP
 
-    return registry.cached((FAMILY, key, x.device),
-                           lambda: CudaRadialMLP(registry.lookup(key), x.device))
+    return registry.cached((FAMILY, key, device),
+                           lambda: CudaRadialMLP(registry.lookup(key), device))
 
 
 def pack_weights(key: str, weights: Sequence[Tensor]) -> Tensor:
@@ -35,16 +36,33 @@ def pack_weights(key: str, weights: Sequence[Tensor]) -> Tensor:
     :func:`~.spec.pack_weights`, which torch stand-ins read)."""
     if weights[0].device.type != "cuda":
         return spec_module.pack_weights(registry.lookup(key), weights)
-    return _kernel(key, weights[0]).pack(weights)
+    return _kernel(key, weights[0].device).pack(weights)
 
 
 def forward(key: str, x: Tensor, packed: Tensor, sm_share: Optional[float] = None
-            ) -> Tuple[Tensor, List[Tensor]]:
-    """``(out [E, n_out], [z_1 .. z_{L-1}])`` of ``x [E, h0]``: the MLP of spec ``key`` and its
-    hidden layers' pre-activations ``[E, h_i]``, as :func:`~mace_accel.ops.radial_mlp.
-    pre_activations` returns them (views of one buffer). ``sm_share``: the share of the GPU's
-    multiprocessors the kernel may hold (None: all), for a launch beside other work."""
+            ) -> Tuple[Tensor, Tensor]:
+    """``(out [E, n_out], z [n_hidden, E, hidden_width])`` of ``x [E, h0]``: the MLP of spec
+    ``key`` and its hidden layers' pre-activations (:func:`pre_views` gives them one by one).
+    ``sm_share``: the share of the GPU's multiprocessors the kernel may hold (None: all), for a
+    launch beside other work."""
+    return _kernel(key, x.device).forward(x.contiguous(), packed, sm_share)
+
+
+def pre_views(key: str, z: Tensor) -> List[Tensor]:
+    """The hidden layers' pre-activations ``[E, h_i]`` in ``z`` (:func:`forward`), as
+    :func:`~mace_accel.ops.radial_mlp.pre_activations` returns them (views)."""
     spec: RadialSpec = registry.lookup(key)
-    out, z = _kernel(key, x).forward(x.contiguous(), packed, sm_share)
-    return out, [z[i] if h == spec.hidden_width else z[i, :, :h]
-                 for i, h in enumerate(spec.widths[1:-1])]
+    return [z[i] if h == spec.hidden_width else z[i, :, :h]
+            for i, h in enumerate(spec.widths[1:-1])]
+
+
+def has_backward(key: str, device: torch.device) -> bool:
+    """Whether the input gradient of spec ``key`` has a kernel on ``device`` (sm_90)."""
+    return _kernel(key, device).has_backward
+
+
+def backward(key: str, grad: Tensor, z: Tensor, packed: Tensor,
+             sm_share: Optional[float] = None) -> Tensor:
+    """``d x [E, h0]`` of ``<grad [E, n_out], out>`` from the forward's ``z`` and the same
+    ``packed`` weights (where :func:`has_backward`)."""
+    return _kernel(key, grad.device).backward(grad.contiguous(), z, packed, sm_share)

@@ -119,9 +119,9 @@ CATALOG = {
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
     """``(name, source)`` of every catalog kernel (float32 only: float64 keeps cuBLAS, which
-    runs on the FP64 tensor cores): the mma.sync kernels, then the wgmma ones (sm_90a) in the
-    variant each spec runs and in those the GPU tests run."""
-    from mace_accel.ops.radial_tc import wgmma
+    runs on the FP64 tensor cores): the mma.sync kernels, then the wgmma ones (sm_90a), forward
+    and backward, in the variant each spec runs and in those the GPU tests run."""
+    from mace_accel.ops.radial_tc import wgmma, wgmma_backward
 
     for name, spec in sorted(CATALOG.items()):
         yield f"radial_tc/{name}", render_kernel(plan_kernel(spec, limits.arch))
@@ -130,3 +130,7 @@ def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
         for variant in sorted(variants):
             plan = wgmma.plan_kernel(spec, *variant)
             yield f"radial_tc/{name}_{wgmma.kernel_name(plan)}", wgmma.render_kernel(plan)
+        for variant in sorted({wgmma_backward.DEFAULT_VARIANT, *wgmma_backward.TESTED_VARIANTS}):
+            plan = wgmma_backward.plan_backward(spec, *variant)
+            yield (f"radial_tc/{name}_{wgmma_backward.kernel_name(plan)}",
+                   wgmma_backward.render_backward(plan))

@@ -1,8 +1,10 @@
-"""The CUDA side of the radial-MLP kernel: one kernel per spec and device (float32), launched on
-torch's current stream (it allocates nothing but its outputs, so it can be captured in a CUDA
-graph). On sm_90 (H100, H200) the ``wgmma`` kernel of :mod:`.wgmma` runs, elsewhere the
-``mma.sync`` kernel of :mod:`.codegen`; each reads its own packing of the weights
-(:meth:`CudaRadialMLP.pack`)."""
+"""The CUDA side of the radial-MLP kernels: per spec and device (float32), launched on torch's
+current stream (they allocate nothing but their outputs, so they can be captured in a CUDA
+graph). On sm_90 (H100, H200) the ``wgmma`` forward of :mod:`.wgmma` runs, and the input
+gradient has a kernel too (:mod:`.wgmma_backward`); elsewhere the ``mma.sync`` forward of
+:mod:`.codegen`, the gradient on the 3xTF32 layer kernels. Each layout reads its own packing of
+the weights (:meth:`CudaRadialMLP.pack`; the wgmma one holds the backward's after the
+forward's)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from mace_accel.ops.radial_tc import codegen, wgmma
+from mace_accel.errors import KernelError
+from mace_accel.ops.radial_tc import codegen, wgmma, wgmma_backward
 from mace_accel.ops.radial_tc.spec import RadialSpec, pack_weights
-from mace_accel.ops.runtime import Kernel, check_rows, device_limits, i32, kernel_device, ptr
+from mace_accel.ops.runtime import (Kernel, check_aligned, check_rows, check_tensor,
+                                    device_limits, i32, kernel_device, ptr)
 from mace_accel.ops.silu_mlp.cuda import check_mlp_inputs
 
 Tensor = torch.Tensor
@@ -25,12 +29,14 @@ def layout_for(arch: str) -> str:
 
 
 class CudaRadialMLP:
-    """The kernel of one :class:`RadialSpec` on one device; ``layout`` and ``variant`` (the
-    wgmma kernel's ``(wg, stages, bn, splits)``) are for benchmarks and tests, the default
-    picks by the device."""
+    """The kernels of one :class:`RadialSpec` on one device; ``layout``, ``variant`` (the
+    wgmma forward's ``(wg, stages, bn, splits)``) and ``backward_variant`` (the wgmma
+    backward's ``(wg, stages)``) are for benchmarks and tests, the default picks by the
+    device."""
 
     def __init__(self, spec: RadialSpec, device: torch.device, layout: Optional[str] = None,
-                 variant: Optional[Tuple[int, ...]] = None) -> None:
+                 variant: Optional[Tuple[int, ...]] = None,
+                 backward_variant: Optional[Tuple[int, int]] = None) -> None:
         self.spec = spec
         self.device = kernel_device(torch.float32, device)
         arch = device_limits(self.device).arch
@@ -40,28 +46,39 @@ class CudaRadialMLP:
         if self.layout == "wgmma":
             self.plan = wgmma.plan_kernel(spec, *(variant or wgmma.default_variant(spec)))
             self._shared, self._rows = self.plan.shared_bytes, self.plan.block_rows
-            self.packed_numel = self.plan.packed_numel
+            self.backward_plan: Optional[wgmma_backward.BackwardPlan] = \
+                wgmma_backward.plan_backward(spec, *(backward_variant or ()))
+            self._forward_numel = self.plan.packed_numel
+            self.packed_numel = self._forward_numel + self.backward_plan.packed_numel
         else:
             self.plan = codegen.plan_kernel(spec, arch)
             self._shared, self._rows = self.plan.fwd_shared_bytes, codegen.BM
+            self.backward_plan = None
             self.packed_numel = spec.packed_numel
         self._kernel: Optional[Kernel] = None
+        self._backward_kernel: Optional[Kernel] = None
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     def describe(self) -> str:
         return ("wgmma (sm_90a)" if self.layout == "wgmma" else "mma.sync") + " kernel"
 
-    def _max_blocks(self, sm_share: Optional[float]) -> Optional[int]:
+    @property
+    def has_backward(self) -> bool:
+        """Whether the input gradient has a kernel here (the wgmma layout)."""
+        return self.backward_plan is not None
+
+    def _max_blocks(self, sm_share: Optional[float], min_blocks: int) -> Optional[int]:
         if sm_share is None:
             return None
-        return max(1, round(sm_share * self._sms * self.plan.min_blocks))
+        return max(1, round(sm_share * self._sms * min_blocks))
 
     def pack(self, weights: Sequence[Tensor]) -> Tensor:
         """The layers' ``[w_i, w_{i+1}]`` folded weights packed for this kernel (float32, on
         its device)."""
         w32 = [w.detach().to(self.device, torch.float32) for w in weights]
         if self.layout == "wgmma":
-            return wgmma.pack_weights(self.plan, self.spec, w32)
+            return torch.cat([wgmma.pack_weights(self.plan, self.spec, w32),
+                              wgmma_backward.pack_backward(self.backward_plan, self.spec, w32)])
         return pack_weights(self.spec, w32)
 
     def forward(self, x: Tensor, w: Tensor, sm_share: Optional[float] = None
@@ -83,8 +100,43 @@ class CudaRadialMLP:
                 self._kernel = Kernel(self._family.render_kernel(self.plan),
                                       self._family.kernel_name(self.plan), self.device,
                                       self.plan.arch, dynamic_shared=self._shared)
-            grid = (self.plan.grid(n, self._max_blocks(sm_share)) if self.layout == "wgmma"
-                    else self.plan.grid(n))
+            grid = (self.plan.grid(n, self._max_blocks(sm_share, self.plan.min_blocks))
+                    if self.layout == "wgmma" else self.plan.grid(n))
             self._kernel.launch(grid, self.plan.threads,
                                 (ptr(x), ptr(w), ptr(out), ptr(z), i32(n)))
         return out, z
+
+    def backward(self, grad: Tensor, z: Tensor, w: Tensor, sm_share: Optional[float] = None
+                 ) -> Tensor:
+        """``d x [E, h0]`` of ``<grad, out>`` (``grad [E, n_out]``) from the forward's
+        pre-activations ``z`` (:meth:`forward`) and the packed weights ``w`` (:meth:`pack`);
+        ``sm_share`` as for :meth:`forward`. The wgmma layout only (:attr:`has_backward`).
+
+        Raises:
+            KernelError: no backward kernel here, or the inputs are not what it takes.
+        """
+        plan, s = self.backward_plan, self.spec
+        if plan is None:
+            raise KernelError(f"the radial MLP {self.describe()} has no backward kernel: its "
+                              "gradient runs on the 3xTF32 layer kernels")
+        what = f"the radial MLP backward ({self.describe()})"
+        n = int(grad.shape[0]) if grad.dim() == 2 else -1
+        check_tensor("grad", grad, (n, s.widths[-1]), torch.float32, self.device, s.describe())
+        check_tensor("pre-activations", z, (len(s.widths) - 2, n, s.hidden_width),
+                     torch.float32, self.device, s.describe())
+        check_tensor("packed weights", w, (self.packed_numel,), torch.float32, self.device,
+                     s.describe())
+        check_aligned("grad", grad, what)
+        check_aligned("packed weights", w, what)
+        check_rows(n, plan.block_rows, what)
+        dx = torch.empty((n, s.widths[0]), dtype=torch.float32, device=self.device)
+        if n:
+            if self._backward_kernel is None:
+                self._backward_kernel = Kernel(
+                    wgmma_backward.render_backward(plan), wgmma_backward.kernel_name(plan),
+                    self.device, plan.arch, dynamic_shared=plan.shared_bytes)
+            grid = plan.grid(n, self._max_blocks(sm_share, plan.min_blocks))
+            self._backward_kernel.launch(grid, plan.threads,
+                                         (ptr(grad), ptr(z), ptr(w[self._forward_numel:]),
+                                          ptr(dx), i32(n)))
+        return dx

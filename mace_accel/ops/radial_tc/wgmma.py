@@ -43,7 +43,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from mace_accel.ops.radial_tc.spec import RadialSpec
-from mace_accel.ops.silu_mlp.spec import check_layer_weights
+from mace_accel.ops.silu_mlp.spec import check_layer_weights, zero_padded
 from mace_accel.ops.templates import render
 
 ARCH = "sm_90a"  # wgmma exists only on sm_90a (H100/H200), not on later architectures
@@ -212,12 +212,6 @@ def split_tf32(m: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return big, m - big
 
 
-def _padded(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    out = w.new_zeros((rows, cols))
-    out[:w.shape[0], :w.shape[1]] = w
-    return out
-
-
 def pack_weights(plan: WgmmaPlan, spec: RadialSpec, weights: Sequence[torch.Tensor]
                  ) -> torch.Tensor:
     """The flat float32 buffer of the layers' ``[w_i, w_{i+1}]`` folded weights: per hidden
@@ -231,9 +225,9 @@ def pack_weights(plan: WgmmaPlan, spec: RadialSpec, weights: Sequence[torch.Tens
     check_layer_weights(spec.describe(), spec.widths, weights)
     parts: List[torch.Tensor] = []
     for layer, w in zip(plan.hidden, weights[:-1]):
-        big, small = split_tf32(_padded(w.t().float(), layer["n"], layer["k"]))
+        big, small = split_tf32(zero_padded(w.t().float(), layer["n"], layer["k"]))
         parts += [canonical(big), canonical(small)]
-    last = _padded(weights[-1].t().float(), plan.n_tiles * plan.bn, plan.kl)
+    last = zero_padded(weights[-1].t().float(), plan.n_tiles * plan.bn, plan.kl)
     for nt in range(plan.n_tiles):
         big, small = split_tf32(last[nt * plan.bn:(nt + 1) * plan.bn])
         parts += [canonical(big), canonical(small)]
