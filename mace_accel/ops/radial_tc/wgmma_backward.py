@@ -12,9 +12,9 @@ is written: ``g W_L^T`` (``[E, 64]``) and the hidden layers' gradients stay in r
   ``stages`` chunks deep) and read as a float4 per row and group of 16 columns, split into TF32
   parts in registers; each hidden layer's from the accumulator of the layer above, scaled by
   ``silu'(z)``, with no memory round trip.
-* ``B`` (the weights) comes from shared memory: the hidden layers' copied once per block, the
-  last layer's streamed in chunks of :data:`CK` of its ``n_out`` rows, ``stages`` deep, shared
-  by the block's warpgroups. All are split into TF32 big/small parts on the host, in the
+* ``B`` (the weights) comes from shared memory: the last layer's streamed in chunks of
+  :data:`CK` of its ``n_out`` rows, ``stages`` deep, shared by the block's warpgroups; the
+  hidden layers' copied into the same region after the last layer, for every tile of edges. All are split into TF32 big/small parts on the host, in the
   canonical K-major layout (:mod:`.wgmma`), with ``K`` permuted to the order in which the
   registers hold ``A`` (:func:`chunk_order`, :func:`step_order`).
 * K is summed in slices of 32 on the tensor cores, the slices added in float32 (the forward's
@@ -23,12 +23,13 @@ is written: ``g W_L^T`` (``[E, 64]``) and the hidden layers' gradients stay in r
   load latency was the largest stall in Nsight Compute's samples: 37% of them).
 
 Measured on an H100 against the 3xTF32 layer kernels it replaces (``scripts/bench_radial_tc.py
---backward``, MACE-MP's 10-64-64-64 nets, docs/h100-2026-11-24-s8): 512 outputs 61.9 vs 79.3 us
-at 20k edges, 0.96 vs 1.38 ms at 539k; 1280 outputs 109.1 vs 126.7 us, 1.98 vs 2.43 ms. Still
-latency-bound (Nsight Compute: no eligible warp in 80% of the cycles at 20k edges). Tried,
-slower at three of the four sizes: ``g`` read straight into registers one pair of chunks ahead
-(no shared memory for it; only two stages of weights then fit the registers left): 65.2 /
-105.9 us, 1.24 / 2.06 ms; one warpgroup per block: 65.0 / 108.1 us, 1.25 / 2.15 ms.
+--backward``, MACE-MP's 10-64-64-64 nets, docs/h100-2026-11-24-s8): 512 outputs 51.0 vs 79.4 us
+at 20k edges, 0.90 vs 1.37 ms at 539k; 1280 outputs 92.0 vs 128.8 us, 1.69 vs 2.42 ms. Still
+latency-bound (Nsight Compute, two warpgroups a block: no eligible warp in 80% of the cycles at
+20k edges). Tried and slower: ``g`` read straight into registers one pair of chunks ahead (no
+shared memory for it; only two stages of weights then fit the registers left); two
+warpgroups sharing each chunk of weights (one block per SM); the hidden layers' weights kept
+in shared memory for the whole launch (fewer stages, one block per SM).
 """
 
 from __future__ import annotations
@@ -45,10 +46,14 @@ from mace_accel.ops.templates import render
 
 CK = 32  # last-layer rows per chunk: one K slice of 4 k8 steps
 G_PAD = 4  # floats of padding per row of g in shared memory (spreads a warp's reads over banks)
-WG, STAGES = 2, 4  # the default: two warpgroups share each chunk of weights; two pairs in flight
+# the default: one warpgroup, two pairs of chunks in flight, two blocks per SM (102 KB of shared
+# memory and 250 registers each with MACE-MP's nets). Measured on an H100 (docs/h100-2026-11-24-s8,
+# 9_backward_variants): independent blocks beat two warpgroups sharing each chunk of weights
+# (0.64-0.71x the layer kernels against 0.69-0.88x), and deeper stages (six, eight) gained nothing
+WG, STAGES = 1, 4
 DEFAULT_VARIANT = (WG, STAGES)
 # (wg, stages) besides the default that the GPU tests run (and CI compiles)
-TESTED_VARIANTS = ((1, 2), (1, 4), (2, 2))
+TESTED_VARIANTS = ((1, 2), (2, 4))
 MAX_REGISTERS = 64 * 1024  # per SM
 FLOAT = 4
 
@@ -111,8 +116,10 @@ class BackwardPlan:
 
     @property
     def shared_bytes(self) -> int:
+        """The chunks' stages and the warpgroups' rows of ``g``, the same region later holding
+        the hidden layers' weights."""
         g_floats = self.wg * self.stages * wgmma.ROWS * self.g_ld
-        return (self.hidden_floats + self.stages * self.stage_floats + g_floats) * FLOAT
+        return max(self.hidden_floats, self.stages * self.stage_floats + g_floats) * FLOAT
 
     @property
     def min_blocks(self) -> int:
@@ -155,7 +162,7 @@ def plan_backward(spec: RadialSpec, wg: int = WG, stages: int = STAGES) -> Backw
         at += 2 * n * k
     kh, n_out = p[-1], w[-1]
     stage = 2 * kh * CK
-    n_chunks = stages * -(-n_out // (CK * stages))
+    n_chunks = 2 * -(-n_out // (2 * CK))  # pairs of chunks
     plan = BackwardPlan(spec.key(), wgmma.ARCH, wg, stages, w[0], kh, n_out, CK, n_chunks,
                         n_hidden - 1, w[-2], tuple(layers), spec.hidden_width, at, stage,
                         CK + G_PAD)
