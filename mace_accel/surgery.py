@@ -255,10 +255,11 @@ def unpatched(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 def evaluate(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
-             compute_stress: bool) -> Dict[str, torch.Tensor]:
-    """Energy, forces (and stress) of one batch by the model's own forward, detached."""
+             compute_stress: bool, node_energy: bool = False) -> Dict[str, torch.Tensor]:
+    """Energy, forces (and stress; with ``node_energy`` the per-atom energies too) of one batch
+    by the model's own forward, detached."""
     return _kept(model(dict(batch), training=False, compute_force=True,
-                       compute_stress=compute_stress), compute_stress)
+                       compute_stress=compute_stress), compute_stress, node_energy)
 
 
 def _kept(out: Dict[str, Any], compute_stress: bool,

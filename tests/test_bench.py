@@ -295,6 +295,26 @@ def test_runner_allow_reference_times_the_reference_backend(tiny_source):
     assert accel.best_other == "e3nn"
 
 
+def test_untimed_reference_keeps_its_per_atom_energies(tiny_source, monkeypatch):
+    """With e3nn not among the timed backends, its reference outputs still carry the per-atom
+    energies, so every backend's energy is measured against their float64 sum."""
+    from mace_accel.bench.runner import BenchRunner as Runner
+
+    seen = []
+    fill = Runner._fill_errors
+
+    def recording(record, out, ref, dtype):
+        seen.append("node_energy" in ref)
+        return fill(record, out, ref, dtype)
+
+    monkeypatch.setattr(Runner, "_fill_errors", staticmethod(recording))
+    config = BenchConfig(models=["tiny"], dtypes=["float64"], sizes=[32],
+                         backends=["mace-accel"], device="cpu", warmup=0, repeats=2,
+                         allow_reference=True)
+    result = run_bench(config, [tiny_source], log=lambda line: None)
+    assert seen == [True] and result.records[0].energy_rel_err < 1e-10
+
+
 # -- profile and MD ----------------------------------------------------------------------------
 def test_profile_splits_a_call_into_parts(tiny_model, monkeypatch):
     from mace_accel.bench import profile as bench_profile
