@@ -146,8 +146,9 @@ class FusedRadialMLP(FusedModule):
             return head + ("; in float32 at inference the whole MLP forward in one tensor-core "
                            "kernel (wgmma on H100/H200, mma.sync on other GPUs; 3xTF32, float32 "
                            "accuracy; hidden activations on chip, "
-                           "pre-activations written for the backward, which runs 3xTF32 GEMMs "
-                           "with SiLU epilogues), unless the conv recomputes the TP weights; "
+                           "pre-activations written for the backward), and its input gradient "
+                           "in another on H100/H200 (3xTF32 GEMMs with SiLU epilogues "
+                           "elsewhere), unless the conv recomputes the TP weights; "
                            "training and float64: GEMMs")
         return head + (f"; not in one kernel ({whole}); in float32 the last layer, and below "
                        f"{FUSED_MIN_EDGES} edges the hidden layers with widths in multiples of "

@@ -38,6 +38,19 @@ OVERLAP_MAX_EDGES = 131072
 LATER_SM_SHARE = 0.5
 # the same for their backward kernels (which autograd runs on the side stream too); None: all
 LATER_BACKWARD_SM_SHARE: Optional[float] = 0.5
+# above this many edges the later MLPs hold the whole GPU: the earlier blocks' kernels fill it
+# by themselves. Measured on an H100, MP-medium graphs (docs/h100-2026-11-24-s8): 19,968 edges
+# 1.033 ms at half the GPU, 1.083 with all of it; 39,000 edges 1.672 / 1.598 ms; 67,392 edges
+# 2.368 / 2.325 ms
+SHARE_MAX_EDGES = 30_000
+
+
+def later_shares(n_edges: int) -> Tuple[Optional[float], Optional[float]]:
+    """The shares of the GPU (forward, backward) a later block's forked MLP may hold on
+    ``n_edges`` edges (None: all)."""
+    if n_edges > SHARE_MAX_EDGES:
+        return None, None
+    return LATER_SM_SHARE, LATER_BACKWARD_SM_SHARE
 
 
 class RadialOverlap:
@@ -47,8 +60,7 @@ class RadialOverlap:
         members: the model's fused radial MLP modules in the order the blocks call them; each
             has a ``compute(x [E, h0], sm_share=None, backward_sm_share=None) -> Tensor``
             method (its serial forward; the shares of the GPU its forward and backward kernels
-            may hold, :data:`LATER_SM_SHARE` and :data:`LATER_BACKWARD_SM_SHARE` when forked
-            beside earlier blocks).
+            may hold, :func:`later_shares` when forked beside earlier blocks).
     """
 
     def __init__(self, members: List[torch.nn.Module]) -> None:
@@ -66,8 +78,9 @@ class RadialOverlap:
         return (f"the radial MLPs of blocks 2..{len(self.members)} start on a side CUDA stream "
                 f"after block 1's (with the lean energy head every block's, right after the "
                 f"edge features), beside the earlier blocks' work, blocks 2.. on at most "
-                f"{LATER_SM_SHARE:.0%} of the GPU where their kernel allows (calls up to "
-                f"{OVERLAP_MAX_EDGES} edges; same results bit for bit)")
+                f"{LATER_SM_SHARE:.0%} of the GPU where their kernel allows up to "
+                f"{SHARE_MAX_EDGES} edges (calls up to {OVERLAP_MAX_EDGES} edges; same results "
+                "bit for bit)")
 
     @staticmethod
     def overlaps(x: Tensor) -> bool:
@@ -110,7 +123,7 @@ class RadialOverlap:
         with torch.cuda.stream(side):
             for i in indices:  # the first block's MLP is on the critical path: all the GPU
                 result = (self.members[i].compute(x) if i == 0 else self.members[i].compute(
-                    x, LATER_SM_SHARE, LATER_BACKWARD_SM_SHARE))
+                    x, *later_shares(int(x.shape[0]))))
                 done = torch.cuda.Event()
                 done.record(side)
                 self._pending[i] = (x, x._version, result, done)

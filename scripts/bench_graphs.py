@@ -69,12 +69,15 @@ def _serial_copy(model: torch.nn.Module) -> torch.nn.Module:
 def _share_rows(model, batch, r_max, shares: List[str], repeats: int) -> Dict[str, float]:
     """mace-accel's graph captured again with each share of the GPU the later blocks' forked
     radial MLPs may hold (``patches.radial_overlap.LATER_SM_SHARE``; ``"F/B"`` also sets their
-    backward's, ``LATER_BACKWARD_SM_SHARE``, else the same; 1: all): ms per replay."""
+    backward's, ``LATER_BACKWARD_SM_SHARE``, else the same; 1: all), at any edge count (the
+    model applies them only up to ``SHARE_MAX_EDGES``): ms per replay."""
     from mace_accel.patches import radial_overlap
 
-    keep = radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE
+    keep = (radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE,
+            radial_overlap.SHARE_MAX_EDGES)
     out = {}
     try:
+        radial_overlap.SHARE_MAX_EDGES = 2**62  # the share asked for at every size
         for share in shares:
             forward, _, backward = share.partition("/")
             values = [None if float(v) >= 1 else float(v) for v in (forward, backward or forward)]
@@ -82,7 +85,8 @@ def _share_rows(model, batch, r_max, shares: List[str], repeats: int) -> Dict[st
             out[f"share {share}"] = time_calls(_accel_graph(model, batch, r_max), "cuda", 3,
                                                repeats).median_ms
     finally:
-        radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE = keep
+        (radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE,
+         radial_overlap.SHARE_MAX_EDGES) = keep
     return out
 
 

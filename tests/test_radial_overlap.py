@@ -72,6 +72,13 @@ def test_off_the_gpu_every_block_computes_its_own_in_order():
     assert group(_Member(7.0), x).equal(x * 7.0)  # not a member: its own, serially
 
 
+def test_later_blocks_hold_a_share_of_the_gpu_only_on_small_calls():
+    share = (radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE)
+    assert radial_overlap.later_shares(19_968) == share
+    assert radial_overlap.later_shares(radial_overlap.SHARE_MAX_EDGES) == share
+    assert radial_overlap.later_shares(radial_overlap.SHARE_MAX_EDGES + 1) == (None, None)
+
+
 def test_overlap_pickles_without_streams_or_results():
     model = _Model(2)
     group = radial_overlap.link(model, AccelOptions(backend="cuda"), _is_member)
@@ -175,7 +182,8 @@ def test_the_lean_head_starts_every_block_early_bit_for_bit(monkeypatch):
         assert torch.equal(got["forces"], want["forces"])
     assert joined == [True, True] * 2  # both blocks took the early results, in each call
     # the first block's MLP holds the whole GPU, the later one the shares it is given
-    later = (radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE)
+    later = radial_overlap.later_shares(int(batch["edge_index"].shape[1]))
+    assert later == (radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE)
     assert shares == [(), later] * 2
 
 

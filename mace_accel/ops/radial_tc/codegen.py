@@ -6,7 +6,8 @@ activations and hidden weights sit in shared memory (dynamic: more than the 48 K
 the last layer's weight streams through it in tiles of 128 columns, two stages deep: about
 96 KB for MACE-MP widths, two blocks per SM. It writes the output and the hidden layers'
 pre-activations; the backward runs the 3xTF32 GEMMs with SiLU epilogues
-(:mod:`mace_accel.ops.tf32x3_gemm`) on them.
+(:mod:`mace_accel.ops.tf32x3_gemm`) on them (on sm_90 the forward is :mod:`.wgmma`'s and the
+input gradient one kernel, :mod:`.wgmma_backward`).
 
 Measured on an H100 (``scripts/bench_radial_tc.py``, MACE-MP's 10 -> 64 -> 64 -> 64 -> 1280
 net, against the layer-by-layer 3xTF32 kernels it replaces; four runs): forward 20k edges
