@@ -64,8 +64,29 @@ def padded(width: int) -> int:
     return -(-width // PADW) * PADW
 
 
+class WarpgroupBlocks:
+    """Launch geometry shared by the wgmma kernels' plans: ``wg`` warpgroups a block, each
+    taking :data:`ROWS` edges."""
+
+    wg: int
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.wg
+
+    @property
+    def block_rows(self) -> int:
+        return ROWS * self.wg
+
+    def row_blocks(self, m: int, max_blocks: Optional[int] = None) -> int:
+        """Blocks along the tiles of ``block_rows`` edges (at most ``max_blocks``: the kernels
+        stride over the rest)."""
+        rows = max(1, -(-m // self.block_rows))
+        return rows if max_blocks is None else max(1, min(rows, max_blocks))
+
+
 @dataclasses.dataclass(frozen=True)
-class WgmmaPlan:
+class WgmmaPlan(WarpgroupBlocks):
     """Offsets in floats: ``hidden``: per hidden layer a dict ``k``, ``n`` (padded input and
     output widths), ``width`` (unpadded output width), ``big``, ``small`` (offsets of its split
     weight in the packed buffer, which the kernel copies as is into shared memory); the last
@@ -91,14 +112,6 @@ class WgmmaPlan:
     region_floats: int
 
     @property
-    def threads(self) -> int:
-        return 128 * self.wg
-
-    @property
-    def block_rows(self) -> int:
-        return ROWS * self.wg
-
-    @property
     def packed_numel(self) -> int:
         return self.hidden_floats + self.n_tiles * self.tile_floats
 
@@ -116,10 +129,8 @@ class WgmmaPlan:
         return tuple(sorted({layer["n"] for layer in self.hidden} | {self.bn}))
 
     def grid(self, m: int, max_blocks: Optional[int] = None) -> Tuple[int, int]:
-        """Blocks along the tiles of ``block_rows`` edges (at most ``max_blocks``: the kernel
-        strides over the rest), times the splits of the last layer's columns."""
-        rows = max(1, -(-m // self.block_rows))
-        return (rows if max_blocks is None else max(1, min(rows, max_blocks))), self.splits
+        """:meth:`row_blocks`, times the splits of the last layer's columns."""
+        return self.row_blocks(m, max_blocks), self.splits
 
 
 def plan_kernel(spec: RadialSpec, wg: int = 1, stages: int = STAGES, bn: int = BN,

@@ -77,7 +77,7 @@ def step_order(width: int) -> List[int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardPlan:
+class BackwardPlan(wgmma.WarpgroupBlocks):
     """Offsets in floats. ``layers``: per GEMM after the last layer's, top down, a dict ``what``,
     ``n``, ``k`` (padded output and input widths), ``big``, ``small`` (its split weight in the
     packed buffer, which the kernel copies as is into shared memory), ``z`` (the hidden layer
@@ -103,14 +103,6 @@ class BackwardPlan:
     g_ld: int
 
     @property
-    def threads(self) -> int:
-        return 128 * self.wg
-
-    @property
-    def block_rows(self) -> int:
-        return wgmma.ROWS * self.wg
-
-    @property
     def packed_numel(self) -> int:
         return self.hidden_floats + self.n_chunks * self.stage_floats
 
@@ -134,10 +126,7 @@ class BackwardPlan:
         return tuple(sorted({layer["n"] for layer in self.layers} | {self.kh}))
 
     def grid(self, m: int, max_blocks: Optional[int] = None) -> int:
-        """Blocks along the tiles of ``block_rows`` edges (at most ``max_blocks``: the kernel
-        strides over the rest)."""
-        rows = max(1, -(-m // self.block_rows))
-        return rows if max_blocks is None else max(1, min(rows, max_blocks))
+        return self.row_blocks(m, max_blocks)
 
 
 def plan_backward(spec: RadialSpec, wg: int = WG, stages: int = STAGES) -> BackwardPlan:
