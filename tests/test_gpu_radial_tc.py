@@ -88,7 +88,8 @@ def _needs_sm90():
         pytest.skip("wgmma needs sm_90")
 
 
-@pytest.mark.parametrize("variant", [wgmma_backward.DEFAULT_VARIANT, *wgmma_backward.TESTED_VARIANTS])
+@pytest.mark.parametrize("variant",
+                         [wgmma_backward.DEFAULT_VARIANT, *wgmma_backward.TESTED_VARIANTS])
 @pytest.mark.parametrize("rows", [1, 100, 20000])
 @pytest.mark.parametrize("name", sorted(codegen.CATALOG))
 def test_backward_kernel_against_float64(name, rows, variant):

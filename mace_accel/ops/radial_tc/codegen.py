@@ -131,7 +131,8 @@ def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
         for variant in sorted(variants):
             plan = wgmma.plan_kernel(spec, *variant)
             yield f"radial_tc/{name}_{wgmma.kernel_name(plan)}", wgmma.render_kernel(plan)
-        for variant in sorted({wgmma_backward.DEFAULT_VARIANT, *wgmma_backward.TESTED_VARIANTS}):
+        backward = {wgmma_backward.DEFAULT_VARIANT, *wgmma_backward.TESTED_VARIANTS}
+        for variant in sorted(backward):
             plan = wgmma_backward.plan_backward(spec, *variant)
             yield (f"radial_tc/{name}_{wgmma_backward.kernel_name(plan)}",
                    wgmma_backward.render_backward(plan))

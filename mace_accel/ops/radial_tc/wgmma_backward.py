@@ -14,9 +14,10 @@ is written: ``g W_L^T`` (``[E, 64]``) and the hidden layers' gradients stay in r
   ``silu'(z)``, with no memory round trip.
 * ``B`` (the weights) comes from shared memory: the last layer's streamed in chunks of
   :data:`CK` of its ``n_out`` rows, ``stages`` deep, shared by the block's warpgroups; the
-  hidden layers' copied into the same region after the last layer, for every tile of edges. All are split into TF32 big/small parts on the host, in the
-  canonical K-major layout (:mod:`.wgmma`), with ``K`` permuted to the order in which the
-  registers hold ``A`` (:func:`chunk_order`, :func:`step_order`).
+  hidden layers' copied into the same region after the last layer, for every tile of edges.
+  All are split into TF32 big/small parts on the host, in the canonical K-major layout
+  (:mod:`.wgmma`), with ``K`` permuted to the order in which the registers hold ``A``
+  (:func:`chunk_order`, :func:`step_order`).
 * K is summed in slices of 32 on the tensor cores, the slices added in float32 (the forward's
   accuracy); blocks stride over the tiles of edges (``sm_share``).
 * The pre-activations each ``silu'`` reads are loaded while the GEMM before it runs (their
