@@ -15,7 +15,7 @@ one's error against float64, bandwidth (bytes of the gradient read over time) an
 
     python scripts/bench_radial_tc.py --edges 20000,539000 --outs 512,1280
     python scripts/bench_radial_tc.py --kernels mma,wgmma,wgmma:1x4x32x1
-    python scripts/bench_radial_tc.py --backward 1x2,2x2
+    python scripts/bench_radial_tc.py --backward 1x4,2x4
 """
 
 from __future__ import annotations
@@ -46,6 +46,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _label(widths: Sequence[int], edges: int, name: str) -> str:
     return f"{'->'.join(map(str, widths)):22s} E={edges:7d} {name:12s}"
+
+
+def _timing(widths: Sequence[int], edges: int, ms: float, base: float, stream: str) -> str:
+    """Time, ratio to ``base``, the bandwidth of the ``[E, n_out]`` tensor ``stream`` (written
+    or read) and the TF32 rate (three products per multiply-add)."""
+    macs = sum(widths[i] * widths[i + 1] for i in range(len(widths) - 1))
+    return (f"{ms * 1e3:8.1f} us ({ms / base:4.2f}x)  {stream} "
+            f"{edges * widths[-1] * 4 / ms / 1e6:6.0f} GB/s  "
+            f"{6 * edges * macs / ms / 1e9:5.0f} TFLOP/s tf32")
 
 
 def whole_vs_layers(widths: Sequence[int], weights: List[torch.Tensor], x: torch.Tensor,
@@ -80,7 +89,6 @@ def kernels(widths: Sequence[int], weights: List[torch.Tensor], x: torch.Tensor,
     """The forward kernels ``names`` on the same inputs (the first is the ratios' base)."""
     spec = RadialSpec(tuple(widths))
     pre64, ref = radial_mlp.pre_activations(x.double(), [w.double() for w in weights])
-    macs = sum(widths[i] * widths[i + 1] for i in range(len(widths) - 1))
     base = None
     for name in names:
         layout, _, variant = name.partition(":")
@@ -93,9 +101,8 @@ def kernels(widths: Sequence[int], weights: List[torch.Tensor], x: torch.Tensor,
         zerr = max(_rel(z[i, :, :p.shape[1]], p) for i, p in enumerate(pre64))
         ms = _time(lambda: kernel.forward(x, packed))
         base = base or ms
-        print(f"{_label(widths, x.shape[0], name)} {ms * 1e3:8.1f} us ({ms / base:4.2f}x)  out "
-              f"{x.shape[0] * widths[-1] * 4 / ms / 1e6:6.0f} GB/s  "
-              f"{6 * x.shape[0] * macs / ms / 1e9:5.0f} TFLOP/s tf32  err {err:.1e} z "
+        print(f"{_label(widths, x.shape[0], name)} "
+              f"{_timing(widths, x.shape[0], ms, base, 'out')}  err {err:.1e} z "
               f"{zerr:.1e} bias {bias:+.1e}  {kernel.describe()}", flush=True)
         del out, z
 
@@ -107,7 +114,6 @@ def backwards(widths: Sequence[int], weights: List[torch.Tensor], x: torch.Tenso
     x64 = x.double().requires_grad_(True)
     (gref,) = torch.autograd.grad(radial_mlp.reference(x64, [w.double() for w in weights]),
                                   x64, g.double())
-    macs = sum(widths[i] * widths[i + 1] for i in range(len(widths) - 1))
     with torch.no_grad():
         pre, _ = radial_mlp.pre_activations(x, weights, tf32x3=True)
     no_w = [False] * len(weights)
@@ -129,9 +135,8 @@ def backwards(widths: Sequence[int], weights: List[torch.Tensor], x: torch.Tenso
         err = _rel(fn(), gref)
         ms = _time(fn)
         base = base or ms
-        print(f"{_label(widths, x.shape[0], name)} {ms * 1e3:8.1f} us ({ms / base:4.2f}x)  grad "
-              f"{x.shape[0] * widths[-1] * 4 / ms / 1e6:6.0f} GB/s  "
-              f"{6 * x.shape[0] * macs / ms / 1e9:5.0f} TFLOP/s tf32  err {err:.1e}  {what}",
+        print(f"{_label(widths, x.shape[0], name)} "
+              f"{_timing(widths, x.shape[0], ms, base, 'grad')}  err {err:.1e}  {what}",
               flush=True)
 
 
@@ -144,7 +149,7 @@ def main() -> None:
                         help="compare these forward kernels (e.g. mma,wgmma,wgmma:1x4x32x1)")
     parser.add_argument("--backward", default="",
                         help="compare the layer kernels' d x with these wgmma backward "
-                             "variants (WGxSTAGES, e.g. 1x2,2x2)")
+                             "variants (WGxSTAGES, e.g. 1x4,2x4)")
     args = parser.parse_args()
     hidden = tuple(int(v) for v in args.hidden.split(","))
     torch.manual_seed(0)
