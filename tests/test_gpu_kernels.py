@@ -132,6 +132,26 @@ def test_deterministic_over_repeats(specs, dtype):
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["mp-medium-l2", "odd-mul"])
+def test_backward_edge_chunks_bit_identical(specs, name, dtype, monkeypatch):
+    """A receiver's edges shared out to several blocks (small systems) give the very bits of
+    one block per receiver: every backward output is per edge, summed in the same order."""
+    import mace_accel.ops.conv_tp.cuda as conv_cuda
+    from mace_accel.ops.conv_tp.schedule import edge_chunks
+
+    spec = specs[name]
+    graph, x, y, w = random_problem(spec, N_NODES, N_EDGES, dtype, "cuda", seed=5)
+    g = torch.randn(N_NODES, spec.dim_out, dtype=dtype, device="cuda")
+    prims = _prims(spec, dtype)
+    assert edge_chunks(N_NODES, 256, prims.prims._sms, prims.prims._threads_per_sm) > 1
+    chunked = prims.backward(graph, x, y, w, g, (True, True, True))
+    monkeypatch.setattr(conv_cuda, "edge_chunks", lambda *args: 1)
+    whole = prims.backward(graph, x, y, w, g, (True, True, True))
+    for label, a, b in zip(("node_feats", "edge_attrs", "tp_weights"), chunked, whole):
+        assert torch.equal(a, b), label
+
+
 def test_unsorted_edges_and_int32_and_noncontiguous(specs):
     from mace_accel.patches.conv_tp import FusedConvTP
 

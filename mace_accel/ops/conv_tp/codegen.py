@@ -62,48 +62,74 @@ def _fwd_lines(seg: SegmentPlan) -> Tuple[List[str], List[str], List[str]]:
     return accs, body, store
 
 
-def _w_row(w_sorted: bool) -> str:
+def _w_row(w_sorted: bool, t: str = "t") -> str:
     """The row of ``w`` (and ``d w``) of the tile's edge ``t``: its edge id, or (``w_sorted``)
     its position in receiver order relative to the chunk's first edge ``w_row0``."""
-    return "(t0 + t - w_row0)" if w_sorted else "es[t]"
+    return f"(t0 + {t} - w_row0)" if w_sorted else f"es[{t}]"
 
 
 def _w_row0_arg(w_sorted: bool) -> str:
     return ", const int w_row0" if w_sorted else ""
 
 
-def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool,
-               w_sorted: bool = False) -> Dict[str, List[str]]:
+# Registers (32-bit words) a segment may spend on its node's output gradient in the backward:
+# the 128x1o segment of MACE-MP-medium holds 24 values (48 words in float64, 198 registers in
+# all); the float64 L=2/3 segments of the catalog, 31-50 values, spilled at 255 registers.
+HOIST_G_WORDS = 48
+
+
+def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: bool = False,
+               real_words: int = 1) -> Dict[str, List[str]]:
     """Per-edge body of one segment's backward (``i`` = segment number).
 
     Per edge ``t`` of the receiver ``node``: x gathered from the sender, g from the node's row.
     With ``u[a][k] = sum_b C y_b`` and ``s[a] = sum_k g_k u[a][k]``:
     d(x)[a] += w s[a];  d(w) = sum_a x[a] s[a];  d(y)[b] += w sum_{a,k} C x[a] g[k].
+
+    Latency: the node's output gradient is loaded once per tile of edges into the ``gh*``
+    registers (``tile_loads``; where it fits :data:`HOIST_G_WORDS`, else per edge), and each edge's weights and sender features are loaded one edge
+    ahead into the ``n*`` registers (``prefetch``, given the edge index ``tt``), so the body of
+    edge ``t`` runs while edge ``t + 1``'s loads are in flight.
     """
     need_x, need_y, need_w = needs
     x = [f"xs{i}_{a}" for a in range(seg.x_dim)]
     gx = [f"gx{i}_{a}" for a in range(seg.x_dim)]
+    n_g = sum(len({k for _, k in _by_ak(p)}) for p in seg.paths)
+    hoist = n_g * real_words <= HOIST_G_WORDS
+    load_w, load_x = need_x or need_y, need_y or need_w  # d(node_feats) alone needs no x
+    w_next = [f"nw{i}_{j}" for j in range(len(seg.paths))] if load_w else []
+    x_next = [f"nxs{i}_{a}" for a in range(seg.x_dim)] if load_x else []
     cols = _y_cols(seg)
-    body = []
-    if need_x or need_y:
-        body.append(f"const real* wr = w + (long long){_w_row(w_sorted)} * WN + u;")
+    prefetch = []
+    if load_w:
+        prefetch.append(f"const real* wr = w + (long long){_w_row(w_sorted, 'tt')} * WN + u;")
+        prefetch += [f"{v} = wr[{p.w_offset}];" for v, p in zip(w_next, seg.paths)]
+    if load_x:
+        prefetch.append(f"const real* xr = x + (long long)ss[tt] * DIM1 + {seg.x_offset}"
+                        f" + u * {seg.x_dim};")
+        prefetch += [f"{v} = xr[{a}];" for a, v in enumerate(x_next)]
+    body = [f"const real cw{j} = {v};" for j, v in enumerate(w_next)]
+    body += [f"const real {x[a]} = {v};" for a, v in enumerate(x_next)]
+    body.append("if (t + 1 < cnt) {")
+    body.append("  const int tt = t + 1;")
+    body += ["  " + line for line in prefetch]
+    body.append("}")
     if need_w:
         body.append(f"real* gwr = gw + (long long){_w_row(w_sorted)} * WN + u;")
     if need_x or need_w:  # d(edge_attrs) alone needs no edge attributes
         body.append("const real* yr = ys + t * DIM2;")
         body += [f"const real y{c} = yr[{c}];" for c in cols]
-    if need_y or need_w:  # d(node_feats) alone needs no node features
-        body.append(f"const real* xr = x + (long long)ss[t] * DIM1 + {seg.x_offset} + u * {seg.x_dim};")
-        body += [f"const real {x[a]} = xr[{a}];" for a in range(seg.x_dim)]
     if need_x:
         body += [f"real {v} = 0;" for v in gx]
-    for p in seg.paths:
+    for j, p in enumerate(seg.paths):
         pairs = _by_ak(p)
         ks = sorted({k for _, k in pairs})
         body.append("{")
-        body += [f"  const real g{k} = gr[{p.out_offset} + u * {p.out_dim} + {k}];" for k in ks]
-        if need_x or need_y:
-            body.append(f"  const real wv = wr[{p.w_offset}];")
+        body += [f"  const real g{k} = " + (f"gh{i}_{j}_{k};" if hoist else
+                                                f"gr[{p.out_offset} + u * {p.out_dim} + {k}];")
+                 for k in ks]
+        if load_w:
+            body.append(f"  const real wv = cw{j};")
         if need_x or need_w:
             body += _u_lines(p)
             a_used = sorted({a for a, _ in pairs})
@@ -127,8 +153,14 @@ def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool,
     elif need_x:
         body.append(f"real* gxr = gxm + (long long)es[t] * DIM1 + {seg.x_offset} + u * {seg.x_dim};")
         body += [f"gxr[{a}] = {gx[a]};" for a in range(seg.x_dim)]
+    g_rows = [(f"gh{i}_{j}_{k}", f"gr[{p.out_offset} + u * {p.out_dim} + {k}]")
+              for j, p in enumerate(seg.paths) for k in sorted({k for _, k in _by_ak(p)})]
+    if not hoist:
+        g_rows = []
     return {"gy_regs": [f"py{c}" for c in cols] if need_y else [], "bwd_body": body,
-            "cols": cols}
+            "tile_regs": [v for v, _ in g_rows] + w_next + x_next,
+            "tile_loads": [f"{v} = {src};" for v, src in g_rows]
+            + ["const int tt = 0;"] + prefetch, "cols": cols}
 
 
 def _gy_reduce(cols: Sequence[int], dim2: int) -> List[str]:
@@ -200,7 +232,7 @@ def render_backward(plan: KernelPlan, needs: Needs, atomic: bool = False,
     """
     segments = []
     for i, seg in enumerate(plan.segments):
-        parts = _bwd_lines(i, seg, needs, atomic, w_sorted)
+        parts = _bwd_lines(i, seg, needs, atomic, w_sorted, plan.real_bytes // 4)
         parts["gy_reduce"] = _gy_reduce(parts.pop("cols"), plan.dim_in2) if needs[1] else []
         segments.append(dict(warp_begin=seg.warp_begin, warp_end=seg.warp_end, mul=seg.mul,
                              x_offset=seg.x_offset, x_dim=seg.x_dim, **parts))
@@ -245,10 +277,16 @@ def catalog_sources(limits, problems=None):
     for problem in problems if problems is not None else unique(select()):
         spec = make_spec(*problem.irreps)
         for dtype in ("float32", "float64"):
-            for plan in plan_kernels(spec, dtype, limits).launches:
-                tag = f"conv_tp/{problem.name}-{dtype}-g{plan.group}"
+            conv = plan_kernels(spec, dtype, limits)
+            base = f"conv_tp/{problem.name}-{dtype}"
+            yield f"{base}-sender-sum", render_sender_sum(conv.backward_launches[0])
+            for plan in conv.forward_launches:
+                tag = f"{base}-g{plan.group}"
                 yield f"{tag}-fwd", render_forward(plan)
-                yield f"{tag}-sender-sum", render_sender_sum(plan)
+                # the radial MLP's last layer folded in (weights of a chunk of receivers)
+                yield f"{tag}-ws-fwd", render_forward(plan, w_sorted=True)
+            for plan in conv.backward_launches:
+                tag = f"{base}-g{plan.group}"
                 selections = all_backward_needs() if problem.name == "mp-medium-l2" else [
                     (True, True, True), (False, True, True)]
                 for needs in selections:
@@ -256,8 +294,6 @@ def catalog_sources(limits, problems=None):
                            render_backward(plan, needs))
                 yield f"{tag}-bwd111-atomic", render_backward(plan, (True, True, True),
                                                                atomic=True)
-                # the radial MLP's last layer folded in (weights of a chunk of receivers)
-                yield f"{tag}-ws-fwd", render_forward(plan, w_sorted=True)
                 for needs in ((True, True, True), (False, True, True)):
                     yield (f"{tag}-ws-bwd{_needs_tag(needs)}",
                            render_backward(plan, needs, w_sorted=True))

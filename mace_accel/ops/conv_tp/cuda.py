@@ -19,7 +19,7 @@ from mace_accel.ops.conv_tp.codegen import (
     render_forward,
     render_sender_sum,
 )
-from mace_accel.ops.conv_tp.schedule import ConvPlan, plan_kernels
+from mace_accel.ops.conv_tp.schedule import ConvPlan, edge_chunks, plan_kernels
 from mace_accel.ops.conv_tp.spec import TPSpec
 from mace_accel.ops.graph import KernelGraph, ReceiverRows
 from mace_accel.ops.runtime import (
@@ -68,6 +68,9 @@ class CudaConvPrimitives:
         limits = device_limits(self.device)
         self.arch = limits.arch
         self.plan: ConvPlan = plan_kernels(spec, dtype_name(dtype), limits)
+        props = torch.cuda.get_device_properties(self.device)
+        self._sms = props.multi_processor_count
+        self._threads_per_sm = props.max_threads_per_multi_processor
         self._kernels: Dict[str, Kernel] = {}
         # columns no path writes must read as zeros (e3nn semantics)
         self._out_all_written = {p.i_out for p in spec.paths} == set(range(len(spec.irreps_out)))
@@ -128,7 +131,7 @@ class CudaConvPrimitives:
             return
         sorted_w = rows is not None
         extra = (i32(rows.e0),) if sorted_w else ()
-        for plan in self.plan.launches:
+        for plan in self.plan.forward_launches:
             name = forward_name(plan, sorted_w)
             k = self._kernel(name, lambda: render_forward(plan, sorted_w))
             k.launch(n1 - n0, plan.threads,
@@ -185,18 +188,19 @@ class CudaConvPrimitives:
         sorted_w = rows is not None
         extra = (i32(rows.e0),) if sorted_w else ()
         x, y, w, g = xywg
-        for plan in self.plan.launches:  # launch 0 writes gy, later launches add to it
+        for plan in self.plan.backward_launches:  # launch 0 writes gy, later ones add to it
             name = backward_name(plan, needs, atomic, sorted_w)
             k = self._kernel(name, lambda: render_backward(plan, needs, atomic, sorted_w))
-            k.launch(n1 - n0, plan.threads,
+            chunks = edge_chunks(n1 - n0, plan.threads, self._sms, self._threads_per_sm)
+            k.launch((n1 - n0) * chunks, plan.threads,
                      (ptr(x), ptr(y), ptr(w), ptr(g[n0:]), ptr(graph.sender),
                       ptr(graph.recv_ptr[n0:]), ptr(graph.recv_perm), ptr(acc.gxm),
-                      ptr(acc.gy), ptr(gw), i32(n1 - n0)) + extra)
+                      ptr(acc.gy), ptr(gw), i32(n1 - n0), i32(chunks)) + extra)
 
     def finish_backward(self, n: int, graph: KernelGraph, acc: BackwardBuffers):
         """``(gx, gy)`` of the accumulators: the per-sender sum of the d(node_feats) messages."""
         if acc.gx is not None and acc.gxm is not acc.gx and n > 0:
-            k = self._kernel(SENDER_SUM, lambda: render_sender_sum(self.plan.launches[0]))
+            k = self._kernel(SENDER_SUM, lambda: render_sender_sum(self.plan.backward_launches[0]))
             k.launch(n, self.plan.sender_sum_threads, (ptr(acc.gxm), ptr(graph.send_ptr),
                                                        ptr(graph.send_perm), ptr(acc.gx), i32(n)))
         return acc.gx, acc.gy
