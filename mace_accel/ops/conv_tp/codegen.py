@@ -87,9 +87,10 @@ def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: b
     d(x)[a] += w s[a];  d(w) = sum_a x[a] s[a];  d(y)[b] += w sum_{a,k} C x[a] g[k].
 
     Latency: the node's output gradient is loaded once per tile of edges into the ``gh*``
-    registers (``tile_loads``; where it fits :data:`HOIST_G_WORDS`, else per edge), and each edge's weights and sender features are loaded one edge
-    ahead into the ``n*`` registers (``prefetch``, given the edge index ``tt``), so the body of
-    edge ``t`` runs while edge ``t + 1``'s loads are in flight.
+    registers (``tile_loads``; where it fits :data:`HOIST_G_WORDS`, else per edge), and each
+    edge's weights and sender features are loaded one edge ahead into the ``n*`` registers
+    (``prefetch``, given the edge index ``tt``), so the body of edge ``t`` runs while edge
+    ``t + 1``'s loads are in flight.
     """
     need_x, need_y, need_w = needs
     x = [f"xs{i}_{a}" for a in range(seg.x_dim)]

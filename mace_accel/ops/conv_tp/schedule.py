@@ -1,16 +1,18 @@
 """Kernel plan: how a :class:`~mace_accel.spec.TPSpec` maps onto CUDA threads. Pure Python.
 
-Mapping (both kernels, one thread block per node):
+Mapping (both kernels, one thread block per receiver node, or per part of its edges):
     * each input segment ``i`` of ``irreps_in1`` (``mul_i x l_i``) that feeds a path gets
       ``ceil(mul_i / 32)`` warps; thread ``u`` of the segment owns channel ``u`` of every path
       that starts from segment ``i`` (``uvu``: the channel index is shared by in1, weight and out);
     * forward: block ``n`` walks the edges of receiver ``n`` and keeps its outputs in registers,
       so no per-edge message touches memory and no atomics are needed;
     * backward: block ``n`` walks the edges of receiver ``n`` too (its output-gradient row is
-      read once); ``d tp_weights`` is written per edge, ``d edge_attrs`` is reduced over the
-      block per edge (warp shuffles, then a fixed-order sum over warps), ``d node_feats`` is
-      written as one message per edge and summed per sender by a second kernel in edge order
-      (deterministic), or added into the sender rows with atomics (``deterministic=False``).
+      read once per tile of edges), or, on small systems, a part of them (:func:`edge_chunks`:
+      every output is per edge); ``d tp_weights`` is written per edge, ``d edge_attrs`` is
+      reduced over the block per edge (warp shuffles, then a fixed-order sum over warps),
+      ``d node_feats`` is written as one message per edge and summed per sender by a second
+      kernel in edge order (deterministic), or added into the sender rows with atomics
+      (``deterministic=False``).
 
 The device limits are passed in (read from the tensor's device by the runtime), never assumed.
 CG coefficients are multiplied by the path weight in float64 here and printed as exact hex
