@@ -17,6 +17,10 @@
 # The cache comes back as $OUT/kernel-cache.tgz; unpack it here for the next call:
 #   tar -xzf <files_at>/kernel-cache.tgz -C .gpu-deps
 set -u
+# the shared preparation alone lacks vesin (13 GPU tests and the MD fail without it)
+ls .gpu-deps/wheels 2>/dev/null | grep -q '^vesin-' || {
+  echo "gpu_round.sh: no vesin wheel in .gpu-deps/wheels; run bash scripts/prepare_gpu_deps.sh" >&2
+  exit 1; }
 source .gpu-deps/setup.sh && export PYTHONPATH=/tmp/site:$PWD/.gpu-deps/oeq
 export MACE_ACCEL_CACHE_DIR="$PWD/.gpu-deps/kernel-cache"
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
