@@ -95,8 +95,10 @@ def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: b
     need_x, need_y, need_w = needs
     x = [f"xs{i}_{a}" for a in range(seg.x_dim)]
     gx = [f"gx{i}_{a}" for a in range(seg.x_dim)]
-    n_g = sum(len({k for _, k in _by_ak(p)}) for p in seg.paths)
-    hoist = n_g * real_words <= HOIST_G_WORDS
+    # the node's output gradient, by (path, k): where it is read from
+    g_src = {(j, k): f"gr[{p.out_offset} + u * {p.out_dim} + {k}]"
+             for j, p in enumerate(seg.paths) for k in sorted({k for _, k in _by_ak(p)})}
+    hoist = len(g_src) * real_words <= HOIST_G_WORDS
     load_w, load_x = need_x or need_y, need_y or need_w  # d(node_feats) alone needs no x
     w_next = [f"nw{i}_{j}" for j in range(len(seg.paths))] if load_w else []
     x_next = [f"nxs{i}_{a}" for a in range(seg.x_dim)] if load_x else []
@@ -126,8 +128,7 @@ def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: b
         pairs = _by_ak(p)
         ks = sorted({k for _, k in pairs})
         body.append("{")
-        body += [f"  const real g{k} = " + (f"gh{i}_{j}_{k};" if hoist else
-                                                f"gr[{p.out_offset} + u * {p.out_dim} + {k}];")
+        body += [f"  const real g{k} = {f'gh{i}_{j}_{k}' if hoist else g_src[j, k]};"
                  for k in ks]
         if load_w:
             body.append(f"  const real wv = cw{j};")
@@ -154,10 +155,7 @@ def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: b
     elif need_x:
         body.append(f"real* gxr = gxm + (long long)es[t] * DIM1 + {seg.x_offset} + u * {seg.x_dim};")
         body += [f"gxr[{a}] = {gx[a]};" for a in range(seg.x_dim)]
-    g_rows = [(f"gh{i}_{j}_{k}", f"gr[{p.out_offset} + u * {p.out_dim} + {k}]")
-              for j, p in enumerate(seg.paths) for k in sorted({k for _, k in _by_ak(p)})]
-    if not hoist:
-        g_rows = []
+    g_rows = [(f"gh{i}_{j}_{k}", src) for (j, k), src in g_src.items()] if hoist else []
     return {"gy_regs": [f"py{c}" for c in cols] if need_y else [], "bwd_body": body,
             "tile_regs": [v for v, _ in g_rows] + w_next + x_next,
             "tile_loads": [f"{v} = {src};" for v, src in g_rows]
