@@ -20,6 +20,7 @@ from mace_accel.ops.radial_tc import apply as radial_tc
 from mace_accel.ops.radial_tc.spec import RadialSpec
 from mace_accel.ops.radial_tc.spec import unsupported_reason as whole_unsupported
 from mace_accel.ops.silu_mlp import autograd as silu_mlp_autograd
+from mace_accel.ops.silu_mlp import dmma
 from mace_accel.ops.silu_mlp.spec import MAX_WIDTH, SiluMLPSpec, pack_weights
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 from mace_accel.ops.tf32x3_gemm.spec import unsupported_reason as tf32x3_unsupported
@@ -31,11 +32,14 @@ PART = "radial_mlp"
 # MP-medium widths, forward + d x inside a CUDA graph). float32 from FUSED_MIN_EDGES edges:
 # below it the GEMM path is faster (21k edges 0.076 vs 0.089 ms, 44k 0.130 vs 0.137 ms: too few
 # tiles per SM to amortise loading the weights into L1), above it the fused one (87k 0.265 vs
-# 0.246 ms, 539k 1.471 vs 1.344 ms) and it keeps nothing for the backward. float64 keeps the
-# GEMM path at every size: cuBLAS runs its GEMMs on the tensor cores (DMMA), the fused kernels
-# on the FMA units (539k edges: 2.35 vs 3.05 ms).
-FUSED_DTYPES = (torch.float32,)
+# 0.246 ms, 539k 1.471 vs 1.344 ms) and it keeps nothing for the backward. float64 runs the
+# fused path only where the tensor-core kernels of mace_accel.ops.silu_mlp.dmma run (sm_90,
+# widths up to 64): cuBLAS runs its float64 GEMMs on the same DMMA units, and the FMA-unit
+# kernels lost to them (539k edges: 3.05 vs 2.35 ms). The DMMA kernels win at 539k edges (1.38
+# vs 2.37 ms) and tie at 21k (0.103 vs 0.101 ms in a graph), so from FUSED_MIN_EDGES_FLOAT64.
+FUSED_DTYPES = (torch.float32, torch.float64)
 FUSED_MIN_EDGES = 65536
+FUSED_MIN_EDGES_FLOAT64 = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +52,13 @@ class RadialMLPSpec:
     def describe(self, folded: bool = False) -> str:
         head = f"MLP {'->'.join(map(str, self.hs))} (SiLU), constants folded; "
         if len(self.hs) > 2 and max(self.hs[:-1]) <= MAX_WIDTH:
+            tc = dmma.unsupported_reason(SiluMLPSpec(self.hs[:-1]), dmma.ARCH)
+            float64 = (f"float64 on the float64 tensor cores of {dmma.ARCH} GPUs" if tc is None
+                       else f"float64 not ({tc})")
             head += (f"where the whole-MLP kernel does not run, hidden layers in one fused "
-                     f"kernel per pass on CUDA in float32 from {FUSED_MIN_EDGES} edges (forward "
-                     "recomputed in the backward; fewer edges, float64 and training: GEMMs + "
-                     "SiLU); ")
+                     f"kernel per pass on CUDA (forward recomputed in the backward): float32 "
+                     f"from {FUSED_MIN_EDGES} edges, {float64}; fewer edges, other GPUs and "
+                     "training: GEMMs + SiLU; ")
         if folded:
             return head + (f"last layer folded into the conv (it takes the hidden [E, "
                            f"{self.hs[-2]}]; the TP weights [E, {self.hs[-1]}] are recomputed "
@@ -215,8 +222,12 @@ class FusedRadialMLP(FusedModule):
                 whole=radial_mlp.WholeNet(self._whole_key(), self._packed_whole(x.dtype),
                                           sm_share, backward_sm_share))
         if self._fused_hidden(x):
+            # the float64 kernels keep each layer's silu'(z) for the backward unless the conv
+            # recomputes its TP weights to save memory (then this recomputes too)
+            keep = not folded.recompute_weights(self.options.recompute_tp_weights,
+                                                int(x.shape[0]), self.hs[-1], x.dtype, x.device)
             hidden = silu_mlp_autograd.silu_mlp(self._hidden_key(), x, self._packed(x.dtype),
-                                                self.backend)
+                                                self.backend, keep_slopes=keep)
             return hidden if self.fold_last else self.last_layer(hidden)
         weights, fast = self._weights(x.dtype), self._tf32x3()
         if self.fold_last:
@@ -266,10 +277,20 @@ class FusedRadialMLP(FusedModule):
         (:data:`FUSED_DTYPES`, :data:`FUSED_MIN_EDGES`) and no weight gradient is asked for
         (training keeps the GEMM path, whose weight gradients are GEMMs too)."""
         if self.backend != "cuda" or not x.is_cuda or x.dtype not in FUSED_DTYPES \
-                or x.shape[0] < FUSED_MIN_EDGES or len(self.hs) < 3 \
-                or max(self.hs[:-1]) > MAX_WIDTH:
+                or len(self.hs) < 3 or max(self.hs[:-1]) > MAX_WIDTH:
+            return False
+        if x.dtype == torch.float64:
+            if x.shape[0] < FUSED_MIN_EDGES_FLOAT64 or not self._tensor_core_float64(x.device):
+                return False
+        elif x.shape[0] < FUSED_MIN_EDGES:
             return False
         return self._no_weight_grads()
+
+    def _tensor_core_float64(self, device: torch.device) -> bool:
+        """Whether the float64 tensor-core kernels take the hidden layers on ``device``."""
+        major, minor = torch.cuda.get_device_capability(device)
+        return dmma.unsupported_reason(SiluMLPSpec(tuple(self.hs[:-1])),
+                                       f"sm_{major}{minor}") is None
 
     def _hidden_key(self) -> str:
         return self._kernel_cache("hidden_key", lambda: silu_mlp_autograd.register_spec(

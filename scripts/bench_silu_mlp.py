@@ -13,7 +13,8 @@ import torch
 
 from mace_accel.bench.timing import graph_replay, time_calls
 from mace_accel.ops import radial_mlp
-from mace_accel.ops.silu_mlp import autograd
+from mace_accel.ops.silu_mlp import autograd, dmma
+from mace_accel.ops.silu_mlp.cuda import CudaSiluMLP
 from mace_accel.ops.silu_mlp.spec import SiluMLPSpec, pack_weights
 
 
@@ -52,11 +53,31 @@ def _bench(spec: SiluMLPSpec, key: str, edges: int, dtype: torch.dtype, macs: in
         torch.autograd.grad(out, xr, g)
 
     cuda = autograd._cuda(key, x)
+    if dtype == torch.float64 and cuda.kind == "dmma":  # the FMA kernels and other geometries
+        simt = CudaSiluMLP(spec, dtype, x.device, kind="simt")
+        _, slopes = cuda.forward(x, packed, keep_slopes=True)
+        extra = {"DMMA forward, slopes kept": lambda: cuda.forward(x, packed, keep_slopes=True),
+                 "DMMA backward from slopes": lambda: cuda.backward_kept(slopes, packed, g),
+                 "SIMT forward kernel": lambda: simt.forward(x, packed),
+                 "SIMT backward kernel": lambda: simt.backward(x, packed, g)}
+        for variant in ({"forward_warps": 12}, {"unroll": 4}, {"forward_warps": 12, "unroll": 4},
+                        {"forward_warps": 4}):
+            other = CudaSiluMLP(spec, dtype, x.device, variant=variant)
+            label = ",".join(f"{k}={v}" for k, v in variant.items())
+            extra[f"DMMA {label} fwd"] = lambda o=other: o.forward(x, packed, keep_slopes=True)
+        out, gx = cuda.forward(x, packed), cuda.backward(x, packed, g)
+        want, want_gx = simt.forward(x, packed), simt.backward(x, packed, g)
+        kept_gx = cuda.backward_kept(slopes, packed, g)
+        print(f"   DMMA vs SIMT kernels: max |d out| {(out - want).abs().max().item():.2e}, "
+              f"max |d gx| {(gx - want_gx).abs().max().item():.2e}, from the kept slopes "
+              f"{(kept_gx - want_gx).abs().max().item():.2e}", flush=True)
+    else:
+        extra = {}
     rows = {"GEMM + SiLU, fwd + d x": gemm_path, "fused, fwd + d x": fused_path,
             "GEMM + SiLU, in a graph": graph_replay(gemm_path),
             "fused, in a graph": graph_replay(fused_path),
             "fused forward kernel": lambda: cuda.forward(x, packed),
-            "fused backward kernel": lambda: cuda.backward(x, packed, g)}
+            "fused backward kernel": lambda: cuda.backward(x, packed, g), **extra}
     real = 8 if dtype == torch.float64 else 4
     for name, fn in rows.items():
         ms = time_calls(fn, "cuda", 3, repeats).median_ms

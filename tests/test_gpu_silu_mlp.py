@@ -83,3 +83,49 @@ def test_empty_input_and_bad_inputs():
         cuda.forward(x, torch.cat([w[:1], w])[1:])
     with pytest.raises(KernelError, match="grad"):
         cuda.backward(x, w, g[:, :10].contiguous())
+
+
+def test_float64_runs_on_the_tensor_cores_on_hopper_and_agrees_with_the_fma_kernels():
+    from mace_accel.ops.silu_mlp import dmma
+    from mace_accel.ops.silu_mlp.cuda import CudaSiluMLP
+
+    major, minor = torch.cuda.get_device_capability()
+    for name in ("mace", "odd", "deep"):
+        spec = CATALOG[name]
+        key = autograd.register_spec(spec)
+        x, w, g = (t.cuda() for t in _inputs(spec, 3001, seed=5))
+        cuda = autograd._cuda(key, x)
+        want_kind = "dmma" if dmma.unsupported_reason(spec, f"sm_{major}{minor}") is None \
+            else "simt"
+        assert cuda.kind == want_kind
+        if want_kind != "dmma":
+            continue
+        simt = CudaSiluMLP(spec, torch.float64, x.device, kind="simt")
+        out, gx = cuda.forward(x, w), cuda.backward(x, w, g)
+        assert rel_norm_error(out, simt.forward(x, w)) < 1e-13
+        assert rel_norm_error(gx, simt.backward(x, w, g)) < 1e-12
+        # another block geometry computes every row the same way: bit-identical
+        four = CudaSiluMLP(spec, torch.float64, x.device,
+                           variant={"warps": 4, "forward_warps": 12, "unroll": 1})
+        assert torch.equal(four.forward(x, w), out) and torch.equal(four.backward(x, w, g), gx)
+        # a start that is not 16-byte aligned is copied, not misread
+        xs = torch.cat([x.new_zeros(1), x.reshape(-1)])[1:].view_as(x)
+        assert xs.data_ptr() % 16 and torch.equal(cuda.forward(xs, w), out)
+
+
+def test_float64_backward_from_the_kept_slopes_equals_the_recomputing_one():
+    from mace_accel.ops.silu_mlp.cuda import CudaSiluMLP
+
+    for name in ("mace", "odd", "deep", "one_layer"):
+        spec = CATALOG[name]
+        cuda = CudaSiluMLP(spec, torch.float64, torch.device("cuda"))
+        if cuda.kind != "dmma":
+            pytest.skip("no float64 tensor-core kernels on this GPU")
+        for n in (1, 17, 4099):
+            x, w, g = (t.cuda() for t in _inputs(spec, n, seed=n))
+            out, slopes = cuda.forward(x, w, keep_slopes=True)
+            assert torch.equal(out, cuda.forward(x, w))
+            gx = cuda.backward_kept(slopes, w, g)
+            assert rel_norm_error(gx, cuda.backward(x, w, g)) < 1e-13
+        with pytest.raises(KernelError, match="slopes"):
+            cuda.backward_kept(slopes[1:], w, g)

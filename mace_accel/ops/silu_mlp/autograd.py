@@ -2,7 +2,9 @@
 
 ``mace_accel::silu_mlp(x, w)`` is ``silu(...silu(x W_1)...W_L)`` of the packed weights ``w``
 (:func:`~.spec.pack_weights`); ``mace_accel::silu_mlp_backward(x, w, g)`` is its ``d x``, the
-forward recomputed inside the kernel (nothing is kept but ``x``). The backward takes that kernel
+forward recomputed inside the kernel (nothing is kept but ``x``). On the float64 tensor cores
+``mace_accel::silu_mlp_keep`` also keeps each layer's ``silu'(z)`` and
+``mace_accel::silu_mlp_kept_backward`` takes ``d x`` from them (memory for a recompute). The backward takes that kernel
 when only ``d x`` is asked for without ``create_graph`` (forces, stress); a weight gradient
 (training) or a double backward (training on forces) takes the differentiable torch path of
 :func:`mace_accel.ops.radial_mlp.vjp`. ``backend`` picks the CUDA kernels or the plain-torch
@@ -11,7 +13,7 @@ reference. Shapes: ``x [E, h0]``, ``w [packed_numel]``, ``g`` and the output ``[
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -41,7 +43,8 @@ def reference(spec: SiluMLPSpec, x: Tensor, w: Tensor) -> Tensor:
 def _vjp(spec: SiluMLPSpec, x: Tensor, w: Tensor, g: Tensor, need_x: bool,
          need_w: bool) -> tuple:
     """``(d x, d w)`` with torch ops (differentiable under grad mode); ``d w`` in the packed
-    layout (the forward reads only the ``W_i`` slots, so the ``W_i^T`` slots get zero)."""
+    layout, in the ``W_i`` slots (the others, ``W_i^T`` and the tensor-core fragments, are
+    copies of them and get zero)."""
     weights = unpack_weights(spec, w)
     pre, _ = radial_mlp.pre_activations(x, weights, last_act=True)
     gx, gws = radial_mlp.vjp(x, weights, pre, g, True, need_x, [need_w] * len(weights))
@@ -52,6 +55,7 @@ def _vjp(spec: SiluMLPSpec, x: Tensor, w: Tensor, g: Tensor, need_x: bool,
         for i, gi in enumerate(gws):
             full = torch.nn.functional.pad(gi, (0, p[i + 1] - gi.shape[1], 0, p[i] - gi.shape[0]))
             parts += [full.reshape(-1), torch.zeros_like(full).reshape(-1)]
+        parts.append(w.new_zeros(spec.packed_numel - spec.fragment_start))
         gw = torch.cat(parts)
     return gx, gw
 
@@ -103,6 +107,65 @@ def _backward(ctx, g):
 silu_mlp_op.register_autograd(_backward, setup_context=_setup)
 
 
-def silu_mlp(key: str, x: Tensor, w: Tensor, backend: str = "cuda") -> Tensor:
-    """Differentiable ``[E, h_L]`` (see module docstring); ``x`` is made contiguous."""
-    return silu_mlp_op(x.contiguous(), w, key, backend)
+@torch.library.custom_op("mace_accel::silu_mlp_keep", mutates_args=())
+def silu_mlp_keep_op(x: Tensor, w: Tensor, key: str) -> Tuple[Tensor, Tensor]:
+    """``(out [E, h_L], slopes)``: the float64 tensor-core forward (CUDA) that also keeps every
+    layer's ``silu'(z)`` for its backward (an opaque buffer, not differentiable)."""
+    return _cuda(key, x).forward(x, w, keep_slopes=True)
+
+
+@silu_mlp_keep_op.register_fake
+def _(x, w, key):
+    from mace_accel.ops.silu_mlp import dmma
+
+    spec = registry.lookup(key)
+    numel = dmma.plan_kernels(spec).slopes_numel(x.shape[0])
+    return x.new_empty((x.shape[0], spec.widths[-1])), x.new_empty((numel,))
+
+
+@torch.library.custom_op("mace_accel::silu_mlp_kept_backward", mutates_args=())
+def silu_mlp_kept_backward_op(slopes: Tensor, w: Tensor, g: Tensor, key: str) -> Tensor:
+    """``[E, h0]``: ``d x`` of ``<g, silu_mlp(x, w)>`` from the slopes the forward kept."""
+    return _cuda(key, g).backward_kept(slopes, w, g)
+
+
+@silu_mlp_kept_backward_op.register_fake
+def _(slopes, w, g, key):
+    return g.new_empty((g.shape[0], registry.lookup(key).widths[0]))
+
+
+def _setup_keep(ctx, inputs, output) -> None:
+    x, w, key = inputs
+    ctx.save_for_backward(x, w, output[1])
+    ctx.key = key
+    ctx.mark_non_differentiable(output[1])
+    # no zero-filled [E, widths] gradient for the slopes (0.28 ms per MP net at 539k edges)
+    ctx.set_materialize_grads(False)
+
+
+def _backward_keep(ctx, g, _slopes_grad):
+    x, w, slopes = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    if g is None:  # the output took no part in the loss
+        return None, None, None
+    if need_w or torch.is_grad_enabled():  # training, or create_graph: differentiable path
+        gx, gw = _vjp(registry.lookup(ctx.key), x, w, g, need_x, need_w)
+        return gx, gw, None
+    gx = silu_mlp_kept_backward_op(slopes, w, g.contiguous(), ctx.key) if need_x else None
+    return gx, None, None
+
+
+silu_mlp_keep_op.register_autograd(_backward_keep, setup_context=_setup_keep)
+
+
+def silu_mlp(key: str, x: Tensor, w: Tensor, backend: str = "cuda",
+             keep_slopes: bool = True) -> Tensor:
+    """Differentiable ``[E, h_L]`` (see module docstring); ``x`` is made contiguous. Where the
+    float64 tensor-core kernels run and ``x`` needs a gradient, the forward keeps every layer's
+    ``silu'(z)`` (``[E, sum of the hidden widths]``) so the backward needs no recompute, unless
+    ``keep_slopes`` is False (memory)."""
+    x = x.contiguous()
+    if backend == "cuda" and keep_slopes and x.is_cuda and x.requires_grad \
+            and torch.is_grad_enabled() and _cuda(key, x).kind == "dmma":
+        return silu_mlp_keep_op(x, w, key)[0]
+    return silu_mlp_op(x, w, key, backend)

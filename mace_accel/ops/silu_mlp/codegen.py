@@ -103,7 +103,9 @@ def render_backward(plan: SiluMLPPlan) -> str:
 
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
-    """``(name, source)`` of the forward and backward of every catalog MLP, fp32 and fp64."""
+    """``(name, source)`` of the forward and backward of every catalog MLP, fp32 and fp64, and
+    of the float64 tensor-core kernels (:mod:`.dmma`) where they take the MLP on that arch."""
+    from mace_accel.ops.silu_mlp import dmma
     from mace_accel.ops.silu_mlp.catalog import CATALOG
 
     for name, spec in sorted(CATALOG.items()):
@@ -111,3 +113,8 @@ def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
             plan = plan_kernels(spec, dtype, limits.arch)
             yield f"silu_mlp/{name}_fwd_{dtype}", render_forward(plan)
             yield f"silu_mlp/{name}_bwd_{dtype}", render_backward(plan)
+        if dmma.unsupported_reason(spec, limits.arch) is None:
+            tc = dmma.plan_kernels(spec, limits.arch)
+            yield f"silu_mlp/{name}_dmma_fwd_float64", dmma.render_forward(tc)
+            yield f"silu_mlp/{name}_dmma_bwd_float64", dmma.render_backward(tc)
+            yield f"silu_mlp/{name}_dmma_bwd_kept_float64", dmma.render_backward_kept(tc)

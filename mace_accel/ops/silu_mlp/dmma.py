@@ -1,0 +1,181 @@
+"""The float64 SiLU MLP on Hopper's float64 tensor cores (``mma.sync`` m16n8k8 DMMA, sm_90):
+the launch plan and CUDA sources (templates ``kernels/silu_mlp/dmma_*.cu.j2``).
+
+Each warp takes 16 edges through every layer with the activations in registers: a product's
+output fragment is the next product's A fragment as it stands (the weights' K index is permuted
+to match when they are packed, :func:`~.spec.fragments`), so nothing between ``x [E, h0]`` and
+the output touches memory, and no lane exchanges data. The weights' fragments are copied once
+per block into shared memory. The SiLU runs as a loop over each lane's own values in a shared
+slab: written once per register, its exp and reciprocal made the kernel too large for the
+instruction cache (28k -> 2.5k instructions; 0.69 -> 0.57 ms at 539k edges with 12 warps).
+
+Two backward kernels give ``d x``: by default from the slopes ``silu'(z)`` the forward kept
+(``[E, sum of hidden widths]`` doubles, read once: the backward is a stream through memory), or,
+where memory is short, recomputing the forward (the first layer's pre-activation again at the
+end, the middle layers' kept in shared memory per warp, the last one's in registers).
+
+Why: in float64 the radial MLP's hidden layers ran as cuBLAS GEMMs (on the same DMMA units) with
+SiLU passes between them, every ``[E, 64]`` pre-activation and activation written and read again
+(2.35 ms per MP-medium net at 539k edges, forward and ``d x``); the SIMT kernels of
+:mod:`.codegen` keep them on chip but run on the FMA units (3.05 ms). Here: forward 0.57 ms,
+backward from the slopes 0.43 ms (88% of the copy bandwidth), 1.38 ms in a CUDA graph with the
+autograd glue (H100).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+from mace_accel.ops.limits import DEFAULT_SMS
+from mace_accel.ops.silu_mlp.spec import FRAG, SiluMLPSpec
+from mace_accel.ops.templates import render
+
+ARCH = "sm_90"  # m16n8k8 in float64 is Hopper's (PTX ISA 7.8)
+ROWS = 16       # edges per warp tile (the product's M)
+MAX_TILES = 8   # widest layer in n-tiles of 8 (64 columns): its A and C fragments in registers
+WARPS = 8       # the backward's warps per block: 256 threads of ~180 registers fill an SM
+FORWARD_WARPS = 12  # the forward's (~150 registers; 12 warps: 0.573 vs 0.692 ms with 8 at 539k)
+UNROLL = 2      # SiLU elements pairs per lane in flight in the forward's loop
+SHARED_LIMIT = 227 * 1024  # an sm_90 block's dynamic shared memory, opted in
+SHARED_PER_SM = 228 * 1024
+REGISTER_FILE = 65536  # 32-bit registers per SM
+REGISTERS = 184  # a thread's, at most (ptxas: 144 forward / 184 backward for the MACE widths)
+
+
+@dataclasses.dataclass(frozen=True)
+class DmmaPlan:
+    """What the DMMA templates print.
+
+    Attributes:
+        widths: the spec's widths; ``tiles``: each padded to n-tiles of 8.
+        layers: per layer ``kt, nt`` (its K and N in tiles), ``fwd, bwd`` (offsets of its
+            ``W`` and ``W^T`` fragments in the shared copy, in double2 units).
+        fwd_numel / bwd_numel: doubles of the forward's / backward's fragments (the backward
+            kernel copies both); ``src``: where the forward's start in the packed buffer.
+        kept: per middle layer (2 .. L-1), ``(layer index, offset in a warp's kept slab)`` in
+            double2 units; ``kept_d2``: double2 per warp (the recomputing backward).
+        slope_offsets, slope_d2: where each layer's ``silu'(z)`` sits in a 16-edge tile's part
+            of the slopes buffer, and the part's size, in double2 units (the forward writes
+            them where asked, the kept backward reads them).
+    """
+
+    spec_key: str
+    arch: str
+    widths: Tuple[int, ...]
+    tiles: Tuple[int, ...]
+    layers: Tuple[dict, ...]
+    fwd_numel: int
+    bwd_numel: int
+    src: int
+    kept: Tuple[Tuple[int, int], ...]
+    kept_d2: int
+    slope_offsets: Tuple[int, ...]
+    slope_d2: int
+    warps: int = WARPS
+    forward_warps: int = FORWARD_WARPS
+    unroll: int = UNROLL
+    dtype: str = "float64"
+
+    @property
+    def threads(self) -> int:
+        """The backward kernels' threads per block."""
+        return 32 * self.warps
+
+    @property
+    def forward_threads(self) -> int:
+        return 32 * self.forward_warps
+
+    @property
+    def slab_d2(self) -> int:
+        """double2 of a warp's SiLU slab in the forward (the widest layer's fragments)."""
+        return max(self.tiles[1:]) * 64
+
+    @property
+    def forward_shared_bytes(self) -> int:
+        return 8 * self.fwd_numel + 16 * self.slab_d2 * self.forward_warps
+
+    @property
+    def kept_backward_shared_bytes(self) -> int:
+        return 8 * self.bwd_numel
+
+    def slopes_numel(self, n_edges: int) -> int:
+        """Doubles of the slopes buffer of ``n_edges`` edges (whole 16-edge tiles)."""
+        return -(-n_edges // ROWS) * 2 * self.slope_d2
+
+    @property
+    def backward_shared_bytes(self) -> int:
+        return 8 * (self.fwd_numel + self.bwd_numel) + 16 * self.kept_d2 * self.warps
+
+    def blocks_per_sm(self, shared: int, warps: int) -> int:
+        """Blocks of ``warps`` warps and ``shared`` bytes an SM holds at once: shared memory
+        and registers (:data:`REGISTERS` a thread)."""
+        by_registers = REGISTER_FILE // (REGISTERS * 32 * warps)
+        return max(1, min(SHARED_PER_SM // max(shared, 1), by_registers))
+
+    def grid(self, n_edges: int, multiprocessors: int = DEFAULT_SMS, shared: int = 0,
+             warps: int = WARPS) -> int:
+        """Blocks of ``warps`` warps: one per ``warps`` tiles of 16 edges, at most as many as
+        the SMs hold at once (grid-stride: the weights are copied to shared memory once per
+        block)."""
+        tiles = -(-n_edges // ROWS)
+        return max(1, min(-(-tiles // warps),
+                          multiprocessors * self.blocks_per_sm(shared, warps)))
+
+
+def unsupported_reason(spec: SiluMLPSpec, arch: str) -> Optional[str]:
+    """Why the DMMA kernels cannot run ``spec`` on ``arch``, or None."""
+    if arch != ARCH:
+        return f"the float64 tensor-core MLP kernels are for {ARCH}, this GPU is {arch}"
+    if max(spec.fragment_widths) > FRAG * MAX_TILES:
+        return (f"layers wider than {FRAG * MAX_TILES} ({max(spec.widths)}) would not fit the "
+                "kernel's registers")
+    plan = plan_kernels(spec, arch)
+    if plan.backward_shared_bytes > SHARED_LIMIT:
+        return (f"the weights need {plan.backward_shared_bytes} bytes of shared memory, more "
+                f"than {SHARED_LIMIT}")
+    return None
+
+
+def plan_kernels(spec: SiluMLPSpec, arch: str = ARCH, warps: int = WARPS,
+                 forward_warps: int = FORWARD_WARPS, unroll: int = UNROLL) -> DmmaPlan:
+    """The DMMA plan of ``spec`` with ``warps`` per block in the backward, ``forward_warps`` in
+    the forward, whose SiLU loop has ``unroll`` pairs in flight (check
+    :func:`unsupported_reason` first)."""
+    f = spec.fragment_widths
+    tiles = tuple(w // FRAG for w in f)
+    sizes = [f[i] * f[i + 1] for i in range(spec.n_layers)]
+    fwd_numel = sum(sizes)
+    layers = tuple(dict(kt=tiles[i], nt=tiles[i + 1], fwd=sum(sizes[:i]) // 2,
+                        bwd=(fwd_numel + sum(sizes[:i])) // 2)
+                   for i in range(spec.n_layers))
+    kept, at = [], 0
+    for i in range(1, spec.n_layers - 1):  # layers 2 .. L-1 (0-based 1 .. L-2)
+        kept.append((i, at))
+        at += tiles[i + 1] * 2 * 32  # the layer's output fragments: nt x 2 double2 per lane
+    slope_offsets = tuple(sum(tiles[j + 1] * 64 for j in range(i))
+                          for i in range(spec.n_layers))
+    return DmmaPlan(spec.key(), arch, spec.widths, tiles, layers, fwd_numel, fwd_numel,
+                    spec.fragment_offsets()[0][0], tuple(kept), at, slope_offsets,
+                    sum(tiles[1:]) * 64, warps, forward_warps, unroll)
+
+
+def kernel_names(plan: DmmaPlan) -> Tuple[str, str, str]:
+    """``(forward, recomputing backward, kept backward)`` kernel names."""
+    base = f"mace_silu_mlp_{plan.spec_key}_float64_dmma"
+    return f"{base}_fwd", f"{base}_bwd", f"{base}_bwd_kept"
+
+
+def render_forward(plan: DmmaPlan) -> str:
+    return render("silu_mlp/dmma_forward.cu.j2", plan=plan, name=kernel_names(plan)[0],
+                  warps=plan.forward_warps)
+
+
+def render_backward(plan: DmmaPlan) -> str:
+    return render("silu_mlp/dmma_backward.cu.j2", plan=plan, name=kernel_names(plan)[1],
+                  warps=plan.warps)
+
+
+def render_backward_kept(plan: DmmaPlan) -> str:
+    return render("silu_mlp/dmma_backward_kept.cu.j2", plan=plan, name=kernel_names(plan)[2],
+                  warps=plan.warps)
