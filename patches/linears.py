@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from mace_accel.errors import InputError
-from mace_accel.ops.irreps_linear import autograd
+from mace_accel.ops.irreps_linear import autograd, gemm
 from mace_accel.ops.irreps_linear import spec as linear_spec
 from mace_accel.ops.irreps_linear.spec import LinearSpec, transpose_weights
 from mace_accel.options import AccelOptions
@@ -46,6 +46,9 @@ class _FusedLinearBase(FusedModule):
         self._scales, self._z_inside = list(scales), z_inside
 
     def describe(self) -> str:
+        if gemm.runs_on(self.spec):
+            return (f"{self.spec.describe()}; float64 from {gemm.MIN_NODES_FLOAT64} nodes as "
+                    "cuBLAS GEMMs (tensor cores)")
         return self.spec.describe()
 
     def _weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:

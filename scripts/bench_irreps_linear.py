@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from mace_accel.bench.timing import graph_ms_per_launch
-from mace_accel.ops.irreps_linear import autograd, codegen
+from mace_accel.ops.irreps_linear import autograd, codegen, gemm
 from mace_accel.ops.irreps_linear.cuda import CudaIrrepsLinear
 from mace_accel.ops.irreps_linear.catalog import CATALOG
 from mace_accel.ops.irreps_linear.spec import LinearSpec
@@ -29,6 +29,7 @@ def _variant(spec: LinearSpec, dtype: torch.dtype, geometry: str) -> CudaIrrepsL
     """The kernel of ``spec`` with the geometry ``tile_nodes:k_split:v_tile``."""
     tile, split, v_tile = (int(v) for v in geometry.split(":"))
     kernel = CudaIrrepsLinear(spec, dtype, torch.device("cuda"))
+    kernel.gemm_min_nodes = 2 ** 62
     kernel.plan = codegen.plan_kernel(spec, kernel.plan.dtype, kernel.plan.arch, tile_nodes=tile,
                                       k_split=split, v_tile=v_tile)
     return kernel
@@ -42,9 +43,12 @@ def _bench(name: str, spec: LinearSpec, nodes: int, dtype: torch.dtype, repeats:
     w = torch.randn(spec.weight_numel, device="cuda", dtype=dtype, generator=gen) * 0.1
     elem = torch.randint(0, spec.num_elements, (nodes,), device="cuda", dtype=torch.int32,
                          generator=gen)
-    cuda = autograd._cuda(key, x)
+    cuda = CudaIrrepsLinear(spec, dtype, x.device)
+    cuda.gemm_min_nodes = 2 ** 62  # the generated kernel at every size
     rows = {"kernel": lambda: cuda.apply(x, w, elem),
             "torch reference": lambda: autograd.reference(spec, x, w, elem)}
+    if gemm.runs_on(spec):
+        rows["cuBLAS GEMMs"] = lambda: gemm.apply(spec, x, w)
     for geometry in variants:
         try:
             kernel = _variant(spec, dtype, geometry)

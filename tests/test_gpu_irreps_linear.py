@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mace_accel.ops.irreps_linear import autograd
+from mace_accel.ops.irreps_linear import autograd, gemm
 from mace_accel.ops.irreps_linear.catalog import CATALOG
 from mace_accel.ops.irreps_linear.spec import transpose_weights
 
@@ -17,8 +17,9 @@ SPECS = CATALOG
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", sorted(SPECS))
-@pytest.mark.parametrize("n_nodes", [1, 13, 1000])
+@pytest.mark.parametrize("n_nodes", [1, 13, 1000, 2500])
 def test_kernel_equals_reference(name, dtype, n_nodes):
+    """(float64 at 2,500 nodes: the cuBLAS path of the maps with shared weights.)"""
     spec = SPECS[name]
     key = autograd.register_spec(spec)
     gen = torch.Generator().manual_seed(0)
@@ -37,3 +38,6 @@ def test_kernel_equals_reference(name, dtype, n_nodes):
     tol = 1e-12 if dtype == torch.float64 else 2e-5
     for a, b in zip(results["cuda"], results["reference"]):
         assert (a - b).norm() <= tol * b.norm()
+    cuda = autograd._cuda(key, x.to("cuda", dtype))
+    assert cuda.runs_gemm(n_nodes) == (dtype == torch.float64 and not spec.indexed
+                                       and n_nodes >= gemm.MIN_NODES_FLOAT64)

@@ -159,3 +159,26 @@ def test_wide_blocks_are_staged_in_chunks():
     plan = codegen.plan_kernel(CATALOG["wide"], "float64")  # the GPU tests run this one
     (first,) = plan.out_blocks[0]["instructions"]
     assert first["chunk"] < 384 and plan.buffer * 8 <= codegen.TILE_BYTES
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_gemm_path_equals_the_reference(name):
+    """The float64 cuBLAS path (ops/irreps_linear/gemm.py) is the same map, and its transpose
+    applies the transposed weights (the backward)."""
+    from mace_accel.ops.irreps_linear import gemm
+    from mace_accel.ops.irreps_linear.spec import transpose_weights
+
+    spec = CATALOG[name]
+    if not gemm.runs_on(spec):
+        assert spec.indexed
+        return
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, spec.dim_in, generator=gen, dtype=torch.float64)
+    w = torch.randn(spec.weight_numel, generator=gen, dtype=torch.float64)
+    elem = torch.zeros(37, dtype=torch.int32)
+    want = autograd.reference(spec, x, w, elem)
+    assert torch.allclose(gemm.apply(spec, x, w), want, rtol=1e-13, atol=1e-13)
+    g = torch.randn_like(want)
+    want_t = autograd.reference(spec.transposed(), g, transpose_weights(spec, w), elem)
+    got_t = gemm.apply(spec.transposed(), g, transpose_weights(spec, w))
+    assert torch.allclose(got_t, want_t, rtol=1e-13, atol=1e-13)

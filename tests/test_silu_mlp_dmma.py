@@ -60,7 +60,8 @@ def _store(v, width):
     full = torch.zeros(16, FRAG * v.shape[0], dtype=torch.float64)
     for nt in range(v.shape[0]):
         full[G, FRAG * nt + 2 * T], full[G, FRAG * nt + 2 * T + 1] = v[nt][:, 0], v[nt][:, 1]
-        full[G + 8, FRAG * nt + 2 * T], full[G + 8, FRAG * nt + 2 * T + 1] = v[nt][:, 2], v[nt][:, 3]
+        full[G + 8, FRAG * nt + 2 * T] = v[nt][:, 2]
+        full[G + 8, FRAG * nt + 2 * T + 1] = v[nt][:, 3]
     return full[:, :width]
 
 

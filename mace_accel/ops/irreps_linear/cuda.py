@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from mace_accel.errors import KernelError
-from mace_accel.ops.irreps_linear import codegen
+from mace_accel.ops.irreps_linear import codegen, gemm
 from mace_accel.ops.irreps_linear.spec import LinearSpec
 from mace_accel.ops.runtime import (
     INT32_MAX,
@@ -33,13 +33,20 @@ class CudaIrrepsLinear:
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.plan = codegen.plan_kernel(spec, dtype_name(dtype), device_limits(self.device).arch)
         self._kernel: Optional[Kernel] = None
+        self.gemm_min_nodes = gemm.MIN_NODES_FLOAT64  # (benchmarks set it to time the kernel)
 
     def _check(self, name: str, t: Tensor, shape, dtype: torch.dtype) -> None:
         check_tensor(name, t, shape, dtype, self.device, self.spec.describe())
 
+    def runs_gemm(self, n: int) -> bool:
+        """Whether ``n`` nodes run as cuBLAS GEMMs (:mod:`.gemm`) rather than the kernel."""
+        return self.dtype == torch.float64 and n >= self.gemm_min_nodes \
+            and gemm.runs_on(self.spec)
+
     def apply(self, x: Tensor, w: Tensor, elem: Tensor) -> Tensor:
         """``out [N, dim_out]`` of ``x [N, dim_in]``, effective weights ``w [weight_numel]`` and
-        ``elem [N]`` int32 (read only for element-indexed weights)."""
+        ``elem [N]`` int32 (read only for element-indexed weights); float64 from
+        :data:`.gemm.MIN_NODES_FLOAT64` nodes as cuBLAS GEMMs where :func:`.gemm.runs_on`."""
         s = self.spec
         n = int(x.shape[0]) if x.dim() == 2 else -1
         self._check("x", x, (n, s.dim_in), self.dtype)
@@ -48,6 +55,8 @@ class CudaIrrepsLinear:
             self._check("elem", elem, (n,), torch.int32)
         if n * max(s.dim_in, s.dim_out) > INT32_MAX or s.weight_numel > INT32_MAX:
             raise KernelError(f"{n} nodes exceed the linear kernel's int32 row count")
+        if self.runs_gemm(n):
+            return gemm.apply(s, x, w)
         out = torch.empty((n, s.dim_out), dtype=self.dtype, device=self.device)
         if n == 0:
             return out
