@@ -53,11 +53,12 @@ class RadialMLPSpec:
         head = f"MLP {'->'.join(map(str, self.hs))} (SiLU), constants folded; "
         if len(self.hs) > 2 and max(self.hs[:-1]) <= MAX_WIDTH:
             tc = dmma.unsupported_reason(SiluMLPSpec(self.hs[:-1]), dmma.ARCH)
-            float64 = (f"float64 on the float64 tensor cores of {dmma.ARCH} GPUs" if tc is None
-                       else f"float64 not ({tc})")
+            float64 = (f"float64 on the float64 tensor cores of {dmma.ARCH} GPUs (each layer's "
+                       "silu'(z) kept for the backward unless the conv recomputes its TP "
+                       "weights)" if tc is None else f"float64 not ({tc})")
             head += (f"where the whole-MLP kernel does not run, hidden layers in one fused "
-                     f"kernel per pass on CUDA (forward recomputed in the backward): float32 "
-                     f"from {FUSED_MIN_EDGES} edges, {float64}; fewer edges, other GPUs and "
+                     f"kernel per pass on CUDA: float32 from {FUSED_MIN_EDGES} edges (forward "
+                     f"recomputed in the backward), {float64}; fewer edges, other GPUs and "
                      "training: GEMMs + SiLU; ")
         if folded:
             return head + (f"last layer folded into the conv (it takes the hidden [E, "
