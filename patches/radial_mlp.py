@@ -288,10 +288,14 @@ class FusedRadialMLP(FusedModule):
         return self._no_weight_grads()
 
     def _tensor_core_float64(self, device: torch.device) -> bool:
-        """Whether the float64 tensor-core kernels take the hidden layers on ``device``."""
-        major, minor = torch.cuda.get_device_capability(device)
-        return dmma.unsupported_reason(SiluMLPSpec(tuple(self.hs[:-1])),
-                                       f"sm_{major}{minor}") is None
+        """Whether the float64 tensor-core kernels take the hidden layers on ``device`` (found
+        once per device: it plans the kernels)."""
+        def runs() -> bool:
+            major, minor = torch.cuda.get_device_capability(device)
+            spec = registry.lookup(self._hidden_key())
+            return dmma.unsupported_reason(spec, f"sm_{major}{minor}") is None
+
+        return self._kernel_cache(("tensor_core_float64", device), runs)
 
     def _hidden_key(self) -> str:
         return self._kernel_cache("hidden_key", lambda: silu_mlp_autograd.register_spec(

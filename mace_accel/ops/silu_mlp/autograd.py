@@ -7,8 +7,9 @@ forward recomputed inside the kernel (nothing is kept but ``x``). On the float64
 ``mace_accel::silu_mlp_kept_backward`` takes ``d x`` from them (memory for a recompute). The
 backward takes those kernels when only ``d x`` is asked for without ``create_graph`` (forces,
 stress); a weight gradient (training) or a double backward (training on forces) takes the
-differentiable torch path of :func:`mace_accel.ops.radial_mlp.vjp`. ``backend`` picks the CUDA kernels or the plain-torch
-reference. Shapes: ``x [E, h0]``, ``w [packed_numel]``, ``g`` and the output ``[E, h_L]``.
+differentiable torch path of :func:`mace_accel.ops.radial_mlp.vjp`. ``backend`` picks the CUDA
+kernels or the plain-torch reference. Shapes: ``x [E, h0]``, ``w [packed_numel]``, ``g`` and the
+output ``[E, h_L]``.
 """
 
 from __future__ import annotations

@@ -51,8 +51,9 @@ class DmmaPlan:
         widths: the spec's widths; ``tiles``: each padded to n-tiles of 8.
         layers: per layer ``kt, nt`` (its K and N in tiles), ``fwd, bwd`` (offsets of its
             ``W`` and ``W^T`` fragments in the shared copy, in double2 units).
-        fwd_numel / bwd_numel: doubles of the forward's / backward's fragments (the backward
-            kernel copies both); ``src``: where the forward's start in the packed buffer.
+        fwd_numel: doubles of the forward's fragments (``bwd_numel``, the backward's ``W^T``
+            ones, are as many; the recomputing backward copies both); ``src``: where the
+            forward's start in the packed buffer.
         kept: per middle layer (2 .. L-1), ``(layer index, offset in a warp's kept slab)`` in
             double2 units; ``kept_d2``: double2 per warp (the recomputing backward).
         slope_offsets, slope_d2: where each layer's ``silu'(z)`` sits in a 16-edge tile's part
@@ -66,7 +67,6 @@ class DmmaPlan:
     tiles: Tuple[int, ...]
     layers: Tuple[dict, ...]
     fwd_numel: int
-    bwd_numel: int
     src: int
     kept: Tuple[Tuple[int, int], ...]
     kept_d2: int
@@ -76,6 +76,11 @@ class DmmaPlan:
     forward_warps: int = FORWARD_WARPS
     unroll: int = UNROLL
     dtype: str = "float64"
+
+    @property
+    def bwd_numel(self) -> int:
+        """Doubles of the backward's ``W^T`` fragments: as many as the forward's."""
+        return self.fwd_numel
 
     @property
     def threads(self) -> int:
@@ -155,7 +160,7 @@ def plan_kernels(spec: SiluMLPSpec, arch: str = ARCH, warps: int = WARPS,
         at += tiles[i + 1] * 2 * 32  # the layer's output fragments: nt x 2 double2 per lane
     slope_offsets = tuple(sum(tiles[j + 1] * 64 for j in range(i))
                           for i in range(spec.n_layers))
-    return DmmaPlan(spec.key(), arch, spec.widths, tiles, layers, fwd_numel, fwd_numel,
+    return DmmaPlan(spec.key(), arch, spec.widths, tiles, layers, fwd_numel,
                     spec.fragment_offsets()[0][0], tuple(kept), at, slope_offsets,
                     sum(tiles[1:]) * 64, warps, forward_warps, unroll)
 
