@@ -80,7 +80,7 @@ class FusedConvTP(FusedModule):
                 w_last = self.radial.last_weight(tp_weights.dtype)
                 return folded.folded_conv_tp(self._key, graph, node_feats, edge_attrs,
                                              tp_weights, w_last, **run,
-                                             tf32x3=self.radial.uses_tf32x3(tp_weights))
+                                             gemm=self.radial.last_gemm(tp_weights))
             tp_weights = self.radial.last_layer(tp_weights)
         return autograd.conv_tp(self._key, graph, node_feats, edge_attrs, tp_weights, **run)
 

@@ -16,6 +16,8 @@ import torch
 from mace_accel.errors import InputError
 from mace_accel.ops import radial_mlp, registry
 from mace_accel.ops.conv_tp import folded
+from mace_accel.ops.dmma_gemm import autograd as dmma_gemm
+from mace_accel.ops.dmma_gemm.spec import unsupported_reason as dmma_gemm_unsupported
 from mace_accel.ops.radial_tc import apply as radial_tc
 from mace_accel.ops.radial_tc.spec import RadialSpec
 from mace_accel.ops.radial_tc.spec import unsupported_reason as whole_unsupported
@@ -141,27 +143,40 @@ class FusedRadialMLP(FusedModule):
 
     def describe(self) -> str:
         head = self.spec.describe(self.fold_last)
-        k, n = self.hs[-2:]
         if self.backend != "cuda":
             return head
+        return head + self._float32_last() + self._float64_last()
+
+    def _float32_last(self) -> str:
+        """The report's words on the float32 GEMMs."""
+        k, n = self.hs[-2:]
         if self.options.fp32_gemm != "tf32x3":
-            return head + "; last layer in float32 on cuBLAS (fp32_gemm='cublas')"
+            return "; last layer in float32 on cuBLAS (fp32_gemm='cublas')"
         why = tf32x3_unsupported(k, n)
         if why is not None:
-            return head + f"; last layer in float32 on cuBLAS ({why})"
+            return f"; last layer in float32 on cuBLAS ({why})"
         whole = whole_unsupported(self.hs)
         if whole is None:
-            return head + ("; in float32 at inference the whole MLP forward in one tensor-core "
-                           "kernel (wgmma on H100/H200, mma.sync on other GPUs; 3xTF32, float32 "
-                           "accuracy; hidden activations on chip, "
-                           "pre-activations written for the backward), and its input gradient "
-                           "in another on H100/H200 (3xTF32 GEMMs with SiLU epilogues "
-                           "elsewhere), unless the conv recomputes the TP weights; "
-                           "training and float64: GEMMs")
-        return head + (f"; not in one kernel ({whole}); in float32 the last layer, and below "
-                       f"{FUSED_MIN_EDGES} edges the hidden layers with widths in multiples of "
-                       "4 (with their SiLU), on the tensor cores (3xTF32 kernels, float32 "
-                       "accuracy; float64 on cuBLAS)")
+            return ("; in float32 at inference the whole MLP forward in one tensor-core "
+                    "kernel (wgmma on H100/H200, mma.sync on other GPUs; 3xTF32, float32 "
+                    "accuracy; hidden activations on chip, "
+                    "pre-activations written for the backward), and its input gradient "
+                    "in another on H100/H200 (3xTF32 GEMMs with SiLU epilogues "
+                    "elsewhere), unless the conv recomputes the TP weights; "
+                    "training: GEMMs")
+        return (f"; not in one kernel ({whole}); in float32 the last layer, and below "
+                f"{FUSED_MIN_EDGES} edges the hidden layers with widths in multiples of "
+                "4 (with their SiLU), on the tensor cores (3xTF32 kernels, float32 "
+                "accuracy)")
+
+    def _float64_last(self) -> str:
+        """The report's words on the float64 last layer."""
+        why = dmma_gemm_unsupported(*self.hs[-2:])
+        if why is not None:
+            return f"; last layer in float64 on cuBLAS ({why})"
+        return ("; last layer's forward in float64 on the float64 tensor-core GEMM kernel on "
+                f"{dmma.ARCH} GPUs (at inference, and where the conv recomputes the TP weights; "
+                "its input gradient and training on cuBLAS), elsewhere cuBLAS")
 
     def __setstate__(self, state) -> None:
         state.setdefault("fold_last", False)  # saved before the fold existed
@@ -192,13 +207,33 @@ class FusedRadialMLP(FusedModule):
         """Whether the last layer of ``t``'s dtype and device runs on the 3xTF32 kernels."""
         return self._tf32x3() and tf32x3.runs_on(t, *self.hs[-2:])
 
+    def uses_dmma(self, t: torch.Tensor) -> bool:
+        """Whether the last layer of ``t``'s dtype and device runs on the float64 tensor-core
+        GEMM kernels (:mod:`mace_accel.ops.dmma_gemm`: float64 on sm_90, CUDA backend)."""
+        return self.backend == "cuda" and dmma_gemm.runs_on(t, *self.hs[-2:])
+
+    def last_gemm(self, t: torch.Tensor) -> str:
+        """What runs the last layer's GEMMs for ``t``'s dtype and device where the conv applies
+        it itself (:mod:`mace_accel.ops.conv_tp.folded`): ``"tf32x3"``, ``"dmma"`` or
+        ``"cublas"``."""
+        return "tf32x3" if self.uses_tf32x3(t) else "dmma" if self.uses_dmma(t) else "cublas"
+
     def last_layer(self, hidden: torch.Tensor,
                    w: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[E, h_L]`` = ``hidden [E, h_{L-1}] @ W_last`` (differentiable); ``w``: the folded
-        ``W_last`` where the caller has it already (else fetched: built again when training)."""
+        ``W_last`` where the caller has it already (else fetched: built again when training).
+        float64 on sm_90 at inference: the DMMA kernels (their op passes no gradient to the
+        weight, so training keeps cuBLAS)."""
         if w is None:
             w = self.last_weight(hidden.dtype)
+        if self.uses_dmma(hidden) and self._no_weight_grads():
+            return dmma_gemm.linear(hidden, self._packed_last(hidden.dtype), w)
         return tf32x3.linear(hidden, w) if self.uses_tf32x3(hidden) else torch.mm(hidden, w)
+
+    def _packed_last(self, dtype: torch.dtype) -> torch.Tensor:
+        """The folded ``W_last`` in the DMMA kernels' fragment buffer."""
+        return self._derived("packed_last", self._raw_weights(), dtype,
+                             lambda d: dmma_gemm.pack_weight(self.last_weight(d)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[E, h_L]`` per-edge TP weights of the radial features ``x [E, h0]``

@@ -2,7 +2,7 @@
 (forward: the innermost mace / e3nn / mace-accel source line) or autograd node (backward), with
 its input shapes: where the torch glue between our kernels comes from (GPU machine).
 
-    python scripts/glue_trace.py cuda 256
+    python scripts/glue_trace.py cuda 256 [float64]
 
 A ``TorchDispatchMode`` sees each op once, as it is dispatched; our custom ops (``mace_accel``)
 run with the mode off, so their insides are not listed. On the CPU the reference paths
@@ -68,9 +68,10 @@ class GlueTrace(TorchDispatchMode):
 def main() -> None:
     device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
     size = int(sys.argv[2]) if len(sys.argv) > 2 else 256
-    model = resolve_model_source("mp-medium").load(torch.float32, torch.device(device))
+    dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else torch.float32
+    model = resolve_model_source("mp-medium").load(dtype, torch.device(device))
     info = model_info(model)
-    batch, n_edges = make_batch(build_system(info, size), info, torch.float32, device)
+    batch, n_edges = make_batch(build_system(info, size), info, dtype, device)
     prepared = prepare_backend("mace-accel", model, device, allow_reference=(device == "cpu"))
 
     def call():

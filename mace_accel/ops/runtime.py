@@ -162,6 +162,25 @@ class Kernel:
             if self.dynamic_shared > 48 * 1024:
                 _opt_in_shared(self._function, self.dynamic_shared, name)
 
+    def registers(self) -> int:
+        """Registers per thread of the loaded function (255, the most, if the driver does not
+        say)."""
+        from cupy_backends.cuda.api import driver
+
+        try:
+            return int(driver.funcGetAttribute(_NUM_REGS_ATTRIBUTE, self._function.ptr))
+        except Exception:  # an older cupy without the call: assume the worst
+            return 255
+
+    def resident_blocks(self, threads: int, sm_shared: int = 228 * 1024,
+                        sm_registers: int = 65536, sm_threads: int = 2048) -> int:
+        """Blocks of ``threads`` threads an SM holds at once: registers (allocated per warp in
+        units of 256), shared memory (1 KB a block reserved) and threads; at least 1."""
+        warp_regs = -(-self.registers() * 32 // 256) * 256
+        by_regs = sm_registers // (warp_regs * -(-threads // 32))
+        by_shared = sm_shared // (self.dynamic_shared + 1024)
+        return max(1, min(by_regs, by_shared, sm_threads // threads))
+
     def launch(self, grid, block: int, args: tuple) -> None:
         """``grid``: blocks along x, or a tuple (x, y[, z])."""
         import cupy
@@ -173,8 +192,9 @@ class Kernel:
                            shared_mem=self.dynamic_shared, stream=stream)
 
 
-# CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+# CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, CU_FUNC_ATTRIBUTE_NUM_REGS
 _MAX_DYNAMIC_SHARED_ATTRIBUTE = 8
+_NUM_REGS_ATTRIBUTE = 4
 
 
 def _opt_in_shared(function, size: int, name: str) -> None:

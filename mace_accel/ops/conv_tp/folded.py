@@ -30,6 +30,7 @@ from mace_accel.ops.conv_tp import autograd as conv_autograd
 from mace_accel.ops.conv_tp import reference
 from mace_accel.ops.conv_tp.cuda import BackwardBuffers
 from mace_accel.ops.graph import ConvGraph, KernelGraph, ReceiverRows, receiver_chunks
+from mace_accel.ops.dmma_gemm import autograd as dmma
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 
 Tensor = torch.Tensor
@@ -137,38 +138,56 @@ class _Rows:
         return acc.gx, acc.gy
 
 
-def _mm(a: Tensor, w: Tensor, use_tf32x3: bool) -> Tensor:
-    return tf32x3.mm(a, w) if use_tf32x3 else torch.mm(a, w)
+GEMMS = ("cublas", "tf32x3", "dmma")
 
 
-def _mm_t(g: Tensor, w: Tensor, use_tf32x3: bool) -> Tensor:
-    return tf32x3.mm_t(g, w) if use_tf32x3 else torch.mm(g, w.t())
+class _LastLayer:
+    """``h @ W_last`` and ``g @ W_last^T`` on cuBLAS or on our tensor-core kernels (``gemm``:
+    one of :data:`GEMMS`; 3xTF32 in float32, DMMA in float64 with ``W_last`` packed once per op
+    call)."""
+
+    def __init__(self, w: Tensor, gemm: str) -> None:
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+        self.w, self.kind = w, gemm
+        self.packed = dmma.pack_weight(w) if gemm == "dmma" else None
+
+    def mm(self, a: Tensor) -> Tensor:
+        if self.kind == "dmma":
+            return dmma.mm(a, self.packed, self.w)
+        return tf32x3.mm(a, self.w) if self.kind == "tf32x3" else torch.mm(a, self.w)
+
+    def mm_t(self, g: Tensor) -> Tensor:
+        if self.kind == "dmma":
+            return dmma.mm_t(g, self.packed, self.w)
+        return tf32x3.mm_t(g, self.w) if self.kind == "tf32x3" else torch.mm(g, self.w.t())
 
 
 @torch.library.custom_op("mace_accel::folded_conv_tp", mutates_args=())
 def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, graph: List[Tensor],
                       n_nodes: int, key: str, backend: str, deterministic: bool,
-                      use_tf32x3: bool, max_edges: int) -> Tensor:
+                      gemm: str, max_edges: int) -> Tensor:
     """``[n_nodes, dim_out]`` = ``conv(x, y, h @ w_last)``, weights made ``max_edges`` edges
-    at a time and never kept (``use_tf32x3``: their GEMM on the 3xTF32 kernels)."""
+    at a time and never kept (``gemm``: which kernels run their GEMMs, :class:`_LastLayer`)."""
     rows_of = _Rows(key, backend, graph, n_nodes, x, deterministic)
+    last = _LastLayer(w_last, gemm)
     out = rows_of.new_output(x)
     for rows in rows_of.chunks(max_edges):
         ids = rows_of.edges(rows)
-        w_rows = _mm(h.index_select(0, ids), w_last, use_tf32x3)
+        w_rows = last.mm(h.index_select(0, ids))
         rows_of.forward(rows, ids, x, y, w_rows, out)
     return out
 
 
 @folded_conv_tp_op.register_fake
-def _(x, y, h, w_last, graph, n_nodes, key, backend, deterministic, use_tf32x3, max_edges):
+def _(x, y, h, w_last, graph, n_nodes, key, backend, deterministic, gemm, max_edges):
     return x.new_empty((n_nodes, registry.lookup(key).dim_out))
 
 
 @torch.library.custom_op("mace_accel::folded_conv_tp_backward", mutates_args=())
 def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, g: Tensor,
                                graph: List[Tensor], n_nodes: int, key: str, backend: str,
-                               deterministic: bool, use_tf32x3: bool, max_edges: int,
+                               deterministic: bool, gemm: str, max_edges: int,
                                need_x: bool, need_y: bool,
                                need_h: bool, need_w: bool
                                ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -179,12 +198,13 @@ def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, 
     acc = rows_of.backward_buffers(x, y, (need_x, need_y, need_h or need_w))
     gh = torch.empty_like(h) if need_h else None
     gw_last = torch.zeros_like(w_last) if need_w else None
+    last = _LastLayer(w_last, gemm)
     for rows in rows_of.chunks(max_edges):
         ids = rows_of.edges(rows)
         h_rows = h.index_select(0, ids)
-        gw_rows = rows_of.backward(rows, ids, x, y, _mm(h_rows, w_last, use_tf32x3), g, acc)
+        gw_rows = rows_of.backward(rows, ids, x, y, last.mm(h_rows), g, acc)
         if gh is not None:
-            gh.index_copy_(0, ids, _mm_t(gw_rows, w_last, use_tf32x3))
+            gh.index_copy_(0, ids, last.mm_t(gw_rows))
         if gw_last is not None:
             gw_last += torch.mm(h_rows.t(), gw_rows)
     gx, gy = rows_of.finish_backward(acc)
@@ -192,7 +212,7 @@ def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, 
 
 
 @folded_conv_tp_backward_op.register_fake
-def _(x, y, h, w_last, g, graph, n_nodes, key, backend, deterministic, use_tf32x3, max_edges,
+def _(x, y, h, w_last, g, graph, n_nodes, key, backend, deterministic, gemm, max_edges,
       need_x, need_y, need_h, need_w):
     spec = registry.lookup(key)
     return (x.new_empty((n_nodes, spec.dim_in1)) if need_x else conv_autograd._empty(x),
@@ -202,10 +222,10 @@ def _(x, y, h, w_last, g, graph, n_nodes, key, backend, deterministic, use_tf32x
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, y, h, w_last, graph, n_nodes, key, backend, deterministic, use_tf32x3, max_edges = inputs
+    x, y, h, w_last, graph, n_nodes, key, backend, deterministic, gemm, max_edges = inputs
     ctx.save_for_backward(x, y, h, w_last)
     ctx.static = (graph, n_nodes, key, backend, deterministic)
-    ctx.use_tf32x3, ctx.max_edges = use_tf32x3, max_edges
+    ctx.gemm, ctx.max_edges = gemm, max_edges
 
 
 def _backward(ctx, g):
@@ -223,7 +243,7 @@ def _backward(ctx, g):
         gw_last = torch.mm(h.t(), gw) if need_w else None
     else:
         gx, gy, gh, gw_last = folded_conv_tp_backward_op(x, y, h, w_last, g, *ctx.static,
-                                                         ctx.use_tf32x3, ctx.max_edges, need_x,
+                                                         ctx.gemm, ctx.max_edges, need_x,
                                                          need_y, need_h, need_w)
     grads = [t if need else None for t, need in
              zip((gx, gy, gh, gw_last), (need_x, need_y, need_h, need_w))]
@@ -236,7 +256,7 @@ folded_conv_tp_op.register_autograd(_backward, setup_context=_setup)
 def folded_conv_tp(key: str, graph: ConvGraph, node_feats: Tensor, edge_attrs: Tensor,
                    hidden: Tensor, w_last: Tensor, backend: str = "cuda",
                    deterministic: bool = True, max_edges: Optional[int] = None,
-                   tf32x3: bool = False) -> Tensor:
+                   gemm: str = "cublas") -> Tensor:
     """Differentiable ``conv(node_feats, edge_attrs, hidden @ w_last)`` ``[n_nodes, dim_out]``
     without storing the per-edge weights.
 
@@ -245,11 +265,12 @@ def folded_conv_tp(key: str, graph: ConvGraph, node_feats: Tensor, edge_attrs: T
         graph: the edges. node_feats ``[N, dim_in1]``, edge_attrs ``[E, dim_in2]``,
             hidden ``[E, h]``, w_last ``[h, weight_numel]``: one dtype and device.
         max_edges: edges per chunk (default :func:`chunk_edges`).
-        tf32x3: the weights' GEMMs on the 3xTF32 kernels (float32 on CUDA; the create_graph
-            backward composes torch ops).
+        gemm: what runs the weights' GEMMs, one of :data:`GEMMS`: cuBLAS, or our
+            tensor-core kernels (CUDA; ``"tf32x3"`` float32, ``"dmma"`` float64 on sm_90: the
+            caller checks they run there); the create_graph backward composes torch ops.
     """
     if max_edges is None:
         max_edges = chunk_edges(w_last.shape[1], w_last.dtype, w_last.device)
     return folded_conv_tp_op(node_feats.contiguous(), edge_attrs.contiguous(),
                              hidden.contiguous(), w_last, graph.tensors(backend), graph.n_nodes,
-                             key, backend, deterministic, bool(tf32x3), int(max_edges))
+                             key, backend, deterministic, gemm, int(max_edges))

@@ -1,0 +1,136 @@
+"""The float64 tensor-core GEMM without a GPU: the fragment buffer and the kernels' data flow,
+emulated lane by lane with the m16n8k8 layout of the PTX ISA and the kernels' ring addressing,
+equal ``a @ W`` and ``g @ W^T``; plans, geometry checks, sources, the pick of the path.
+test_gpu_dmma_gemm.py runs the kernels themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mace_accel.errors import UnsupportedModelError
+from mace_accel.ops.dmma_gemm import autograd, codegen
+from mace_accel.ops.dmma_gemm.spec import DmmaGemmSpec, pack, unsupported_reason
+from mace_accel.ops.sources import PIN_LIMITS, catalog_sources
+from mace_accel.ops.silu_mlp.spec import FRAG
+
+from dmma_emulation import load, mma, store
+
+
+def _operands(spec, rows=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(spec.narrow, spec.wide, generator=gen, dtype=torch.float64)
+    a = torch.randn(rows, spec.narrow, generator=gen, dtype=torch.float64)
+    g = torch.randn(rows, spec.wide, generator=gen, dtype=torch.float64)
+    return w, a, g
+
+
+def _emulate_forward(plan, packed, a):
+    """The forward kernel on one m-tile (16 rows): A fragments of ``a`` in registers, the W
+    chunks read at the template's addresses ``stage[(j TN + kt) 32 + lane]``."""
+    x = load(a, plan.tn)
+    out = torch.zeros(16, FRAG * plan.tw, dtype=torch.float64)
+    frag = packed.view(-1, 32, 2)  # double2 per lane
+    for c in range(plan.chunks):
+        stage = frag[c * plan.chunk * plan.tn:]
+        for j in range(plan.chunk):
+            nt = c * plan.chunk + j
+            if nt >= plan.tw:
+                break
+            acc = torch.zeros(32, 4, dtype=torch.float64)
+            for kt in range(plan.tn):
+                acc += mma(x[kt][:, [0, 2, 1, 3]], stage[j * plan.tn + kt])
+            out[:, FRAG * nt:FRAG * nt + FRAG] = store(acc.unsqueeze(0), FRAG)
+    return out[:, :plan.wide]
+
+
+def _emulate_backward(plan, packed, spec, g):
+    """The backward kernel on one m-tile: ``g``'s chunks as the template copies them (per chunk
+    tile and half, the pair of columns 2t, 2t + 1), the W^T chunks at ``stage[(j TN + nt) 32 +
+    lane]``, the products summed over every chunk."""
+    rows = load(g, plan.tw)  # [TW, 32, 4]: rows g, g + 8 x columns 2t, 2t + 1 of each tile
+    frag = packed[spec.section_numel:].view(-1, 32, 2)
+    acc = torch.zeros(plan.tn, 32, 4, dtype=torch.float64)
+    for c in range(plan.chunks):
+        stage = frag[c * plan.chunk * plan.tn:]
+        for j in range(plan.chunk):
+            kt = c * plan.chunk + j
+            if kt >= plan.tw:
+                break
+            lo, hi = rows[kt][:, 0:2], rows[kt][:, 2:4]  # (x, y) of the two copied pairs
+            a = torch.stack([lo[:, 0], hi[:, 0], lo[:, 1], hi[:, 1]], 1)
+            for nt in range(plan.tn):
+                acc[nt] += mma(a, stage[j * plan.tn + nt])
+    return store(acc, spec.narrow)
+
+
+# the wider catalog shapes take the same code paths with more tiles (slow to emulate)
+EMULATED = ("mp_l1", "ragged", "small")
+
+
+@pytest.mark.parametrize("name", EMULATED)
+@pytest.mark.parametrize("geometry", [None, (4, 1, 3, 2)])
+def test_emulated_kernels_equal_the_products(name, geometry):
+    spec = codegen.CATALOG[name]
+    w, a, g = _operands(spec)
+    packed = pack(spec, w)
+    assert packed.shape == (spec.packed_numel,)
+    fwd = codegen.plan_kernel(spec, "forward", geometry=geometry)
+    bwd = codegen.plan_kernel(spec, "backward", geometry=geometry)
+    torch.testing.assert_close(_emulate_forward(fwd, packed, a), a @ w, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_emulate_backward(bwd, packed, spec, g), g @ w.t(), rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_unsupported_widths_say_why():
+    assert "even" in unsupported_reason(64, 1281)
+    assert "64" in unsupported_reason(65, 128)
+    assert unsupported_reason(64, 1280) is None
+    with pytest.raises(UnsupportedModelError, match="even"):
+        DmmaGemmSpec(8, 15)
+    with pytest.raises(UnsupportedModelError, match="shape"):
+        pack(DmmaGemmSpec(8, 16), torch.zeros(16, 8, dtype=torch.float64))
+
+
+def test_plans_fit_and_bad_geometry_is_refused():
+    for spec in codegen.CATALOG.values():
+        for direction in codegen.DIRECTIONS:
+            plan = codegen.plan_kernel(spec, direction)
+            assert plan.shared_bytes <= codegen.SHARED_LIMIT
+            assert plan.grid(1) == 1 and plan.grid(10 ** 7, 132) == 132
+    spec = codegen.CATALOG["mp_l2"]
+    with pytest.raises(ValueError, match="shared memory"):
+        codegen.plan_kernel(spec, "backward", geometry=(16, 4, 8, 4))
+    with pytest.raises(ValueError, match="direction"):
+        codegen.plan_kernel(spec, "sideways")
+    with pytest.raises(ValueError, match="geometry"):
+        codegen.plan_kernel(spec, "forward", geometry=(8, 2, 4, 1))
+
+
+def test_sources_are_in_the_catalog_and_only_for_sm90():
+    names = [n for n, _ in catalog_sources(PIN_LIMITS) if n.startswith("dmma_gemm/")]
+    assert len(names) == len(codegen.CATALOG) * 5  # forward: default, small, tested; backward: 2
+    src = dict(catalog_sources(PIN_LIMITS))["dmma_gemm/mp_l2_forward"]
+    assert "mma.sync.aligned.m16n8k8.row.col.f64" in src and "cp.async" in src
+    from mace_accel.ops.limits import DeviceLimits
+    assert list(codegen.catalog_sources(DeviceLimits(arch="sm_80"))) == []
+
+
+def test_runs_only_on_float64_cuda():
+    cpu = torch.zeros(4, 64, dtype=torch.float64)
+    assert not autograd.runs_on(cpu, 64, 1280)
+    assert not autograd.runs_on(cpu.float(), 64, 1280)
+
+
+def test_resident_blocks_count_registers_shared_memory_and_threads(monkeypatch):
+    from mace_accel.ops.runtime import Kernel
+
+    kernel = object.__new__(Kernel)
+    kernel.dynamic_shared = 32 * 1024
+    monkeypatch.setattr(Kernel, "registers", lambda self: 126)  # 128 a thread, per warp
+    assert kernel.resident_blocks(128) == 4  # 65536 / (4 warps x 4096): 4; shared: 6
+    kernel.dynamic_shared = 100 * 1024
+    assert kernel.resident_blocks(128) == 2  # shared: 228 KB / 101 KB
+    monkeypatch.setattr(Kernel, "registers", lambda self: 32)
+    kernel.dynamic_shared = 0
+    assert kernel.resident_blocks(1024) == 2  # threads: 2048 an SM
