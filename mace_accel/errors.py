@@ -36,6 +36,11 @@ class KernelError(MaceAccelError, RuntimeError):
     """A generated kernel failed to build, or its inputs failed the pre-launch checks."""
 
 
+class KernelSizeError(KernelError):
+    """A system too large for a kernel's int32 indices: a capacity limit, like running out of
+    memory (``mace-accel bench --max-size`` counts it as "does not fit")."""
+
+
 class VerificationError(MaceAccelError, RuntimeError):
     """The accelerated model disagreed with the unpatched model beyond the tolerance table."""
 

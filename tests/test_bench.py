@@ -163,6 +163,23 @@ def test_find_max_size_upper_bound_nothing_fits_and_errors():
         find_max_size(broken, 1, 4)
 
 
+def test_find_max_size_counts_a_kernel_size_limit_as_not_fitting():
+    """A cell past a kernel's int32 indices does not fit, like one past the memory (the
+    session-11 search stopped at 442k atoms on the SiLU MLP's edge-count check instead)."""
+    from mace_accel.errors import KernelSizeError
+
+    def try_size(n):
+        if n > 40:
+            raise KernelSizeError(f"{n} rows exceed the kernel's int32 row index")
+        if n > 33:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return {"atoms": 4 * n**3}
+
+    found = find_max_size(try_size, 4, 48)
+    assert (found.largest_fit, found.smallest_oom, found.stop_reason) == (33, 34, CONVERGED)
+    assert any("int32" in str(t.info) for t in found.trials if not t.fits)
+
+
 def test_find_max_size_stops_at_the_time_limit():
     clock = iter(range(100))
     deadline = Deadline(2.5, clock=lambda: float(next(clock)))  # 2 attempts fit in the budget

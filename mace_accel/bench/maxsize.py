@@ -2,8 +2,10 @@
 supercell size n.
 
 The search is independent of models: it calls ``try_size(n)``, which raises an out-of-memory
-error (see :func:`mace_accel.bench.timing.is_out_of_memory`) when size ``n`` does not fit. Any
-other exception is a real failure and propagates.
+error (see :func:`mace_accel.bench.timing.is_out_of_memory`) or a
+:class:`~mace_accel.errors.KernelSizeError` (more edges or nodes than a kernel's int32 indices
+take) when size ``n`` does not fit; the trial records which. Any other exception is a real
+failure and propagates.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 from typing import Any, Callable, List, Optional
 
 from mace_accel.bench.timing import Deadline, is_out_of_memory
+from mace_accel.errors import KernelSizeError
 
 CONVERGED = "converged"
 UPPER_BOUND = "upper bound reached"
@@ -34,7 +37,8 @@ class MaxSizeResult:
 
     Attributes:
         largest_fit: the largest n that ran (None if even ``start`` did not fit).
-        smallest_oom: the smallest n seen to run out of memory (None if none did).
+        smallest_oom: the smallest n seen not to fit: out of memory or past a kernel's int32
+            indices (None if none was).
         stop_reason: ``converged`` (they differ by one), ``upper bound reached``,
             ``time limit`` (``largest_fit`` is then a lower bound) or
             ``smallest size does not fit``.
@@ -70,7 +74,7 @@ def find_max_size(try_size: Callable[[int], Any], start: int, upper: int,
         try:
             info = try_size(n)
         except Exception as exc:
-            if not is_out_of_memory(exc):
+            if not (is_out_of_memory(exc) or isinstance(exc, KernelSizeError)):
                 raise
             trials.append(Trial(n, False, str(exc).splitlines()[0] if str(exc) else "OOM"))
             oom = n

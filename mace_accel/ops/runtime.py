@@ -22,7 +22,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from mace_accel.errors import KernelError
+from mace_accel.errors import KernelError, KernelSizeError
 from mace_accel.ops.limits import DeviceLimits
 
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -241,7 +241,7 @@ def check_rows(n: int, tile: int, what: str) -> None:
     int32: for kernels that take the row index as an ``int`` and every global offset in 64 bits
     (``(size_t)row * width``), so the width does not count."""
     if n + tile > INT32_MAX:
-        raise KernelError(f"{n} rows exceed {what}'s int32 row index (at most "
+        raise KernelSizeError(f"{n} rows exceed {what}'s int32 row index (at most "
                           f"{INT32_MAX - tile})")
 
 

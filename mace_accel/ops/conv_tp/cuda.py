@@ -10,7 +10,7 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from mace_accel.errors import KernelError
+from mace_accel.errors import KernelError, KernelSizeError
 from mace_accel.ops.conv_tp.codegen import (
     SENDER_SUM,
     backward_name,
@@ -92,7 +92,7 @@ class CudaConvPrimitives:
         for name, t in tensors.items():
             check_tensor(name, t, rows[name], self.dtype, self.device)
         if n > INT32_MAX or e > INT32_MAX:
-            raise KernelError(f"{n} nodes / {e} edges exceed the kernels' int32 indexing")
+            raise KernelSizeError(f"{n} nodes / {e} edges exceed the kernels' int32 indexing")
         lengths = {"sender": e, "recv_ptr": n + 1, "recv_perm": e, "send_ptr": n + 1,
                    "send_perm": e}
         for name, t in graph._asdict().items():

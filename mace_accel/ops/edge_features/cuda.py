@@ -12,7 +12,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from mace_accel.errors import KernelError
+from mace_accel.errors import KernelError, KernelSizeError
 from mace_accel.ops.edge_features.codegen import kernel_name, render_radial, render_sh
 from mace_accel.ops.edge_features.schedule import EdgePlan, plan_for
 from mace_accel.ops.edge_features.spec import RadialSpec, SHSpec
@@ -62,7 +62,7 @@ class _EdgeKernels:
     def _check(self, n_edges: int, **tensors: Tuple[Tensor, Tuple[int, ...]]) -> None:
         """Each ``name=(tensor, expected shape)``: dtype, device, shape and contiguity."""
         if n_edges > INT32_MAX:
-            raise KernelError(f"{n_edges} edges exceed the kernels' int32 edge count")
+            raise KernelSizeError(f"{n_edges} edges exceed the kernels' int32 edge count")
         for name, (t, shape) in tensors.items():
             check_tensor(name, t, shape, self.dtype, self.device, self.spec.describe())
 

@@ -8,7 +8,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from mace_accel.errors import KernelError
+from mace_accel.errors import KernelSizeError
 from mace_accel.ops.edge_vectors.codegen import THREADS, kernel_name, render_kernels
 from mace_accel.ops.graph import KernelGraph
 from mace_accel.ops.runtime import INT32_MAX, Kernel, check_tensor, device_limits, i32, \
@@ -53,7 +53,7 @@ class CudaEdgeVectors:
         self._check("sender", sender, (e,), torch.int32)
         self._check("receiver", receiver, (e,), torch.int32)
         if 3 * max(n, e) > INT32_MAX:
-            raise KernelError(f"{e} edges exceed the edge-vector kernels' int32 range")
+            raise KernelSizeError(f"{e} edges exceed the edge-vector kernels' int32 range")
         vectors = torch.empty((e, 3), dtype=self.dtype, device=self.device)
         lengths = torch.empty((e, 1), dtype=self.dtype, device=self.device)
         if e:

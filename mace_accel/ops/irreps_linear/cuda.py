@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from mace_accel.errors import KernelError
+from mace_accel.errors import KernelSizeError
 from mace_accel.ops.irreps_linear import codegen, gemm
 from mace_accel.ops.irreps_linear.spec import LinearSpec
 from mace_accel.ops.runtime import (
@@ -54,7 +54,7 @@ class CudaIrrepsLinear:
         if s.indexed:
             self._check("elem", elem, (n,), torch.int32)
         if n * max(s.dim_in, s.dim_out) > INT32_MAX or s.weight_numel > INT32_MAX:
-            raise KernelError(f"{n} nodes exceed the linear kernel's int32 row count")
+            raise KernelSizeError(f"{n} nodes exceed the linear kernel's int32 row count")
         if self.runs_gemm(n):
             return gemm.apply(s, x, w)
         out = torch.empty((n, s.dim_out), dtype=self.dtype, device=self.device)

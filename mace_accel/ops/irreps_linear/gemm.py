@@ -18,13 +18,15 @@ import torch
 from mace_accel.ops.irreps_linear.spec import LinearInstruction, LinearSpec, weight_block
 
 Tensor = torch.Tensor
-# float64 maps with shared weights run here from this many nodes. Measured on an H100 at
-# 6,912 nodes (scripts/bench_irreps_linear.py): the MP message map 301 vs 387 us with the
-# generated kernel, its transpose 310 vs 405 us, the 256-wide map 186 vs 310 us, the small maps
-# within a few us either way; the MP-medium float64 call 27.31 -> 26.88 ms. This path takes 3-5
-# launches per output block, so small cells (the 256-atom graph: 280 nodes) keep the kernel's
-# one; 2,048 itself is a guess between the two, not a measured crossover.
-MIN_NODES_FLOAT64 = 2048
+# float64 maps with shared weights run here from this many nodes. Measured on an H100
+# (scripts/bench_irreps_linear.py, docs/h100-2026-11-25-s11 call 6): the MP message map with the
+# generated kernel / cuBLAS 41.3 / 55.6 us at 700 nodes, 83.2 / 72.4 us at 1,200, 125.7 / 102.4
+# us at 2,048; its transpose ties at 1,200 (74.7 / 74.9 us); the 256-wide map is faster on
+# cuBLAS from 700 nodes (27.5 vs 29.3 us), the readout (a few us) stays faster on the kernel.
+# At 6,912 nodes: the message map 301 vs 387 us, MP-medium float64 27.31 -> 26.88 ms. This path
+# takes 3-5 launches per output block, so small cells (the 256-atom graph: 280 nodes) keep the
+# kernel's one.
+MIN_NODES_FLOAT64 = 1024
 
 
 def runs_on(spec: LinearSpec) -> bool:

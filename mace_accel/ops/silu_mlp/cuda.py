@@ -11,9 +11,9 @@ import torch
 
 from mace_accel.errors import KernelError
 from mace_accel.ops.runtime import (
-    INT32_MAX,
     Kernel,
     check_aligned,
+    check_rows,
     check_tensor,
     device_limits,
     i32,
@@ -106,9 +106,13 @@ class CudaSiluMLP:
     def _check(self, x: Tensor, w: Tensor) -> int:
         s = self.spec
         n = check_mlp_inputs(s, x, w, self.dtype, self.device, "the SiLU MLP kernel")
-        if n * max(s.widths) > INT32_MAX:
-            raise KernelError(f"{n} edges exceed the SiLU MLP kernel's int32 edge count")
+        check_rows(n, self._row_tile(), "the SiLU MLP kernel")  # offsets are 64-bit
         return n
+
+    def _row_tile(self) -> int:
+        """Edges a block's loop steps over at once (the int32 edge count's headroom)."""
+        return dmma.ROWS * max(self.plan.warps, self.plan.forward_warps) \
+            if self.kind == "dmma" else self.plan.tile_edges
 
     def forward(self, x: Tensor, w: Tensor, keep_slopes: bool = False):
         """``[E, h_L]`` of ``x [E, h0]`` and the packed weights ``w``
@@ -151,6 +155,7 @@ class CudaSiluMLP:
         s = self.spec
         n = int(g.shape[0]) if g.dim() == 2 else -1
         check_tensor("grad", g, (n, s.widths[-1]), self.dtype, self.device, s.describe())
+        check_rows(n, self._row_tile(), "the SiLU MLP kernel")
         check_tensor("slopes", slopes, (self.plan.slopes_numel(n),), self.dtype, self.device,
                      s.describe())
         check_tensor("packed weights", w, (s.packed_numel,), self.dtype, self.device,

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from mace_accel.errors import KernelError
+from mace_accel.errors import KernelError, KernelSizeError
 from mace_accel.ops.runtime import (
     INT32_MAX,
     Kernel,
@@ -73,7 +73,7 @@ class CudaSymmetricContraction:
         # the largest per-node buffer of inference: x / dx [C, D], out / dg [dim_out]
         per_node = max(s.num_features * s.num_components, s.dim_out)
         if n > INT32_MAX // max(1, per_node):
-            raise KernelError(f"{n} nodes exceed the kernels' int32 index range (at most "
+            raise KernelSizeError(f"{n} nodes exceed the kernels' int32 index range (at most "
                               f"{INT32_MAX // max(1, per_node)} for this block)")
         tensors = dict(x=(x, (n, s.num_features, s.num_components)), **others)
         if weights is not None:
@@ -124,7 +124,7 @@ class CudaSymmetricContraction:
             others["v"] = (v, tuple(x.shape))
         n = self._check(x, elem, None, **others)
         if n > INT32_MAX // (self.k_total * s.num_features):  # q [N, K_total, C] (training)
-            raise KernelError(f"{n} nodes exceed the weight-gradient kernel's int32 index range "
+            raise KernelSizeError(f"{n} nodes exceed the weight-gradient kernel's int32 index range "
                               f"(at most {INT32_MAX // (self.k_total * s.num_features)} for "
                               "this block); train on smaller batches")
         directional = v is not None
