@@ -134,3 +134,71 @@ def test_resident_blocks_count_registers_shared_memory_and_threads(monkeypatch):
     monkeypatch.setattr(Kernel, "registers", lambda self: 32)
     kernel.dynamic_shared = 0
     assert kernel.resident_blocks(1024) == 2  # threads: 2048 an SM
+
+
+class _StandIn:
+    """The CUDA kernels' stand-in on the CPU: checks the packed buffer it is handed, multiplies
+    with torch."""
+
+    def __init__(self, w):
+        self.w, self.calls = w, []
+
+    def forward(self, a, packed):
+        spec = DmmaGemmSpec(*self.w.shape)
+        assert torch.equal(packed, pack(spec, self.w))
+        self.calls.append("forward")
+        return a @ self.w
+
+    def backward(self, g, packed):
+        self.calls.append("backward")
+        return g @ self.w.t()
+
+
+def test_the_radial_mlp_picks_and_wires_the_kernel(monkeypatch):
+    """float64 where the kernels run: the last layer's forward on them (its packed weight cached
+    with the module), its input gradient on cuBLAS; the conv's recomputed weights told which
+    GEMM runs; the report says so, and why not for an odd width."""
+    from test_radial_tc import _fused_mlp
+
+    fused = _fused_mlp(hs=(8, 16, 16, 12))
+    x = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
+    assert fused.last_gemm(x) == "cublas"  # a CPU tensor
+    assert "float64 tensor-core GEMM kernel" in fused.describe()
+    assert "float64 on cuBLAS (the float64 tensor-core GEMM needs an even output width" in \
+        _fused_mlp(hs=(8, 16, 16, 13)).describe()
+    monkeypatch.setattr(autograd, "runs_on", lambda t, narrow, wide: t.dtype == torch.float64)
+    w = fused.last_weight(torch.float64).detach()
+    stand_in = _StandIn(w)
+    monkeypatch.setattr(autograd, "_kernels", lambda narrow, wide, device: stand_in)
+    assert fused.last_gemm(x) == "dmma" and fused.last_gemm(x.float()) == "cublas"
+    for p in fused.parameters():
+        p.requires_grad_(False)
+    out = fused.last_layer(x)
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    assert stand_in.calls == ["forward"]  # the input gradient on cuBLAS (KERNEL_BACKWARD off)
+    torch.testing.assert_close(out, x @ w)
+    torch.testing.assert_close(gx, torch.ones(6, 12, dtype=torch.float64) @ w.t())
+    assert fused._packed_last(torch.float64) is fused._packed_last(torch.float64)  # cached
+
+
+def test_the_folded_conv_runs_its_weights_on_the_named_gemm(monkeypatch):
+    """``folded_conv_tp(gemm="dmma")`` packs W_last once per call, makes each chunk's weights on
+    the kernel and its d h on cuBLAS; results and gradients as with cuBLAS; an unknown name is
+    refused."""
+    from test_folded_conv import _problem
+
+    from mace_accel.ops.conv_tp.folded import folded_conv_tp
+
+    key, graph, (x, y, h, w) = _problem()
+    stand_in = _StandIn(w.detach())
+    monkeypatch.setattr(autograd, "_kernels", lambda narrow, wide, device: stand_in)
+    results = []
+    for gemm in ("cublas", "dmma"):
+        out = folded_conv_tp(key, graph, x, y, h, w, backend="reference", max_edges=11,
+                             gemm=gemm)
+        results.append((out, *torch.autograd.grad(out.sum(), (x, y, h, w))))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert "forward" in stand_in.calls and "backward" not in stand_in.calls
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        folded_conv_tp(key, graph, x, y, h, w, backend="reference", gemm="cutlass")
