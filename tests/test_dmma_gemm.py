@@ -202,3 +202,20 @@ def test_the_folded_conv_runs_its_weights_on_the_named_gemm(monkeypatch):
     assert "forward" in stand_in.calls and "backward" not in stand_in.calls
     with pytest.raises(ValueError, match="gemm must be one of"):
         folded_conv_tp(key, graph, x, y, h, w, backend="reference", gemm="cutlass")
+
+
+def test_a_misaligned_view_is_copied_before_the_kernels(monkeypatch):
+    seen = []
+
+    class Aligned(_StandIn):
+        def forward(self, a, packed):
+            seen.append(a.data_ptr() % 16)
+            return super().forward(a, packed)
+
+    w = torch.randn(8, 16, dtype=torch.float64)
+    monkeypatch.setattr(autograd, "_kernels", lambda narrow, wide, device: Aligned(w))
+    flat = torch.randn(8 * 5 + 1, dtype=torch.float64)
+    a = flat[1:].view(5, 8)  # starts 8 bytes into the buffer
+    out = autograd.mm(a, autograd.pack_weight(w), w)
+    torch.testing.assert_close(out, a @ w)
+    assert seen == [0]

@@ -46,6 +46,8 @@ def _mm(a: Tensor, packed: Tensor, w: Tensor, forward: bool) -> Tensor:
     if not forward and not KERNEL_BACKWARD:
         return torch.mm(a, w.t())
     kernels = _kernels(narrow, wide, a.device)
+    if a.data_ptr() % 16:  # the kernels copy 16-byte pairs: a view may start mid-pair
+        a = a.clone()
     return kernels.forward(a, packed) if forward else kernels.backward(a, packed)
 
 

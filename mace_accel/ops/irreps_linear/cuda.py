@@ -13,6 +13,7 @@ from mace_accel.ops.irreps_linear.spec import LinearSpec
 from mace_accel.ops.runtime import (
     INT32_MAX,
     Kernel,
+    check_rows,
     check_tensor,
     kernel_device,
     device_limits,
@@ -53,8 +54,11 @@ class CudaIrrepsLinear:
         self._check("weights", w, (s.weight_numel,), self.dtype)
         if s.indexed:
             self._check("elem", elem, (n,), torch.int32)
-        if n * max(s.dim_in, s.dim_out) > INT32_MAX or s.weight_numel > INT32_MAX:
-            raise KernelSizeError(f"{n} nodes exceed the linear kernel's int32 row count")
+        # node counts in int32, every global offset in 64 bits (the row width does not count)
+        check_rows(n, self.plan.tile_nodes, "the linear kernel")
+        if s.weight_numel > INT32_MAX:
+            raise KernelSizeError(f"{s.weight_numel} weights exceed the linear kernel's int32 "
+                                  "weight index")
         if self.runs_gemm(n):
             return gemm.apply(s, x, w)
         out = torch.empty((n, s.dim_out), dtype=self.dtype, device=self.device)
