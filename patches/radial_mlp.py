@@ -21,6 +21,7 @@ from mace_accel.ops.dmma_gemm.spec import unsupported_reason as dmma_gemm_unsupp
 from mace_accel.ops.radial_tc import apply as radial_tc
 from mace_accel.ops.radial_tc.spec import RadialSpec
 from mace_accel.ops.radial_tc.spec import unsupported_reason as whole_unsupported
+from mace_accel.ops.runtime import torch_arch
 from mace_accel.ops.silu_mlp import autograd as silu_mlp_autograd
 from mace_accel.ops.silu_mlp import dmma
 from mace_accel.ops.silu_mlp.spec import MAX_WIDTH, SiluMLPSpec, pack_weights
@@ -326,9 +327,8 @@ class FusedRadialMLP(FusedModule):
         """Whether the float64 tensor-core kernels take the hidden layers on ``device`` (found
         once per device: it plans the kernels)."""
         def runs() -> bool:
-            major, minor = torch.cuda.get_device_capability(device)
             spec = registry.lookup(self._hidden_key())
-            return dmma.unsupported_reason(spec, f"sm_{major}{minor}") is None
+            return dmma.unsupported_reason(spec, torch_arch(device)) is None
 
         return self._kernel_cache(("tensor_core_float64", device), runs)
 

@@ -236,13 +236,26 @@ def check_aligned(name: str, t: Optional[torch.Tensor], what: str) -> None:
                           "tensor; pass a fresh .contiguous() copy")
 
 
+def aligned16(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy where its start is not 16-byte aligned (for kernels that read row pairs
+    as 16-byte vectors; a view may start mid-pair)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def torch_arch(device: torch.device) -> str:
+    """``"sm_XY"`` of a CUDA ``device`` from torch's cached properties (no cupy: cheap enough for
+    a per-call pick of kernels)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
 def check_rows(n: int, tile: int, what: str) -> None:
     """Raise :class:`KernelError` unless ``n`` rows, rounded up to a tile of ``tile``, index in
     int32: for kernels that take the row index as an ``int`` and every global offset in 64 bits
     (``(size_t)row * width``), so the width does not count."""
     if n + tile > INT32_MAX:
         raise KernelSizeError(f"{n} rows exceed {what}'s int32 row index (at most "
-                          f"{INT32_MAX - tile})")
+                              f"{INT32_MAX - tile})")
 
 
 def ptr(t: Optional[torch.Tensor]) -> np.uint64:

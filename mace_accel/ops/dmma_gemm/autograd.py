@@ -18,6 +18,7 @@ import torch
 from mace_accel.ops import registry
 from mace_accel.ops.dmma_gemm import codegen
 from mace_accel.ops.dmma_gemm.spec import DmmaGemmSpec, pack, unsupported_reason
+from mace_accel.ops.runtime import aligned16, torch_arch
 
 if TYPE_CHECKING:
     from mace_accel.ops.dmma_gemm.cuda import CudaDmmaGemm
@@ -46,8 +47,7 @@ def _mm(a: Tensor, packed: Tensor, w: Tensor, forward: bool) -> Tensor:
     if not forward and not KERNEL_BACKWARD:
         return torch.mm(a, w.t())
     kernels = _kernels(narrow, wide, a.device)
-    if a.data_ptr() % 16:  # the kernels copy 16-byte pairs: a view may start mid-pair
-        a = a.clone()
+    a = aligned16(a)  # the kernels copy 16-byte pairs
     return kernels.forward(a, packed) if forward else kernels.backward(a, packed)
 
 
@@ -83,8 +83,7 @@ def runs_on(t: Tensor, narrow: int, wide: int) -> bool:
     kernels: float64 on an sm_90 GPU, widths they take."""
     if not (t.is_cuda and t.dtype == torch.float64 and unsupported_reason(narrow, wide) is None):
         return False
-    major, minor = torch.cuda.get_device_capability(t.device)
-    return f"sm_{major}{minor}" == codegen.ARCH
+    return torch_arch(t.device) == codegen.ARCH
 
 
 def pack_weight(w: Tensor) -> Tensor:

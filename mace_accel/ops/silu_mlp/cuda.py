@@ -12,6 +12,7 @@ import torch
 from mace_accel.errors import KernelError
 from mace_accel.ops.runtime import (
     Kernel,
+    aligned16,
     check_aligned,
     check_rows,
     check_tensor,
@@ -47,12 +48,6 @@ def kernel_kind(spec: SiluMLPSpec, dtype: torch.dtype, arch: str) -> str:
     if dtype == torch.float64 and dmma.unsupported_reason(spec, arch) is None:
         return "dmma"
     return "simt"
-
-
-def _aligned(t: Tensor) -> Tensor:
-    """``t``, or a copy where its start is not 16-byte aligned (the kernels read row pairs as
-    16-byte vectors)."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 class CudaSiluMLP:
@@ -127,7 +122,7 @@ class CudaSiluMLP:
                 raise KernelError("only the float64 tensor-core MLP kernels keep the slopes")
             slopes = torch.empty(self.plan.slopes_numel(n), dtype=self.dtype, device=self.device)
         if n > 0:
-            x = _aligned(x)  # held until the launch
+            x = aligned16(x)  # held until the launch
             self._kernel(0).launch(
                 self._grid(n, 0), self._threads(0),
                 (ptr(x), ptr(w), ptr(out), *((ptr(slopes),) if self.kind == "dmma" else ()),
@@ -142,7 +137,7 @@ class CudaSiluMLP:
         gx = torch.empty_like(x)
         if n == 0:
             return gx
-        x, g = _aligned(x), _aligned(g)  # held until the launch
+        x, g = aligned16(x), aligned16(g)  # held until the launch
         self._kernel(1).launch(self._grid(n, 1), self.plan.threads,
                                (ptr(x), ptr(w), ptr(g), ptr(gx), i32(n)))
         return gx
@@ -165,7 +160,7 @@ class CudaSiluMLP:
         gx = torch.empty((n, s.widths[0]), dtype=self.dtype, device=self.device)
         if n == 0:
             return gx
-        g = _aligned(g)  # held until the launch
+        g = aligned16(g)  # held until the launch
         self._kernel(2).launch(self._grid(n, 2), self.plan.threads,
                                (ptr(slopes), ptr(w), ptr(g), ptr(gx), i32(n)))
         return gx

@@ -161,7 +161,7 @@ def plan_kernels(spec: SiluMLPSpec, arch: str = ARCH, warps: int = WARPS,
     slope_offsets = tuple(sum(tiles[j + 1] * 64 for j in range(i))
                           for i in range(spec.n_layers))
     return DmmaPlan(spec.key(), arch, spec.widths, tiles, layers, fwd_numel,
-                    spec.fragment_offsets()[0][0], tuple(kept), at, slope_offsets,
+                    spec.fragment_start, tuple(kept), at, slope_offsets,
                     sum(tiles[1:]) * 64, warps, forward_warps, unroll)
 
 

@@ -74,7 +74,7 @@ class CudaSymmetricContraction:
         per_node = max(s.num_features * s.num_components, s.dim_out)
         if n > INT32_MAX // max(1, per_node):
             raise KernelSizeError(f"{n} nodes exceed the kernels' int32 index range (at most "
-                              f"{INT32_MAX // max(1, per_node)} for this block)")
+                                  f"{INT32_MAX // max(1, per_node)} for this block)")
         tensors = dict(x=(x, (n, s.num_features, s.num_components)), **others)
         if weights is not None:
             if len(weights) != len(s.weight_shapes):
@@ -124,9 +124,10 @@ class CudaSymmetricContraction:
             others["v"] = (v, tuple(x.shape))
         n = self._check(x, elem, None, **others)
         if n > INT32_MAX // (self.k_total * s.num_features):  # q [N, K_total, C] (training)
-            raise KernelSizeError(f"{n} nodes exceed the weight-gradient kernel's int32 index range "
-                              f"(at most {INT32_MAX // (self.k_total * s.num_features)} for "
-                              "this block); train on smaller batches")
+            raise KernelSizeError(
+                f"{n} nodes exceed the weight-gradient kernel's int32 index range (at most "
+                f"{INT32_MAX // (self.k_total * s.num_features)} for this block); train on "
+                "smaller batches")
         directional = v is not None
         q = self._empty(n, self.k_total, s.num_features)
         args = (ptr(x),) + ((ptr(v),) if directional else ()) + (ptr(g), ptr(q))
