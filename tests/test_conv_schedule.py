@@ -60,3 +60,23 @@ def test_backward_holds_the_output_gradient_where_it_fits(mp_medium):
     plans = plan_kernels(spec, "float64").backward_launches
     srcs = [codegen.render_backward(plan, (True, True, True)) for plan in plans]
     assert any("const real g0 = gr[" in s for s in srcs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_per_edge_streams_are_evict_first(mp_medium, dtype):
+    """The TP weights, d(tp_weights) and the d(node_feats) messages are touched once each:
+    every load and store of them carries the evict-first hint, the reused rows none."""
+    conv = plan_kernels(mp_medium, dtype)
+    for plan in conv.forward_launches:
+        src = codegen.render_forward(plan)
+        assert "const real wv = __ldcs(wr + " in src and "= wr[" not in src
+    for plan in conv.backward_launches:
+        src = codegen.render_backward(plan, (True, True, True))
+        assert "__ldcs(wr + " in src and "= wr[" not in src
+        assert "__stcs(gwr + " in src and "gwr[" not in src
+        assert "__stcs(gxr + " in src and "gxr[" not in src
+        assert "__ldcs(gr" not in src and "__ldcs(xr" not in src  # reused: cached as before
+        atomic = codegen.render_backward(plan, (True, True, True), atomic=True)
+        assert "atomicAdd(gxr + " in atomic and "__stcs(gxr" not in atomic
+    summed = codegen.render_sender_sum(conv.backward_launches[0])
+    assert summed.count("__ldcs(gxm + ") == 2 and "= gxm[" not in summed
