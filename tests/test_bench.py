@@ -357,6 +357,35 @@ def test_profile_splits_a_call_into_parts(tiny_model, monkeypatch):
     assert forward_only["other"] > parts["other"].count
 
 
+def test_profile_counts_the_folded_last_layer_as_radial_mlp(tiny_model, monkeypatch):
+    """With the radial MLP's last layer folded into the fused conv, its GEMM (forward and
+    backward) runs from the conv's module but is still the radial MLP's work."""
+    import contextlib
+
+    import mace_accel.patches.conv_tp as conv_patch
+    from mace_accel.bench.profile import profile_call
+    from mace_accel.options import AccelOptions
+    from mace_accel.surgery import accelerate
+
+    model = copy.deepcopy(tiny_model)
+    accelerate(model, options=AccelOptions(backend="reference"))
+    assert all(block.conv_tp.radial is not None for block in model.interactions)
+    info = ModelInfo((28, 29), 4.0, ("Default",), torch.float64)
+    batch, _ = make_batch(build_system(info, 32), info, torch.float64, "cpu")
+    model(dict(batch), training=False, compute_force=True)
+
+    def counts():
+        return {p.part: p.count for p in profile_call(model, batch, "cpu").parts}
+
+    ranged = counts()
+    monkeypatch.setattr(conv_patch, "part_range", lambda part: contextlib.nullcontext())
+    unranged = counts()
+    # per block: the forward mm and its backward's mm move from the conv to the radial MLP
+    moved = ranged["radial MLP"] - unranged["radial MLP"]
+    assert moved >= 2 * len(model.interactions)
+    assert unranged["conv TP"] - ranged["conv TP"] == moved
+
+
 def test_profile_total_ignores_our_ranges_shown_on_the_device():
     """With CUPTI the call and part ranges also appear as device events spanning their
     kernels; counting them made the total (and so "other") several times the call."""

@@ -3,9 +3,11 @@ contraction, other; plus the host-side neighbour list and batch building.
 
 Forward hooks open a ``torch.profiler.record_function`` range around each hooked submodule
 (``conv_tp_weights`` → radial MLP, ``conv_tp`` → conv TP, ``linear``/``linear_up``/``skip_tp``
-→ linears, ``products`` → symmetric contraction). The forces' backward pass is attributed
-through autograd's sequence numbers: a backward node belongs to the part whose range held the
-forward op that created it. On CUDA the table sums the kernels' self device time; on the CPU,
+→ linears, ``products`` → symmetric contraction); the innermost range wins, so work one part
+runs from inside another's module (the radial MLP's last layer applied by the fused conv)
+keeps its own part through the ranges of :mod:`mace_accel.profiling`. The forces' backward
+pass is attributed through autograd's sequence numbers: a backward node belongs to the part
+whose range held the forward op that created it. On CUDA the table sums the kernels' self device time; on the CPU,
 self CPU time. Whatever is not attributed (embeddings, spherical harmonics, readouts' sums,
 scatter of energies, unlinked kernels, Python overhead on the CPU) is "other". A backend that
 replays a captured CUDA graph runs no module forwards, so all of its time shows as "other".
@@ -23,18 +25,19 @@ import torch
 
 from mace_accel.bench.timing import synchronize
 from mace_accel.models.batch import ModelInfo
+from mace_accel.profiling import PART_RANGE, RADIAL_MLP
 
 HOOKED = {
-    "conv_tp_weights": "radial MLP",
+    "conv_tp_weights": RADIAL_MLP,
     "conv_tp": "conv TP",
     "linear": "linears",
     "linear_up": "linears",
     "skip_tp": "linears",
     "products": "symmetric contraction",
 }
-PARTS = ("radial MLP", "conv TP", "linears", "symmetric contraction")
+PARTS = (RADIAL_MLP, "conv TP", "linears", "symmetric contraction")
 OTHER = "other"
-_PART_RANGE = "mace_accel.bench.part::"
+_PART_RANGE = PART_RANGE
 _CALL_RANGE = "mace_accel.bench.call"
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
 

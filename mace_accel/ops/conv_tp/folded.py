@@ -32,6 +32,7 @@ from mace_accel.ops.conv_tp.cuda import BackwardBuffers
 from mace_accel.ops.graph import ConvGraph, KernelGraph, ReceiverRows, receiver_chunks
 from mace_accel.ops.dmma_gemm import autograd as dmma
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
+from mace_accel.profiling import RADIAL_MLP, part_range
 
 Tensor = torch.Tensor
 
@@ -144,7 +145,7 @@ GEMMS = ("cublas", "tf32x3", "dmma")
 class _LastLayer:
     """``h @ W_last`` and ``g @ W_last^T`` on cuBLAS or on our tensor-core kernels (``gemm``:
     one of :data:`GEMMS`; 3xTF32 in float32, DMMA in float64 with ``W_last`` packed once per op
-    call)."""
+    call). Separate GEMM launches of the radial MLP's layer: profiled as radial-MLP work."""
 
     def __init__(self, w: Tensor, gemm: str) -> None:
         if gemm not in GEMMS:
@@ -153,14 +154,21 @@ class _LastLayer:
         self.packed = dmma.pack_weight(w) if gemm == "dmma" else None
 
     def mm(self, a: Tensor) -> Tensor:
-        if self.kind == "dmma":
-            return dmma.mm(a, self.packed, self.w)
-        return tf32x3.mm(a, self.w) if self.kind == "tf32x3" else torch.mm(a, self.w)
+        with part_range(RADIAL_MLP):
+            if self.kind == "dmma":
+                return dmma.mm(a, self.packed, self.w)
+            return tf32x3.mm(a, self.w) if self.kind == "tf32x3" else torch.mm(a, self.w)
 
     def mm_t(self, g: Tensor) -> Tensor:
-        if self.kind == "dmma":
-            return dmma.mm_t(g, self.packed, self.w)
-        return tf32x3.mm_t(g, self.w) if self.kind == "tf32x3" else torch.mm(g, self.w.t())
+        with part_range(RADIAL_MLP):
+            if self.kind == "dmma":
+                return dmma.mm_t(g, self.packed, self.w)
+            return tf32x3.mm_t(g, self.w) if self.kind == "tf32x3" else torch.mm(g, self.w.t())
+
+    def weight_grad(self, h: Tensor, gw: Tensor) -> Tensor:
+        """``h^T gw`` (training)."""
+        with part_range(RADIAL_MLP):
+            return torch.mm(h.t(), gw)
 
 
 @torch.library.custom_op("mace_accel::folded_conv_tp", mutates_args=())
@@ -206,7 +214,7 @@ def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, 
         if gh is not None:
             gh.index_copy_(0, ids, last.mm_t(gw_rows))
         if gw_last is not None:
-            gw_last += torch.mm(h_rows.t(), gw_rows)
+            gw_last += last.weight_grad(h_rows, gw_rows)
     gx, gy = rows_of.finish_backward(acc)
     return tuple(t if t is not None else conv_autograd._empty(x) for t in (gx, gy, gh, gw_last))
 
@@ -236,11 +244,13 @@ def _backward(ctx, g):
         return (None,) * 4 + none
     g = g.contiguous()
     if torch.is_grad_enabled():  # create_graph: compose differentiable ops (w made in full)
-        w = torch.mm(h, w_last)
+        with part_range(RADIAL_MLP):
+            w = torch.mm(h, w_last)
         gx, gy, gw = conv_autograd.conv_tp_backward_op(x, y, w, g, *ctx.static, need_x, need_y,
                                                        need_h or need_w)
-        gh = torch.mm(gw, w_last.t()) if need_h else None
-        gw_last = torch.mm(h.t(), gw) if need_w else None
+        with part_range(RADIAL_MLP):
+            gh = torch.mm(gw, w_last.t()) if need_h else None
+            gw_last = torch.mm(h.t(), gw) if need_w else None
     else:
         gx, gy, gh, gw_last = folded_conv_tp_backward_op(x, y, h, w_last, g, *ctx.static,
                                                          ctx.gemm, ctx.max_edges, need_x,
