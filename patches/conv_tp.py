@@ -19,7 +19,6 @@ from mace_accel.ops.graph import graph_from_edge_index
 from mace_accel.options import AccelOptions
 from mace_accel.patches.adopt import FusedModule
 from mace_accel.patches.radial_mlp import FusedRadialMLP
-from mace_accel.profiling import RADIAL_MLP, part_range
 
 
 class FusedConvTP(FusedModule):
@@ -82,8 +81,7 @@ class FusedConvTP(FusedModule):
                 return folded.folded_conv_tp(self._key, graph, node_feats, edge_attrs,
                                              tp_weights, w_last, **run,
                                              gemm=self.radial.last_gemm(tp_weights))
-            with part_range(RADIAL_MLP):  # the MLP's own layer, run from here
-                tp_weights = self.radial.last_layer(tp_weights)
+            tp_weights = self.radial.last_layer(tp_weights)
         return autograd.conv_tp(self._key, graph, node_feats, edge_attrs, tp_weights, **run)
 
     def _check(self, node_feats, edge_attrs, tp_weights, edge_index,

@@ -25,6 +25,7 @@ from mace_accel.ops.runtime import torch_arch
 from mace_accel.ops.silu_mlp import autograd as silu_mlp_autograd
 from mace_accel.ops.silu_mlp import dmma
 from mace_accel.ops.silu_mlp.spec import MAX_WIDTH, SiluMLPSpec, pack_weights
+from mace_accel.profiling import RADIAL_MLP, part_range
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 from mace_accel.ops.tf32x3_gemm.spec import unsupported_reason as tf32x3_unsupported
 from mace_accel.options import AccelOptions
@@ -224,12 +225,14 @@ class FusedRadialMLP(FusedModule):
         """``[E, h_L]`` = ``hidden [E, h_{L-1}] @ W_last`` (differentiable); ``w``: the folded
         ``W_last`` where the caller has it already (else fetched: built again when training).
         float64 on sm_90 at inference: the DMMA kernels (their op passes no gradient to the
-        weight, so training keeps cuBLAS)."""
+        weight, so training keeps cuBLAS). Profiled as radial-MLP work wherever it is called
+        from (the fused conv applies it when the last layer is folded in)."""
         if w is None:
             w = self.last_weight(hidden.dtype)
-        if self.uses_dmma(hidden) and self._no_weight_grads():
-            return dmma_gemm.linear(hidden, self._packed_last(hidden.dtype), w)
-        return tf32x3.linear(hidden, w) if self.uses_tf32x3(hidden) else torch.mm(hidden, w)
+        with part_range(RADIAL_MLP):
+            if self.uses_dmma(hidden) and self._no_weight_grads():
+                return dmma_gemm.linear(hidden, self._packed_last(hidden.dtype), w)
+            return tf32x3.linear(hidden, w) if self.uses_tf32x3(hidden) else torch.mm(hidden, w)
 
     def _packed_last(self, dtype: torch.dtype) -> torch.Tensor:
         """The folded ``W_last`` in the DMMA kernels' fragment buffer."""

@@ -362,7 +362,7 @@ def test_profile_counts_the_folded_last_layer_as_radial_mlp(tiny_model, monkeypa
     backward) runs from the conv's module but is still the radial MLP's work."""
     import contextlib
 
-    import mace_accel.patches.conv_tp as conv_patch
+    import mace_accel.patches.radial_mlp as radial_patch
     from mace_accel.bench.profile import profile_call
     from mace_accel.options import AccelOptions
     from mace_accel.surgery import accelerate
@@ -378,7 +378,7 @@ def test_profile_counts_the_folded_last_layer_as_radial_mlp(tiny_model, monkeypa
         return {p.part: p.count for p in profile_call(model, batch, "cpu").parts}
 
     ranged = counts()
-    monkeypatch.setattr(conv_patch, "part_range", lambda part: contextlib.nullcontext())
+    monkeypatch.setattr(radial_patch, "part_range", lambda part: contextlib.nullcontext())
     unranged = counts()
     # per block: the forward mm and its backward's mm move from the conv to the radial MLP
     moved = ranged["radial MLP"] - unranged["radial MLP"]
@@ -394,12 +394,13 @@ def test_profile_total_ignores_our_ranges_shown_on_the_device():
     from torch.autograd import DeviceType
 
     from mace_accel.bench import profile as bench_profile
+    from mace_accel.profiling import PART_RANGE
 
     def span(us):
         return SimpleNamespace(elapsed_us=lambda: us)
 
     kernel = SimpleNamespace(duration=5.0)
-    conv = SimpleNamespace(name=bench_profile._PART_RANGE + "conv TP", device_type=DeviceType.CPU,
+    conv = SimpleNamespace(name=PART_RANGE + "conv TP", device_type=DeviceType.CPU,
                            is_async=False, sequence_nr=-1, thread=1, is_legacy=False,
                            cpu_children=[], cpu_parent=None, kernels=[])
     op = SimpleNamespace(name="aten::mm", device_type=DeviceType.CPU, is_async=False,
@@ -408,7 +409,7 @@ def test_profile_total_ignores_our_ranges_shown_on_the_device():
     device = [SimpleNamespace(name="sgemm", device_type=DeviceType.CUDA, time_range=span(5.0)),
               SimpleNamespace(name=bench_profile._CALL_RANGE, device_type=DeviceType.CUDA,
                               time_range=span(100.0)),
-              SimpleNamespace(name=bench_profile._PART_RANGE + "conv TP",
+              SimpleNamespace(name=PART_RANGE + "conv TP",
                               device_type=DeviceType.CUDA, time_range=span(5.0))]
     parts, total_ms, total_n = bench_profile.attribute([conv, op, *device], on_cuda=True)
     by = {p.part: p for p in parts}

@@ -25,22 +25,29 @@ def _operands(spec, rows=16, seed=0):
     return w, a, g
 
 
+def _ring(plan, frag):
+    """The walk both kernels take over the wide dimension's ``plan.tw`` tiles: chunk ``c`` of
+    ``plan.chunk`` tiles in a stage, tile ``j`` of it at ``stage[(j TN + i) 32 + lane]``.
+    Yields ``(tile index, its TN fragments [TN, 32, 2])``."""
+    for c in range(plan.chunks):
+        stage = frag[c * plan.chunk * plan.tn:]
+        for j in range(plan.chunk):
+            tile = c * plan.chunk + j
+            if tile >= plan.tw:
+                return
+            yield tile, stage[j * plan.tn:(j + 1) * plan.tn]
+
+
 def _emulate_forward(plan, packed, a):
     """The forward kernel on one m-tile (16 rows): A fragments of ``a`` in registers, the W
     chunks read at the template's addresses ``stage[(j TN + kt) 32 + lane]``."""
     x = load(a, plan.tn)
     out = torch.zeros(16, FRAG * plan.tw, dtype=torch.float64)
-    frag = packed.view(-1, 32, 2)  # double2 per lane
-    for c in range(plan.chunks):
-        stage = frag[c * plan.chunk * plan.tn:]
-        for j in range(plan.chunk):
-            nt = c * plan.chunk + j
-            if nt >= plan.tw:
-                break
-            acc = torch.zeros(32, 4, dtype=torch.float64)
-            for kt in range(plan.tn):
-                acc += mma(x[kt][:, [0, 2, 1, 3]], stage[j * plan.tn + kt])
-            out[:, FRAG * nt:FRAG * nt + FRAG] = store(acc.unsqueeze(0), FRAG)
+    for nt, tiles in _ring(plan, packed.view(-1, 32, 2)):  # double2 per lane
+        acc = torch.zeros(32, 4, dtype=torch.float64)
+        for kt in range(plan.tn):
+            acc += mma(x[kt][:, [0, 2, 1, 3]], tiles[kt])
+        out[:, FRAG * nt:FRAG * nt + FRAG] = store(acc.unsqueeze(0), FRAG)
     return out[:, :plan.wide]
 
 
@@ -49,18 +56,12 @@ def _emulate_backward(plan, packed, spec, g):
     tile and half, the pair of columns 2t, 2t + 1), the W^T chunks at ``stage[(j TN + nt) 32 +
     lane]``, the products summed over every chunk."""
     rows = load(g, plan.tw)  # [TW, 32, 4]: rows g, g + 8 x columns 2t, 2t + 1 of each tile
-    frag = packed[spec.section_numel:].view(-1, 32, 2)
     acc = torch.zeros(plan.tn, 32, 4, dtype=torch.float64)
-    for c in range(plan.chunks):
-        stage = frag[c * plan.chunk * plan.tn:]
-        for j in range(plan.chunk):
-            kt = c * plan.chunk + j
-            if kt >= plan.tw:
-                break
-            lo, hi = rows[kt][:, 0:2], rows[kt][:, 2:4]  # (x, y) of the two copied pairs
-            a = torch.stack([lo[:, 0], hi[:, 0], lo[:, 1], hi[:, 1]], 1)
-            for nt in range(plan.tn):
-                acc[nt] += mma(a, stage[j * plan.tn + nt])
+    for kt, tiles in _ring(plan, packed[spec.section_numel:].view(-1, 32, 2)):
+        lo, hi = rows[kt][:, 0:2], rows[kt][:, 2:4]  # (x, y) of the two copied pairs
+        a = torch.stack([lo[:, 0], hi[:, 0], lo[:, 1], hi[:, 1]], 1)
+        for nt in range(plan.tn):
+            acc[nt] += mma(a, tiles[nt])
     return store(acc, spec.narrow)
 
 

@@ -7,8 +7,8 @@ Forward hooks open a ``torch.profiler.record_function`` range around each hooked
 runs from inside another's module (the radial MLP's last layer applied by the fused conv)
 keeps its own part through the ranges of :mod:`mace_accel.profiling`. The forces' backward
 pass is attributed through autograd's sequence numbers: a backward node belongs to the part
-whose range held the forward op that created it. On CUDA the table sums the kernels' self device time; on the CPU,
-self CPU time. Whatever is not attributed (embeddings, spherical harmonics, readouts' sums,
+whose range held the forward op that created it. On CUDA the table sums the kernels' self
+device time; on the CPU, self CPU time. Whatever is not attributed (embeddings, spherical harmonics, readouts' sums,
 scatter of energies, unlinked kernels, Python overhead on the CPU) is "other". A backend that
 replays a captured CUDA graph runs no module forwards, so all of its time shows as "other".
 """
@@ -25,7 +25,7 @@ import torch
 
 from mace_accel.bench.timing import synchronize
 from mace_accel.models.batch import ModelInfo
-from mace_accel.profiling import PART_RANGE, RADIAL_MLP
+from mace_accel.profiling import PART_RANGE, RADIAL_MLP, part_range
 
 HOOKED = {
     "conv_tp_weights": RADIAL_MLP,
@@ -37,7 +37,6 @@ HOOKED = {
 }
 PARTS = (RADIAL_MLP, "conv TP", "linears", "symmetric contraction")
 OTHER = "other"
-_PART_RANGE = PART_RANGE
 _CALL_RANGE = "mace_accel.bench.call"
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
 
@@ -106,7 +105,7 @@ def part_ranges(model: torch.nn.Module) -> Iterator[int]:
 
     def opener(part: str):
         def pre_hook(module, args):
-            rf = torch.profiler.record_function(_PART_RANGE + part)
+            rf = part_range(part)
             rf.__enter__()
             open_ranges.append(rf)
         return pre_hook
@@ -128,11 +127,11 @@ def part_ranges(model: torch.nn.Module) -> Iterator[int]:
 
 
 def _is_range(name: str) -> bool:
-    return name == _CALL_RANGE or name.startswith(_PART_RANGE)
+    return name == _CALL_RANGE or name.startswith(PART_RANGE)
 
 
 def _own_part(evt) -> Optional[str]:
-    return evt.name[len(_PART_RANGE):] if evt.name.startswith(_PART_RANGE) else None
+    return evt.name[len(PART_RANGE):] if evt.name.startswith(PART_RANGE) else None
 
 
 def _forward_part(evt) -> Optional[str]:
