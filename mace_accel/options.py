@@ -135,6 +135,13 @@ class AccelOptions:
             kernels, each operand split into two TF32 parts and three products accumulated in
             float32: float32's accuracy, measured in the GPU tests) or ``"cublas"`` (torch's
             float32 GEMM on the FMA units). float64 always uses cuBLAS (FP64 tensor cores).
+        last_layer_kernel: where the radial MLP's last layer is folded into the conv, apply it
+            inside the conv forward's kernel on the tensor cores (CUDA, sm_90, float32 with
+            ``fp32_gemm="tf32x3"`` or float64, inference, from 65,536 edges): the conv reads the
+            hidden activations instead of the TP weights, and with the weights recomputed they
+            are never written. Off by default: at 539k edges on an H200 it measured 1.0-1.5x
+            (float32) and 1.3-2.8x (float64) the time of the GEMM kernel and the conv it
+            replaces (docs/design/last_layer_in_conv.md).
         overlap_radial: on CUDA, start the later interaction blocks' radial MLPs on a side
             stream right after the first block's, so they run beside the earlier blocks' work
             (calls up to 131,072 edges; same results bit for bit). ``False`` runs every kernel
@@ -155,6 +162,7 @@ class AccelOptions:
     parts: Tuple[str, ...] = PARTS
     recompute_tp_weights: str = "auto"
     fp32_gemm: str = "tf32x3"
+    last_layer_kernel: bool = False
     overlap_radial: bool = True
     lean_head: bool = True
 
@@ -163,7 +171,8 @@ class AccelOptions:
         check_choice("recompute_tp_weights", self.recompute_tp_weights, RECOMPUTE_CHOICES)
         check_choice("fp32_gemm", self.fp32_gemm, FP32_GEMM_CHOICES)
         check_choice("fallback", self.fallback, FALLBACKS)
-        for flag in ("verify", "deterministic", "check_indices", "overlap_radial", "lean_head"):
+        for flag in ("verify", "deterministic", "check_indices", "last_layer_kernel",
+                     "overlap_radial", "lean_head"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         parts = tuple(self.parts)

@@ -19,7 +19,7 @@ import torch
 from mace_accel.ops.conv_tp.spec import spec_from_e3nn
 from mace_accel.options import AccelOptions
 from mace_accel.ops.irreps_linear.spec import linear_spec, skip_reason, skip_spec
-from mace_accel.patches.conv_tp import FusedConvTP
+from mace_accel.patches.conv_tp import FOLD_NOTE, FusedConvTP
 from mace_accel.patches.fold import fold_reason
 from mace_accel.patches.layout import FusedReshapeIrreps, reshape_reason
 from mace_accel.patches.linears import FusedLinear, FusedSkip, linear_reason
@@ -139,7 +139,7 @@ def _fold(module: torch.nn.Module, options: AccelOptions, conv: PartPlan,
     radial.children = {"conv_tp_weights": make_radial}
     radial.detail = radial_spec.describe(folded=True)
     conv.children = {"conv_tp": lambda: FusedConvTP(tp, conv_spec, options, radial=make_radial())}
-    conv.detail += "; the radial MLP's last layer folded in"
+    conv.detail += FOLD_NOTE
 
 
 def _plan_reshape(module: torch.nn.Module, linears: PartPlan, options: AccelOptions) -> None:

@@ -182,9 +182,11 @@ class FusedRadialMLP(FusedModule):
 
     def __setstate__(self, state) -> None:
         state.setdefault("fold_last", False)  # saved before the fold existed
+        state.setdefault("conv", None)  # the fold's conv links itself (older saves: none)
         super().__setstate__(state)
 
-    def _raw_weights(self) -> List[torch.Tensor]:
+    def raw_weights(self) -> List[torch.Tensor]:
+        """The layers' parameters ``[h_i, h_{i+1}]`` as e3nn stores them (unscaled)."""
         return [self._modules[name].weight for name in self._names]
 
     def _weights(self, dtype: torch.dtype) -> List[torch.Tensor]:
@@ -192,7 +194,7 @@ class FusedRadialMLP(FusedModule):
             return [_column_major(w.to(dtype))
                     for w in radial_mlp.effective_weights(raw, self.spec.scales)]
 
-        raw = self._raw_weights()
+        raw = self.raw_weights()
         return self._derived("weights", raw, dtype, fold)
 
     def last_weight(self, dtype: torch.dtype) -> torch.Tensor:
@@ -213,6 +215,12 @@ class FusedRadialMLP(FusedModule):
         """Whether the last layer of ``t``'s dtype and device runs on the float64 tensor-core
         GEMM kernels (:mod:`mace_accel.ops.dmma_gemm`: float64 on sm_90, CUDA backend)."""
         return self.backend == "cuda" and dmma_gemm.runs_on(t, *self.hs[-2:])
+
+    def last_on_tensor_cores(self, t: torch.Tensor) -> bool:
+        """Whether the last layer runs on our tensor-core kernels for ``t`` (3xTF32 float32,
+        DMMA float64) without a weight gradient (inference): where the conv may apply it
+        inside its own forward kernel."""
+        return (self.uses_tf32x3(t) or self.uses_dmma(t)) and self._no_weight_grads()
 
     def last_gemm(self, t: torch.Tensor) -> str:
         """What runs the last layer's GEMMs for ``t``'s dtype and device where the conv applies
@@ -236,7 +244,7 @@ class FusedRadialMLP(FusedModule):
 
     def _packed_last(self, dtype: torch.dtype) -> torch.Tensor:
         """The folded ``W_last`` in the DMMA kernels' fragment buffer."""
-        return self._derived("packed_last", self._raw_weights(), dtype,
+        return self._derived("packed_last", self.raw_weights(), dtype,
                              lambda d: dmma_gemm.pack_weight(self.last_weight(d)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -279,7 +287,7 @@ class FusedRadialMLP(FusedModule):
 
     # -- the whole MLP in one tensor-core kernel per pass (CUDA float32, inference) -------------
     def _no_weight_grads(self) -> bool:
-        return not grads_wanted(self._raw_weights())
+        return not grads_wanted(self.raw_weights())
 
     def runs_whole(self, x: torch.Tensor) -> bool:
         """Whether the whole MLP of ``x [E, h0]`` runs in the :mod:`~mace_accel.ops.radial_tc`
@@ -292,6 +300,9 @@ class FusedRadialMLP(FusedModule):
             return False
         if not self.fold_last:
             return True
+        conv = self.__dict__.get("conv")
+        if conv is not None and conv.hidden_forward_reason(int(x.shape[0]), x) is None:
+            return False  # the conv applies the last layer in its own kernel
         return self.hs[-1] != self.hs[-2] and not folded.recompute_weights(
             self.options.recompute_tp_weights, int(x.shape[0]), self.hs[-1], x.dtype, x.device)
 
@@ -307,7 +318,7 @@ class FusedRadialMLP(FusedModule):
     def _packed_whole(self, dtype: torch.dtype) -> torch.Tensor:
         """The folded weights in the kernel's packed layout (float32 on the GPU)."""
         key = self._whole_key()
-        return self._derived("packed_whole", self._raw_weights(), dtype,
+        return self._derived("packed_whole", self.raw_weights(), dtype,
                              lambda d: radial_tc.pack_weights(key, self._weights(d)))
 
     # -- the hidden layers in one kernel per pass (CUDA backend, inference) ---------------------
@@ -341,5 +352,5 @@ class FusedRadialMLP(FusedModule):
 
     def _packed(self, dtype: torch.dtype) -> torch.Tensor:
         spec = registry.lookup(self._hidden_key())
-        return self._derived("packed_hidden", self._raw_weights(), dtype,
+        return self._derived("packed_hidden", self.raw_weights(), dtype,
                              lambda d: pack_weights(spec, self._weights(d)[:-1]))

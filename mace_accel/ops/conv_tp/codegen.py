@@ -7,7 +7,7 @@ hexadecimal float literals, so float64 kernels use the very bits of the spec.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mace_accel.ops.conv_tp.schedule import KernelPlan, PathPlan, SegmentPlan
 from mace_accel.ops.templates import literal, render
@@ -19,8 +19,10 @@ def _sum(products: Sequence[str]) -> str:
     return " + ".join(products) if products else "(real)0"
 
 
-def _y_cols(seg: SegmentPlan) -> List[int]:
-    return sorted({p.y_offset + b for p in seg.paths for _, b, _, _ in p.terms})
+def _y_cols(seg: SegmentPlan, paths: Optional[Sequence[PathPlan]] = None) -> List[int]:
+    """The edge-attribute columns the paths (default: all of the segment's) read."""
+    return sorted({p.y_offset + b for p in (seg.paths if paths is None else paths)
+                   for _, b, _, _ in p.terms})
 
 
 def _by_ak(p: PathPlan) -> Dict[Tuple[int, int], List[Tuple[int, float]]]:
@@ -41,24 +43,38 @@ def _u_lines(p: PathPlan, indent: str = "  ") -> List[str]:
             for (a, k), terms in sorted(_by_ak(p).items())]
 
 
+def fwd_path_lines(seg: SegmentPlan, p: PathPlan, w_value: str,
+                   j: int = 0) -> Tuple[List[str], List[str], List[str]]:
+    """Accumulator names, per-edge body and final store of path ``p`` of segment ``seg``
+    (path number ``j``), its weight read as ``w_value``; the body expects ``xr`` and ``yr``."""
+    accs, body, store = [], [], []
+    pairs = _by_ak(p)
+    body.append("{")
+    body.append(f"  const real wv = {w_value};")
+    body += _u_lines(p)
+    for k in range(p.out_dim):
+        name = f"acc{j}_{k}"
+        accs.append(name)
+        prods = [f"x{a} * u{a}_{k}" for a in range(seg.x_dim) if (a, k) in pairs]
+        if prods:
+            body.append(f"  {name} += wv * ({_sum(prods)});")
+        store.append(f"orow[{p.out_offset} + u * {p.out_dim} + {k}] = {name};")
+    body.append("}")
+    return accs, body, store
+
+
+def fwd_y_loads(seg: SegmentPlan, paths: Sequence[PathPlan]) -> List[str]:
+    """The per-edge loads (from ``yr``) of the edge attributes ``paths`` read."""
+    return [f"const real y{c} = yr[{c}];" for c in _y_cols(seg, paths)]
+
+
 def _fwd_lines(seg: SegmentPlan) -> Tuple[List[str], List[str], List[str]]:
     """Accumulator names, per-edge body and final store of one segment's forward."""
-    accs, body, store = [], [], []
-    body += [f"const real x{a} = xr[{a}];" for a in range(seg.x_dim)]
-    body += [f"const real y{c} = yr[{c}];" for c in _y_cols(seg)]
+    accs, store = [], []
+    body = [f"const real x{a} = xr[{a}];" for a in range(seg.x_dim)] + fwd_y_loads(seg, seg.paths)
     for j, p in enumerate(seg.paths):
-        pairs = _by_ak(p)
-        body.append("{")
-        body.append(f"  const real wv = {_stream_load(f'wr + {p.w_offset}')};")
-        body += _u_lines(p)
-        for k in range(p.out_dim):
-            name = f"acc{j}_{k}"
-            accs.append(name)
-            prods = [f"x{a} * u{a}_{k}" for a in range(seg.x_dim) if (a, k) in pairs]
-            if prods:
-                body.append(f"  {name} += wv * ({_sum(prods)});")
-            store.append(f"orow[{p.out_offset} + u * {p.out_dim} + {k}] = {name};")
-        body.append("}")
+        a, b, s = fwd_path_lines(seg, p, _stream_load(f"wr + {p.w_offset}"), j)
+        accs, body, store = accs + a, body + b, store + s
     return accs, body, store
 
 

@@ -142,7 +142,7 @@ class _Rows:
 GEMMS = ("cublas", "tf32x3", "dmma")
 
 
-class _LastLayer:
+class LastLayer:
     """``h @ W_last`` and ``g @ W_last^T`` on cuBLAS or on our tensor-core kernels (``gemm``:
     one of :data:`GEMMS`; 3xTF32 in float32, DMMA in float64 with ``W_last`` packed once per op
     call). Separate GEMM launches of the radial MLP's layer: profiled as radial-MLP work."""
@@ -172,13 +172,19 @@ class _LastLayer:
 
 
 @torch.library.custom_op("mace_accel::folded_conv_tp", mutates_args=())
-def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, graph: List[Tensor],
-                      n_nodes: int, key: str, backend: str, deterministic: bool,
-                      gemm: str, max_edges: int) -> Tensor:
-    """``[n_nodes, dim_out]`` = ``conv(x, y, h @ w_last)``, weights made ``max_edges`` edges
-    at a time and never kept (``gemm``: which kernels run their GEMMs, :class:`_LastLayer`)."""
+def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, frag: Tensor,
+                      graph: List[Tensor], n_nodes: int, key: str, backend: str,
+                      deterministic: bool, gemm: str, max_edges: int) -> Tensor:
+    """``[n_nodes, dim_out]`` = ``conv(x, y, h @ w_last)``, the weights never kept: made inside
+    the conv forward's kernel where ``frag`` (:func:`~.hidden.pack` of ``w_last``) is given, else
+    ``max_edges`` edges at a time (``gemm``: which kernels run their GEMMs,
+    :class:`LastLayer`)."""
+    if frag.numel():
+        from mace_accel.ops.conv_tp.hidden_op import forward_hidden
+
+        return forward_hidden(x, y, h, frag, graph, n_nodes, key, deterministic, False)[0]
     rows_of = _Rows(key, backend, graph, n_nodes, x, deterministic)
-    last = _LastLayer(w_last, gemm)
+    last = LastLayer(w_last, gemm)
     out = rows_of.new_output(x)
     for rows in rows_of.chunks(max_edges):
         ids = rows_of.edges(rows)
@@ -188,7 +194,7 @@ def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, graph: Li
 
 
 @folded_conv_tp_op.register_fake
-def _(x, y, h, w_last, graph, n_nodes, key, backend, deterministic, gemm, max_edges):
+def _(x, y, h, w_last, frag, graph, n_nodes, key, backend, deterministic, gemm, max_edges):
     return x.new_empty((n_nodes, registry.lookup(key).dim_out))
 
 
@@ -206,7 +212,7 @@ def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, 
     acc = rows_of.backward_buffers(x, y, (need_x, need_y, need_h or need_w))
     gh = torch.empty_like(h) if need_h else None
     gw_last = torch.zeros_like(w_last) if need_w else None
-    last = _LastLayer(w_last, gemm)
+    last = LastLayer(w_last, gemm)
     for rows in rows_of.chunks(max_edges):
         ids = rows_of.edges(rows)
         h_rows = h.index_select(0, ids)
@@ -230,7 +236,7 @@ def _(x, y, h, w_last, g, graph, n_nodes, key, backend, deterministic, gemm, max
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, y, h, w_last, graph, n_nodes, key, backend, deterministic, gemm, max_edges = inputs
+    x, y, h, w_last, frag, graph, n_nodes, key, backend, deterministic, gemm, max_edges = inputs
     ctx.save_for_backward(x, y, h, w_last)
     ctx.static = (graph, n_nodes, key, backend, deterministic)
     ctx.gemm, ctx.max_edges = gemm, max_edges
@@ -239,7 +245,7 @@ def _setup(ctx, inputs, output) -> None:
 def _backward(ctx, g):
     x, y, h, w_last = ctx.saved_tensors
     need_x, need_y, need_h, need_w = ctx.needs_input_grad[:4]
-    none = ([None] * len(ctx.static[0]),) + (None,) * 6  # graph, then the static args
+    none = (None, [None] * len(ctx.static[0])) + (None,) * 6  # frag, graph, the static args
     if g is None or not (need_x or need_y or need_h or need_w):
         return (None,) * 4 + none
     g = g.contiguous()
@@ -266,7 +272,7 @@ folded_conv_tp_op.register_autograd(_backward, setup_context=_setup)
 def folded_conv_tp(key: str, graph: ConvGraph, node_feats: Tensor, edge_attrs: Tensor,
                    hidden: Tensor, w_last: Tensor, backend: str = "cuda",
                    deterministic: bool = True, max_edges: Optional[int] = None,
-                   gemm: str = "cublas") -> Tensor:
+                   gemm: str = "cublas", frag: Optional[Tensor] = None) -> Tensor:
     """Differentiable ``conv(node_feats, edge_attrs, hidden @ w_last)`` ``[n_nodes, dim_out]``
     without storing the per-edge weights.
 
@@ -278,9 +284,14 @@ def folded_conv_tp(key: str, graph: ConvGraph, node_feats: Tensor, edge_attrs: T
         gemm: what runs the weights' GEMMs, one of :data:`GEMMS`: cuBLAS, or our
             tensor-core kernels (CUDA; ``"tf32x3"`` float32, ``"dmma"`` float64 on sm_90: the
             caller checks they run there); the create_graph backward composes torch ops.
+        frag: :func:`~mace_accel.ops.conv_tp.hidden.pack` of ``w_last``: the forward applies
+            the last layer inside its kernel (CUDA, float64 on sm_90: the caller checks
+            :meth:`~mace_accel.ops.conv_tp.cuda.CudaConvPrimitives.hidden_unsupported`); the
+            backward still recomputes the weights chunk by chunk.
     """
     if max_edges is None:
         max_edges = chunk_edges(w_last.shape[1], w_last.dtype, w_last.device)
+    frag = w_last.new_empty((0,)) if frag is None else frag
     return folded_conv_tp_op(node_feats.contiguous(), edge_attrs.contiguous(),
-                             hidden.contiguous(), w_last, graph.tensors(backend), graph.n_nodes,
-                             key, backend, deterministic, gemm, int(max_edges))
+                             hidden.contiguous(), w_last, frag, graph.tensors(backend),
+                             graph.n_nodes, key, backend, deterministic, gemm, int(max_edges))
