@@ -242,6 +242,23 @@ def _setup(ctx, inputs, output) -> None:
     ctx.gemm, ctx.max_edges = gemm, max_edges
 
 
+def composed_backward(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, g: Tensor,
+                      static: tuple, needs) -> Tuple[Tensor, ...]:
+    """``(gx, gy, gh, gw_last)`` of ``<g, conv(x, y, h @ w_last)>`` from differentiable ops,
+    ``w`` made in full (the create_graph backward: training on forces); ``static``: the conv
+    op's ``(graph, n_nodes, key, backend, deterministic)``, ``needs``: which of x, y, h,
+    w_last."""
+    need_x, need_y, need_h, need_w = needs
+    with part_range(RADIAL_MLP):
+        w = torch.mm(h, w_last)
+    gx, gy, gw = conv_autograd.conv_tp_backward_op(x, y, w, g, *static, need_x, need_y,
+                                                   need_h or need_w)
+    with part_range(RADIAL_MLP):
+        gh = torch.mm(gw, w_last.t()) if need_h else None
+        gw_last = torch.mm(h.t(), gw) if need_w else None
+    return gx, gy, gh, gw_last
+
+
 def _backward(ctx, g):
     x, y, h, w_last = ctx.saved_tensors
     need_x, need_y, need_h, need_w = ctx.needs_input_grad[:4]
@@ -250,13 +267,8 @@ def _backward(ctx, g):
         return (None,) * 4 + none
     g = g.contiguous()
     if torch.is_grad_enabled():  # create_graph: compose differentiable ops (w made in full)
-        with part_range(RADIAL_MLP):
-            w = torch.mm(h, w_last)
-        gx, gy, gw = conv_autograd.conv_tp_backward_op(x, y, w, g, *ctx.static, need_x, need_y,
-                                                       need_h or need_w)
-        with part_range(RADIAL_MLP):
-            gh = torch.mm(gw, w_last.t()) if need_h else None
-            gw_last = torch.mm(h.t(), gw) if need_w else None
+        gx, gy, gh, gw_last = composed_backward(x, y, h, w_last, g, ctx.static,
+                                                ctx.needs_input_grad[:4])
     else:
         gx, gy, gh, gw_last = folded_conv_tp_backward_op(x, y, h, w_last, g, *ctx.static,
                                                          ctx.gemm, ctx.max_edges, need_x,

@@ -17,9 +17,8 @@ import torch
 
 from mace_accel.ops import registry
 from mace_accel.ops.conv_tp import autograd as conv_autograd
-from mace_accel.ops.conv_tp.folded import LastLayer
+from mace_accel.ops.conv_tp.folded import LastLayer, composed_backward
 from mace_accel.ops.graph import ConvGraph, KernelGraph
-from mace_accel.profiling import RADIAL_MLP, part_range
 
 Tensor = torch.Tensor
 
@@ -67,13 +66,8 @@ def _backward(ctx, g, _g_w):
         return (None,) * 4 + none
     g = g.contiguous()
     if torch.is_grad_enabled():  # create_graph: differentiable ops, w rebuilt
-        with part_range(RADIAL_MLP):
-            w = torch.mm(h, w_last)
-        gx, gy, gw = conv_autograd.conv_tp_backward_op(x, y, w, g, *ctx.static, need_x, need_y,
-                                                       need_h or need_w)
-        with part_range(RADIAL_MLP):
-            gh = torch.mm(gw, w_last.t()) if need_h else None
-            gw_last = torch.mm(h.t(), gw) if need_w else None
+        gx, gy, gh, gw_last = composed_backward(x, y, h, w_last, g, ctx.static,
+                                                ctx.needs_input_grad[:4])
     else:
         gx, gy, gw = conv_autograd.conv_tp_backward_op(x, y, w, g, *ctx.static, need_x, need_y,
                                                        need_h or need_w)
