@@ -63,7 +63,7 @@ def test_fragments_give_each_paths_weights(name, hidden_width, dtype):
     covered = set()
     for j, job in enumerate(plan.jobs):
         seg = job.segment
-        for i, path in enumerate(seg.paths):
+        for i, path in enumerate(job.paths):
             for warp in range(plan.group_warps):
                 got = _emulated_tile(plan, frag, h_tile, j, i, warp)
                 lo = job.ch0 + warp * 32
@@ -100,7 +100,12 @@ def test_plans_fit_the_shared_memory_and_split_wide_segments():
     _, plan64 = _plan("mp-medium-l2", 64, "float64")
     assert plan64.group_warps == 2 and [j.ch0 for j in plan64.jobs] == [0, 64, 0, 64]
     _, wide = _plan("off-large-l2", 64, "float64")
-    assert wide.group_warps == 1 and len(wide.jobs) == 18
+    step = 32 * wide.group_warps  # 192 channels in blocks
+    assert {j.ch0 for j in wide.jobs} == set(range(0, 192, step))
+    # paths whose float64 accumulators would not fit the registers are split over jobs
+    for job in wide.jobs:
+        assert sum(p.out_dim for p in job.paths) * 2 <= hidden.ACCUMULATOR_WORDS
+    assert len({j.ch0 for j in wide.jobs}) < len(wide.jobs) and len(plan.jobs) == 2
     for name in ("mp-medium-l2", "off-large-l2", "odd-mul"):
         for dtype in ("float32", "float64"):
             p = _plan(name, 64, dtype)[1]

@@ -28,7 +28,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from mace_accel.ops.conv_tp.codegen import fwd_path_lines, fwd_y_loads
-from mace_accel.ops.conv_tp.schedule import ConvPlan, SegmentPlan
+from mace_accel.ops.conv_tp.schedule import ConvPlan, PathPlan, SegmentPlan
 from mace_accel.ops.conv_tp.spec import TPSpec
 from mace_accel.ops.limits import WARP
 from mace_accel.ops.templates import render
@@ -43,13 +43,35 @@ SHARED_LIMIT = 227 * 1024  # an sm_90 block's dynamic shared memory, opted in
 MAX_BLOCK_WARPS = {"float32": 12, "float64": 8}
 
 
+# A thread keeps the output accumulators of every path of its job in registers: at most this
+# many 32-bit words (float64 counts two), else the segment's paths are split over jobs. MP-large's
+# 2e segment in float64 (31 values, 62 words) spilled; MP-medium's 1o (24 values) does not.
+ACCUMULATOR_WORDS = 48
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
     """One block row of the launch: the channels ``[ch0, ch0 + 32 * warps)`` of one input
-    segment, every path of it (the segment's weight columns of those channels resident)."""
+    segment and some of its paths (their weight columns of those channels resident)."""
 
     segment: SegmentPlan
     ch0: int
+    paths: Tuple[PathPlan, ...]
+
+
+def path_groups(seg: SegmentPlan, real_words: int) -> List[Tuple[PathPlan, ...]]:
+    """The segment's paths in order, packed into groups whose accumulators fit
+    :data:`ACCUMULATOR_WORDS`."""
+    groups: List[List[PathPlan]] = [[]]
+    words = 0
+    for p in seg.paths:
+        need = p.out_dim * real_words
+        if groups[-1] and words + need > ACCUMULATOR_WORDS:
+            groups.append([])
+            words = 0
+        groups[-1].append(p)
+        words += need
+    return [tuple(g) for g in groups if g]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +124,7 @@ class HiddenForwardPlan:
         return self.kt * self.n_tiles * WARP * 2
 
     def job_fragment_numel(self, job: Job) -> int:
-        return len(job.segment.paths) * self.path_fragment_numel
+        return len(job.paths) * self.path_fragment_numel
 
     def job_offsets(self) -> List[int]:
         """Start of each job's fragments in the buffer (reals), and the end."""
@@ -145,8 +167,10 @@ def plan_hidden_forward(spec: TPSpec, conv: ConvPlan, hidden: int) -> HiddenForw
     widest = max((seg.warps for seg in segments), default=1)
     plan = base
     for group_warps in [w for w in range(widest, 0, -1) if widest % w == 0]:
-        jobs = tuple(Job(seg, ch0) for seg in segments
-                     for ch0 in range(0, seg.warps * WARP, group_warps * WARP))
+        words = 2 if conv.dtype == "float64" else 1
+        jobs = tuple(Job(seg, ch0, paths) for seg in segments
+                     for ch0 in range(0, seg.warps * WARP, group_warps * WARP)
+                     for paths in path_groups(seg, words))
         plan = dataclasses.replace(base, group_warps=group_warps, jobs=jobs)
         if plan.shared_bytes <= SHARED_LIMIT:
             break
@@ -184,7 +208,7 @@ def fragment_index(plan: HiddenForwardPlan) -> Tuple[torch.Tensor, torch.Tensor]
     """``(rows, cols)`` ``[job_offsets()[-1] // 2, 2]`` into ``W_last`` zero-padded by one row
     and one column (:func:`pack`): the kernels' B fragments of every job.
 
-    Per job, per path of its segment, per tile ``(kt, nt)`` (``nt`` fastest), per lane
+    Per job, per path of the job, per tile ``(kt, nt)`` (``nt`` fastest), per lane
     (``g = lane // 4``, ``t = lane % 4``) the pair ``W[8 kt + 2 t + i, w_offset + ch0 + 8 nt +
     g]``, ``i = 0, 1``: K permuted within each tile as the DMMA kernels do, so an A fragment
     loaded as row pairs fits as it stands. Past ``hidden`` rows or the segment's channels: the
@@ -200,7 +224,7 @@ def fragment_index(plan: HiddenForwardPlan) -> Tuple[torch.Tensor, torch.Tensor]
     for job in plan.jobs:
         ch = job.ch0 + c
         inside = (k < plan.hidden) & (ch < job.segment.mul)
-        for path in job.segment.paths:
+        for path in job.paths:
             rows.append(torch.where(inside, k, plan.hidden).reshape(-1))
             cols.append(torch.where(inside, path.w_offset + ch, plan.weight_numel).reshape(-1))
     return torch.cat(rows), torch.cat(cols)
@@ -225,7 +249,7 @@ def render_hidden_forward(plan: HiddenForwardPlan) -> str:
     for j, job in enumerate(plan.jobs):
         seg = job.segment
         accs, paths, store = [], [], []
-        for i, p in enumerate(seg.paths):
+        for i, p in enumerate(job.paths):
             a, body, st = fwd_path_lines(seg, p, "ws[t * 32 + lane]", i)
             accs, store = accs + a, store + st
             x_loads = [f"const real x{a} = xr[{a}];" for a in range(seg.x_dim)]
