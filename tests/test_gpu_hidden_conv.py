@@ -13,7 +13,8 @@ import mace_accel
 from mace_accel.ops.conv_tp import autograd, hidden, reference
 from mace_accel.ops.conv_tp.catalog import CATALOG
 from mace_accel.ops.conv_tp.folded import folded_conv_tp
-from mace_accel.ops.conv_tp.hidden_op import forward_hidden, hidden_conv_tp
+from mace_accel.ops.conv_tp.folded import forward_hidden
+from mace_accel.ops.conv_tp.hidden_op import hidden_conv_tp
 from mace_accel.ops.conv_tp.spec import make_e3nn_conv_tp, spec_from_e3nn
 from mace_accel.tolerances import PASS_TOL, rel_norm_error
 

@@ -171,6 +171,16 @@ class LastLayer:
             return torch.mm(h.t(), gw)
 
 
+def forward_hidden(x: Tensor, y: Tensor, h: Tensor, frag: Tensor, graph: List[Tensor],
+                   n_nodes: int, key: str, deterministic: bool,
+                   write_w: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """The conv forward that applies the last layer in its own kernel (CUDA):
+    ``(out, w or None)``, see :meth:`~mace_accel.ops.conv_tp.cuda.CudaConvPrimitives.
+    forward_hidden`."""
+    cuda = conv_autograd._cuda(key, x, deterministic)
+    return cuda.forward_hidden(n_nodes, KernelGraph(*graph), x, y, h, frag, write_w)
+
+
 @torch.library.custom_op("mace_accel::folded_conv_tp", mutates_args=())
 def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, frag: Tensor,
                       graph: List[Tensor], n_nodes: int, key: str, backend: str,
@@ -180,8 +190,6 @@ def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, frag: Ten
     ``max_edges`` edges at a time (``gemm``: which kernels run their GEMMs,
     :class:`LastLayer`)."""
     if frag.numel():
-        from mace_accel.ops.conv_tp.hidden_op import forward_hidden
-
         return forward_hidden(x, y, h, frag, graph, n_nodes, key, deterministic, False)[0]
     rows_of = _Rows(key, backend, graph, n_nodes, x, deterministic)
     last = LastLayer(w_last, gemm)

@@ -28,7 +28,13 @@ from typing import List, Optional, Tuple
 import torch
 
 from mace_accel.ops.conv_tp.codegen import fwd_path_lines, fwd_y_loads
-from mace_accel.ops.conv_tp.schedule import ConvPlan, PathPlan, SegmentPlan
+from mace_accel.ops.conv_tp.schedule import (
+    ConvPlan,
+    KernelHeader,
+    PathPlan,
+    SegmentPlan,
+    kernel_header,
+)
 from mace_accel.ops.conv_tp.spec import TPSpec
 from mace_accel.ops.limits import WARP
 from mace_accel.ops.templates import render
@@ -75,7 +81,7 @@ def path_groups(seg: SegmentPlan, real_words: int) -> List[Tuple[PathPlan, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
-class HiddenForwardPlan:
+class HiddenForwardPlan(KernelHeader):
     """The launch of one spec's hidden-input forward.
 
     Attributes:
@@ -85,13 +91,6 @@ class HiddenForwardPlan:
         groups: receivers a block walks at once (its warps share the resident weights).
     """
 
-    spec_key: str
-    dtype: str
-    arch: str
-    dim_in1: int
-    dim_in2: int
-    dim_out: int
-    weight_numel: int
     hidden: int
     group_warps: int
     groups: int
@@ -160,10 +159,8 @@ def plan_hidden_forward(spec: TPSpec, conv: ConvPlan, hidden: int) -> HiddenForw
     receivers a block as the shared memory and :data:`MAX_BLOCK_WARPS` allow."""
     segments = [seg for launch in conv.forward_launches for seg in launch.segments]
     arch = conv.forward_launches[0].arch if conv.forward_launches else ""
-    base = HiddenForwardPlan(spec_key=spec.key(), dtype=conv.dtype, arch=arch,
-                             dim_in1=spec.dim_in1, dim_in2=spec.dim_in2, dim_out=spec.dim_out,
-                             weight_numel=spec.weight_numel, hidden=hidden, group_warps=1,
-                             groups=1, jobs=())
+    base = HiddenForwardPlan(**kernel_header(spec, conv.dtype, arch), hidden=hidden,
+                             group_warps=1, groups=1, jobs=())
     widest = max((seg.warps for seg in segments), default=1)
     plan = base
     for group_warps in [w for w in range(widest, 0, -1) if widest % w == 0]:

@@ -11,25 +11,16 @@ where asked for). Double backward (training on forces) composes the differentiab
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 
 from mace_accel.ops import registry
 from mace_accel.ops.conv_tp import autograd as conv_autograd
-from mace_accel.ops.conv_tp.folded import LastLayer, composed_backward
-from mace_accel.ops.graph import ConvGraph, KernelGraph
+from mace_accel.ops.conv_tp.folded import LastLayer, composed_backward, forward_hidden
+from mace_accel.ops.graph import ConvGraph
 
 Tensor = torch.Tensor
-
-
-def forward_hidden(x: Tensor, y: Tensor, h: Tensor, frag: Tensor, graph: List[Tensor],
-                   n_nodes: int, key: str, deterministic: bool,
-                   write_w: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    """The CUDA kernel's ``(out, w or None)`` (see :meth:`~.cuda.CudaConvPrimitives.
-    forward_hidden`)."""
-    cuda = conv_autograd._cuda(key, x, deterministic)
-    return cuda.forward_hidden(n_nodes, KernelGraph(*graph), x, y, h, frag, write_w)
 
 
 @torch.library.custom_op("mace_accel::hidden_conv_tp", mutates_args=())

@@ -68,8 +68,9 @@ class SegmentPlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelPlan:
-    """Everything the code generator prints, for one spec and dtype on one architecture."""
+class KernelHeader:
+    """What every conv kernel's shared header (``conv_tp/_header.cuh.j2``) prints: the spec,
+    dtype and architecture, and the problem's widths."""
 
     spec_key: str
     dtype: str
@@ -78,6 +79,18 @@ class KernelPlan:
     dim_in2: int
     dim_out: int
     weight_numel: int
+
+
+def kernel_header(spec: TPSpec, dtype: str, arch: str) -> dict:
+    """The :class:`KernelHeader` fields of ``spec`` in ``dtype`` on ``arch``, as keywords."""
+    return dict(spec_key=spec.key(), dtype=dtype, arch=arch, dim_in1=spec.dim_in1,
+                dim_in2=spec.dim_in2, dim_out=spec.dim_out, weight_numel=spec.weight_numel)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan(KernelHeader):
+    """Everything the code generator prints, for one spec and dtype on one architecture."""
+
     segments: Tuple[SegmentPlan, ...]
     threads: int
     fwd_tile: int       # edges staged per warp in the forward
@@ -185,9 +198,7 @@ def _plan_launches(spec: TPSpec, dtype: str, limits: DeviceLimits, by_segment: d
             raise KernelError(
                 f"{spec.describe()} needs {threads} threads per block (one per channel of an "
                 f"input segment) but the device allows {limits.max_threads_per_block}")
-        plan = KernelPlan(spec_key=spec.key(), dtype=dtype, arch=limits.arch,
-                          dim_in1=spec.dim_in1, dim_in2=spec.dim_in2, dim_out=spec.dim_out,
-                          weight_numel=spec.weight_numel, segments=tuple(segments),
+        plan = KernelPlan(**kernel_header(spec, dtype, limits.arch), segments=tuple(segments),
                           threads=max(threads, WARP), fwd_tile=1, bwd_tile=1, group=g,
                           fwd_unroll=_fwd_unroll(dtype, segments, threads))
         fwd_tile = _largest_tile(
