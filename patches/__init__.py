@@ -34,12 +34,14 @@ def find_blocks(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module, 
 
 def link_across_blocks(model: torch.nn.Module, options) -> List[str]:
     """After the blocks are patched: link what spans blocks (the radial MLPs' overlap,
-    :mod:`mace_accel.patches.radial_overlap`); returns a line for the report per link made."""
-    from mace_accel.patches import radial_overlap
+    :mod:`mace_accel.patches.radial_overlap`, and their tables' embedding,
+    :mod:`mace_accel.patches.radial_table`); returns a line for the report per link made."""
+    from mace_accel.patches import radial_overlap, radial_table
     from mace_accel.patches.radial_mlp import FusedRadialMLP
 
     group = radial_overlap.link(model, options, lambda m: isinstance(m, FusedRadialMLP))
-    return [] if group is None else [group.describe()]
+    table = radial_table.link(model, options)
+    return [line for line in (None if group is None else group.describe(), table) if line]
 
 
 __all__ = ["PartRecord", "PatchKind", "PatchRecord", "all_patches", "find_blocks",

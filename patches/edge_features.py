@@ -13,6 +13,7 @@ trainable Bessel frequencies, ...) is left as it is, and the record says why.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -150,7 +151,34 @@ class FusedRadialEmbedding(FusedModule):
         feats, cutoff = autograd.radial_embedding(key, edge_lengths.reshape(-1, 1), self.backend)
         lead = edge_lengths.shape[:-1]
         feats = feats.reshape(*lead, self.spec.num_basis)
+        # what the radial MLPs' tables look up (lengths_for): the features by identity, so no
+        # tensor but this very output is taken for a function of these lengths
+        self._kernels["last_call"] = (weakref.ref(feats), feats._version,
+                                      edge_lengths.reshape(-1))
         return feats, (None if cutoff is None else cutoff.reshape(*lead, 1))
+
+    def lengths_for(self, feats: torch.Tensor) -> Optional[torch.Tensor]:
+        """The edge lengths ``[E]`` of the last call if ``feats`` is the very features it
+        returned, unmodified (the radial MLPs' tables then look the lengths up instead of
+        running the MLP on the features); else None."""
+        last = self._kernels.get("last_call")
+        if last is None or last[0]() is not feats or last[1] != feats._version:
+            return None
+        return last[2]
+
+    def length_order(self, lengths: torch.Tensor) -> torch.Tensor:
+        """``[E]`` int64: the edges sorted by ``lengths`` (from :meth:`lengths_for`), made once
+        per call for every table that looks them up."""
+        cached = self._kernels.get("length_order")
+        if cached is None or cached[0] is not lengths:
+            cached = self._kernels["length_order"] = (lengths, torch.argsort(lengths.detach()))
+        return cached[1]
+
+    def table_function(self) -> Any:
+        """``f(r [N]) -> [N, num_basis]``: this embedding's features (what the radial MLPs
+        take) as differentiable torch ops (the reference op, any dtype), for tabulating."""
+        key = self._current_key()
+        return lambda r: autograd.radial_embedding(key, r.reshape(-1, 1), "reference")[0]
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)

@@ -29,6 +29,7 @@ from mace_accel.profiling import RADIAL_MLP, part_range
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 from mace_accel.ops.tf32x3_gemm.spec import unsupported_reason as tf32x3_unsupported
 from mace_accel.options import AccelOptions
+from mace_accel.patches import radial_table
 from mace_accel.patches.adopt import FusedModule, grads_wanted
 
 PART = "radial_mlp"
@@ -147,7 +148,9 @@ class FusedRadialMLP(FusedModule):
         head = self.spec.describe(self.fold_last)
         if self.backend != "cuda":
             return head
-        return head + self._float32_last() + self._float64_last()
+        table = radial_table.describe(self)
+        return (head + self._float32_last() + self._float64_last()
+                + ("" if table is None else f"; float32 inference: {table}"))
 
     def _float32_last(self) -> str:
         """The report's words on the float32 GEMMs."""
@@ -183,6 +186,7 @@ class FusedRadialMLP(FusedModule):
     def __setstate__(self, state) -> None:
         state.setdefault("fold_last", False)  # saved before the fold existed
         state.setdefault("conv", None)  # the fold's conv links itself (older saves: none)
+        state.setdefault("embedding", None)  # linked by radial_table.link (older saves: none)
         super().__setstate__(state)
 
     def raw_weights(self) -> List[torch.Tensor]:
@@ -264,6 +268,9 @@ class FusedRadialMLP(FusedModule):
         """:meth:`forward` on the current stream, ``x`` checked already; ``sm_share``,
         ``backward_sm_share``: the share of the GPU's multiprocessors the whole-MLP forward and
         backward kernels may hold (a launch beside other work; None: all)."""
+        lengths = self._table_lengths(x)
+        if lengths is not None:
+            return radial_table.lookup(self, lengths)
         if self.runs_whole(x):
             return radial_mlp.radial_mlp(
                 x, self._weights(x.dtype), tf32x3=True,
@@ -298,13 +305,25 @@ class FusedRadialMLP(FusedModule):
         if not (self._tf32x3() and _cuda_float32(x) and whole_unsupported(self.hs) is None
                 and self._no_weight_grads()):
             return False
-        if not self.fold_last:
-            return True
+        return not self.fold_last or self._keeps_full_weights(x)
+
+    def _keeps_full_weights(self, x: torch.Tensor) -> bool:
+        """With ``fold_last``, whether the conv takes this module's full TP weights ``[E, h_L]``
+        for ``x`` rather than the hidden activations: it neither applies the last layer in its
+        own kernel nor recomputes the weights in its backward (both start from the hidden
+        activations)."""
         conv = self.__dict__.get("conv")
         if conv is not None and conv.hidden_forward_reason(int(x.shape[0]), x) is None:
             return False  # the conv applies the last layer in its own kernel
         return self.hs[-1] != self.hs[-2] and not folded.recompute_weights(
             self.options.recompute_tp_weights, int(x.shape[0]), self.hs[-1], x.dtype, x.device)
+
+    def _table_lengths(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The edge lengths ``[E]`` to look the TP weights up by (:mod:`.radial_table`), or None
+        where the MLP runs."""
+        if self.fold_last and not self._keeps_full_weights(x):
+            return None
+        return radial_table.lengths_for(self, x)
 
     def is_full_output(self, tp_weights: torch.Tensor) -> bool:
         """With ``fold_last``, whether ``tp_weights`` (this module's output) holds the full TP

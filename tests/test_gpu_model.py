@@ -65,9 +65,11 @@ def test_fused_radial_mlp_hidden_layers_match_unpatched(dtype, monkeypatch):
     model = build_architecture("mp-medium", dtype=dtype, device="cuda")
     for p in model.parameters():  # inference: no weight gradients (training keeps the GEMMs)
         p.requires_grad_(False)
-    # cuBLAS GEMMs: on the 3xTF32 path, float32 runs the whole net in the radial_tc kernel
+    # cuBLAS GEMMs: on the 3xTF32 path, float32 runs the whole net in the radial_tc kernel;
+    # no tables (they replace the MLP in float32)
     mace_accel.accelerate(model, backend="cuda", verify=False,
-                          options=mace_accel.AccelOptions(fp32_gemm="cublas"))
+                          options=mace_accel.AccelOptions(fp32_gemm="cublas",
+                                                          radial_table=False))
     _assert_matches_unpatched(model, dtype)
     assert len(calls) == 2  # both interaction blocks
 

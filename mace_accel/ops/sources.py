@@ -31,6 +31,7 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     from mace_accel.ops.edge_features import codegen as edge_features_codegen
     from mace_accel.ops.edge_vectors import codegen as edge_vectors
     from mace_accel.ops.irreps_linear import catalog as irreps_linear
+    from mace_accel.ops.radial_table import codegen as radial_table
     from mace_accel.ops.radial_tc import codegen as radial_tc
     from mace_accel.ops.silu_mlp import codegen as silu_mlp
     from mace_accel.ops.symmetric_contraction import codegen as symmetric_contraction
@@ -42,6 +43,7 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     yield from edge_features_codegen.catalog_sources(limits)
     yield from edge_vectors.catalog_sources(limits)
     yield from irreps_linear.catalog_sources(limits)
+    yield from radial_table.catalog_sources(limits)
     yield from radial_tc.catalog_sources(limits)
     yield from silu_mlp.catalog_sources(limits)
     yield from symmetric_contraction.catalog_sources(limits,

@@ -1,0 +1,63 @@
+"""The table lookup as a differentiable op: ``lookup(lengths, order, coeffs, inv_h)`` gives the
+per-edge weights; its backward ``d lengths`` runs the backward kernel, or, under ``create_graph``
+(double backward: training on forces, Hessians), the same slope in torch ops, differentiable
+again."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mace_accel.ops import registry
+
+Tensor = torch.Tensor
+
+
+def _kernels(n_out: int, device: torch.device):
+    from mace_accel.ops.radial_table.cuda import CudaRadialTable
+
+    return registry.cached(("radial_table", n_out, device),
+                           lambda: CudaRadialTable(n_out, device))
+
+
+class _Lookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, lengths: Tensor, order: Optional[Tensor], coeffs: Tensor,
+                inv_h: float) -> Tensor:
+        ctx.save_for_backward(lengths, coeffs)
+        ctx.order = order  # int64, never differentiated
+        ctx.inv_h = inv_h
+        return _kernels(int(coeffs.shape[2]), lengths.device).forward(lengths, order, coeffs,
+                                                                      inv_h)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        lengths, coeffs = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        if torch.is_grad_enabled():  # create_graph: the slope as differentiable torch ops
+            return _slope_on(lengths, coeffs, ctx.inv_h, grad), None, None, None
+        d = _kernels(int(coeffs.shape[2]), lengths.device).backward(
+            grad.contiguous(), lengths, ctx.order, coeffs, ctx.inv_h)
+        return d, None, None, None
+
+
+def _slope_on(lengths: Tensor, coeffs: Tensor, inv_h: float, grad: Tensor) -> Tensor:
+    """``<grad[e], w'(r_e)>`` as torch ops of ``lengths`` and ``grad`` (differentiable)."""
+    cells = coeffs.shape[0]
+    t = lengths * inv_h
+    g = t.detach().floor().clamp(0, cells - 1).long()
+    u = t - g.to(t.dtype)
+    inside = (u < 1).to(t.dtype)
+    s = u.clamp(max=1.0).unsqueeze(1)
+    c = coeffs[g]
+    slope = c[:, 1] + s * (2 * c[:, 2] + 3 * s * c[:, 3])
+    return (grad * slope).sum(1) * inside * inv_h
+
+
+def lookup(lengths: Tensor, order: Optional[Tensor], coeffs: Tensor, inv_h: float) -> Tensor:
+    """``w [E, n]`` of ``lengths [E]`` (float32, CUDA) from the table ``coeffs [cells, 4, n]``
+    (float32, :class:`~mace_accel.ops.radial_table.table.RadialTable` rounded), differentiable
+    in ``lengths``; ``order [E]`` (int64): the edges sorted by length (faster), or None."""
+    return _Lookup.apply(lengths, order, coeffs, inv_h)

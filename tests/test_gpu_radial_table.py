@@ -1,0 +1,169 @@
+"""GPU tests of the radial table (:mod:`mace_accel.ops.radial_table`): the lookup kernels
+against the float64 evaluation of the same table, the table against the float64 MLP, repeats
+bit for bit, double backward, and whole models patched vs unpatched with the tables on."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mace_accel
+from mace_accel.ops import radial_mlp
+from mace_accel.ops.radial_table import autograd as table_ops
+from mace_accel.ops.radial_table.table import build_table, evaluate
+from mace_accel.tolerances import MODEL_TOL, rel_linf_error, rel_norm_error
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+R_MAX = 5.0
+
+
+def _net(n_out: int, seed: int):
+    """A Bessel x cutoff embedding into a random SiLU MLP, float64 on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    widths = (8, 64, 64, n_out)
+    weights = [(torch.randn(widths[i], widths[i + 1], generator=g, dtype=torch.float64)
+                / widths[i] ** 0.5).cuda() for i in range(3)]
+    n = torch.arange(1, 9, dtype=torch.float64, device="cuda")
+
+    def f(r: torch.Tensor) -> torch.Tensor:
+        x = r / R_MAX
+        cut = 1 - 28 * x ** 6 + 48 * x ** 7 - 21 * x ** 8
+        feats = torch.sin(n * math.pi * r[:, None] / R_MAX) / r[:, None] * cut[:, None]
+        return radial_mlp.reference(feats, weights)
+
+    return f
+
+
+def _lengths(e: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (0.7 + (R_MAX - 0.7) * torch.rand(e, generator=g, dtype=torch.float64)).cuda()
+
+
+@pytest.mark.parametrize("n_out", [1280, 90])
+@pytest.mark.parametrize("edges", [1, 1000, 70000])
+def test_lookup_matches_the_table_and_the_mlp(n_out, edges):
+    """Forward and ``d r`` of the kernels against the float64 evaluation of the same float32
+    table (rounding only) and against the float64 MLP (the table's tolerance); sorted and
+    unsorted walks and repeats give the same bits."""
+    f = _net(n_out, seed=1)
+    table = build_table(f, R_MAX, torch.zeros(1, dtype=torch.float64, device="cuda"))
+    coeffs = table.coeffs.float().contiguous()
+    r64 = _lengths(edges, seed=2)
+    r = r64.float().requires_grad_(True)
+    order = torch.argsort(r.detach())
+    w = table_ops.lookup(r, order, coeffs, table.inv_h)
+    g = torch.randn(edges, n_out, device="cuda")
+    (dr,) = torch.autograd.grad(w, r, g)
+    # the same table in float64 at the float32 lengths
+    rr = r.detach().double().requires_grad_(True)
+    w64 = evaluate(coeffs.double(), table.inv_h, rr)
+    (dr64,) = torch.autograd.grad(w64, rr, g.double())
+    assert rel_linf_error(w.detach(), w64.detach()) < 1e-6
+    assert rel_linf_error(dr, dr64) < 1e-5
+    # the MLP itself, relative to its largest weight over the table's range
+    scale = float(f(torch.linspace(0.7, R_MAX, 4000, dtype=torch.float64, device="cuda"))
+                  .abs().max())
+    assert float((w.detach().double() - f(r64)).abs().max()) / scale < 1e-6
+    # the walk's order changes no bit; nor does a repeat
+    w_unsorted = table_ops.lookup(r, None, coeffs, table.inv_h)
+    (dr_unsorted,) = torch.autograd.grad(w_unsorted, r, g)
+    assert torch.equal(w_unsorted, w) and torch.equal(dr_unsorted, dr)
+    w2 = table_ops.lookup(r, order, coeffs, table.inv_h)
+    (dr2,) = torch.autograd.grad(w2, r, g)
+    assert torch.equal(w2, w) and torch.equal(dr2, dr)
+
+
+def test_double_backward_is_the_table_second_derivative():
+    """Under ``create_graph`` the backward is torch ops: its value is the kernel's, and its
+    derivative in ``r`` is the table's second derivative (float64 check)."""
+    f = _net(64, seed=3)
+    table = build_table(f, R_MAX, torch.zeros(1, dtype=torch.float64, device="cuda"))
+    coeffs = table.coeffs.float().contiguous()
+    r = _lengths(500, seed=4).float().requires_grad_(True)
+    g = torch.randn(500, 64, device="cuda")
+    w = table_ops.lookup(r, None, coeffs, table.inv_h)
+    (dr,) = torch.autograd.grad(w, r, g, create_graph=True)
+    (dr_kernel,) = torch.autograd.grad(table_ops.lookup(r, None, coeffs, table.inv_h), r, g)
+    assert rel_linf_error(dr.detach(), dr_kernel.double()) < 1e-5
+    (d2,) = torch.autograd.grad(dr.sum(), r)
+    rr = r.detach().double().requires_grad_(True)
+    (s,) = torch.autograd.grad(evaluate(coeffs.double(), table.inv_h, rr), rr, g.double(),
+                               create_graph=True)
+    (d2_64,) = torch.autograd.grad(s.sum(), rr)
+    assert rel_linf_error(d2, d2_64) < 1e-4
+
+
+def test_lookup_checks_before_launch():
+    from mace_accel.errors import KernelError
+
+    coeffs = torch.zeros(16, 4, 8, device="cuda")
+    r = torch.ones(10, device="cuda")
+    with pytest.raises(KernelError, match="lengths"):
+        table_ops.lookup(r.double(), None, coeffs, 1.0)
+    with pytest.raises(KernelError, match="table"):
+        table_ops.lookup(r, None, coeffs[:, :3], 1.0)
+    with pytest.raises(KernelError, match="order"):
+        table_ops.lookup(r, torch.zeros(9, dtype=torch.int64, device="cuda"), coeffs, 1.0)
+
+
+def _inference_model(arch: str):
+    from mace_accel.models.architectures import build_architecture
+
+    model = build_architecture(arch, dtype=torch.float32, device="cuda")
+    for p in model.parameters():  # inference: no weight gradients (training runs the MLP)
+        p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["mp-medium", "mp-large"])
+def test_model_with_tables_matches_unpatched(arch, monkeypatch):
+    """A float32 model with the tables on (the default) against the unpatched model, every
+    block's weights looked up (sorted walk too: SORT_MIN_EDGES lowered), and the report
+    says so."""
+    from test_gpu_model import _assert_matches_unpatched
+
+    from mace_accel.patches import radial_table as table_patch
+
+    monkeypatch.setattr(table_patch, "SORT_MIN_EDGES", 0)
+    calls = []
+    real = table_patch.lookup
+    monkeypatch.setattr(table_patch, "lookup", lambda *a: calls.append(1) or real(*a))
+    model = _inference_model(arch)
+    report = mace_accel.accelerate(model, backend="cuda", verify=False)
+    assert any("cubic Hermite table" in line for line in report.notes)
+    _assert_matches_unpatched(model, torch.float32)
+    assert len(calls) >= 2
+    # the report, asked after the first call, names each block's table
+    blocks = [m for m in model.modules() if type(m).__name__ == "FusedRadialMLP"]
+    assert blocks and all("looked up in a cubic Hermite table" in m.describe() for m in blocks)
+
+
+def test_tables_off_runs_the_mlp_and_agrees(monkeypatch):
+    """``radial_table=False`` runs the MLP kernels; energy, forces and stress agree with the
+    tables' within the float32 model tolerance, and the tables' forces repeat bit for bit
+    (mace's own energy sum uses float atomics)."""
+    from test_gpu_model import _cu_ni
+
+    from mace_accel.models.batch import atoms_to_batch, model_info
+    from mace_accel.surgery import evaluate
+    from mace_accel.patches import radial_table as table_patch
+
+    calls = []
+    real = table_patch.lookup
+    monkeypatch.setattr(table_patch, "lookup", lambda *a: calls.append(1) or real(*a))
+    results = {}
+    for on in (True, False):
+        model = _inference_model("mp-medium")
+        mace_accel.accelerate(model, backend="cuda", verify=False,
+                              options=mace_accel.AccelOptions(radial_table=on))
+        batch = atoms_to_batch(_cu_ni(), model_info(model), device="cuda")
+        n = len(calls)
+        results[on] = [evaluate(model, batch, compute_stress=True) for _ in range(2)]
+        assert (len(calls) > n) == on
+    table, mlp = results[True], results[False]
+    assert torch.equal(table[0]["forces"], table[1]["forces"])
+    for key in ("energy", "forces", "stress"):
+        assert rel_norm_error(table[0][key], mlp[0][key]) < MODEL_TOL[torch.float32], key

@@ -1,0 +1,175 @@
+"""The radial table (mace_accel.ops.radial_table, mace_accel.patches.radial_table) on the CPU:
+building and evaluating tables, the kernels' plans and sources, and a patched model's tables
+against its own radial MLPs (the kernels run in tests/test_gpu_radial_table.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mace_accel
+from mace_accel.errors import ConfigError
+from mace_accel.models.architectures import small_test_model
+from mace_accel.ops.radial_table import codegen
+from mace_accel.ops.radial_table.table import (TOLERANCE, TableError, build_table, evaluate,
+                                               hermite_coefficients, values_and_slopes)
+from mace_accel.options import AccelOptions
+from mace_accel.patches import radial_table as table_patch
+from mace_accel.patches.edge_features import FusedRadialEmbedding
+from mace_accel.patches.radial_mlp import FusedRadialMLP
+
+F64 = torch.float64
+
+
+def _curve(r: torch.Tensor) -> torch.Tensor:
+    """Three smooth columns of r, the kind of curve an embedding + MLP makes."""
+    return torch.stack([torch.sin(2.1 * r) / r, torch.exp(-r) * r ** 2,
+                        torch.tanh(r - 2.0)], dim=1)
+
+
+def test_slopes_are_the_derivative():
+    r = torch.linspace(0.5, 4.5, 9, dtype=F64)
+    values, slopes = values_and_slopes(_curve, r)
+    eps = 1e-6
+    fd = (_curve(r + eps) - _curve(r - eps)) / (2 * eps)
+    assert torch.allclose(values, _curve(r))
+    assert float((slopes - fd).abs().max()) < 1e-8
+
+
+def test_spline_meets_the_nodes_and_is_smooth_across_them():
+    r = torch.linspace(1.0, 2.0, 11, dtype=F64)
+    h = 0.1
+    values, slopes = values_and_slopes(_curve, r)
+    coeffs = hermite_coefficients(values, slopes * h)
+    # at s = 0 and s = 1 each cell gives the node's value and slope
+    s1 = coeffs.sum(1)
+    d0, d1 = coeffs[:, 1], coeffs[:, 1] + 2 * coeffs[:, 2] + 3 * coeffs[:, 3]
+    assert torch.allclose(coeffs[:, 0], values[:-1]) and torch.allclose(s1, values[1:])
+    assert torch.allclose(d0, slopes[:-1] * h) and torch.allclose(d1, slopes[1:] * h)
+
+
+def test_table_is_within_its_tolerance_and_differentiable():
+    table = build_table(_curve, 5.0, torch.zeros(1, dtype=F64))
+    assert table.cells >= 512 and table.max_error <= TOLERANCE
+    r = torch.linspace(0.6, 4.99, 3001, dtype=F64, requires_grad=True)
+    w = evaluate(table.coeffs, table.inv_h, r)
+    scale = float(_curve(r.detach()).abs().max())
+    assert float((w.detach() - _curve(r.detach())).abs().max()) / scale < 2 * TOLERANCE
+    (dr,) = torch.autograd.grad(w.sum(), r)
+    (want,) = torch.autograd.grad(_curve(r).sum(), r)
+    assert float((dr - want).abs().max() / want.abs().max()) < 1e-6
+    assert "cubic Hermite table" in table.describe()
+
+
+def test_a_table_that_cannot_meet_the_tolerance_says_so():
+    with pytest.raises(TableError, match="largest weight"):
+        build_table(lambda r: torch.sin(400 * r)[:, None], 5.0, torch.zeros(1, dtype=F64),
+                    max_cells=1024)
+    with pytest.raises(TableError, match="r_max"):
+        build_table(_curve, 0.0, torch.zeros(1, dtype=F64))
+
+
+def test_lengths_past_the_table_stay_on_its_end():
+    table = build_table(_curve, 5.0, torch.zeros(1, dtype=F64))
+    end = evaluate(table.coeffs, table.inv_h, torch.tensor([5.0, 5.0 + 1e-9], dtype=F64))
+    assert torch.allclose(end[0], end[1])
+
+
+@pytest.mark.parametrize("n_out,vec", [(1280, 4), (90, 1)])
+def test_plans_and_sources(n_out, vec):
+    for direction in codegen.DIRECTIONS:
+        plan = codegen.plan_kernel(direction, n_out)
+        assert plan.vec == vec and plan.nq * vec == n_out
+        src = codegen.render_kernel(plan)
+        assert codegen.kernel_name(plan) in src and f"#define NQ {plan.nq}" in src
+    with pytest.raises(ValueError, match="direction"):
+        codegen.plan_kernel("sideways", n_out)
+    names = [name for name, _ in codegen.catalog_sources(None)]
+    assert len(names) == len(set(names)) == 2 * len(codegen.CATALOG_WIDTHS)
+
+
+def test_option_is_checked():
+    with pytest.raises(ConfigError, match="radial_table"):
+        AccelOptions(radial_table="yes")
+
+
+def _patched(interaction: str = "RealAgnosticResidualInteractionBlock"):
+    model = small_test_model(interaction)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    mace_accel.accelerate(model, backend="reference", verify=False)
+    return model
+
+
+def test_link_gives_every_mlp_the_embedding_and_reports_only_for_cuda():
+    model = _patched()
+    embedding = next(m for m in model.modules() if isinstance(m, FusedRadialEmbedding))
+    mlps = [m for m in model.modules() if isinstance(m, FusedRadialMLP)]
+    assert len(mlps) == 2 and all(m.embedding is embedding for m in mlps)
+    assert "embedding" not in dict(mlps[0].named_children())  # no second state-dict entry
+    assert table_patch.link(model, AccelOptions(backend="reference")) is None
+    assert table_patch.link(model, AccelOptions(backend="cuda", radial_table=False)) is None
+    note = table_patch.link(model, AccelOptions(backend="cuda"))
+    assert "cubic Hermite table" in note and "radial MLPs" not in note
+
+
+def test_embedding_hands_out_the_lengths_of_its_own_output_only():
+    model = _patched()
+    embedding = next(m for m in model.modules() if isinstance(m, FusedRadialEmbedding))
+    lengths = torch.rand(7, 1, dtype=F64) * 3 + 0.5
+    feats, _ = embedding(lengths)
+    assert torch.equal(embedding.lengths_for(feats), lengths.reshape(-1))
+    assert embedding.lengths_for(feats.clone()) is None
+    order = embedding.length_order(embedding.lengths_for(feats))
+    assert torch.equal(order, torch.argsort(lengths.reshape(-1)))
+    feats.mul_(1.0)  # modified in place: no longer the embedding of those lengths
+    assert embedding.lengths_for(feats) is None
+
+
+def test_off_cuda_the_mlp_runs():
+    model = _patched()
+    embedding = next(m for m in model.modules() if isinstance(m, FusedRadialEmbedding))
+    mlp = next(m for m in model.modules() if isinstance(m, FusedRadialMLP))
+    feats, _ = embedding(torch.rand(5, 1, dtype=F64) + 1.0)
+    assert table_patch.lengths_for(mlp, feats) is None
+
+
+@pytest.mark.parametrize("interaction", ["RealAgnosticResidualInteractionBlock",
+                                         "RealAgnosticInteractionBlock"])
+def test_a_blocks_table_is_its_mlp_of_its_embedding(interaction):
+    """The table a block would look up, built from our reference embedding and the folded
+    weights, against mace's own modules (the original embedding and e3nn MLP) in float64."""
+    model = _patched(interaction)
+    embedding = next(m for m in model.modules() if isinstance(m, FusedRadialEmbedding))
+    like = torch.zeros(1, dtype=F64)
+    r = torch.linspace(0.5, embedding.spec.r_max * 0.999, 2001, dtype=F64)
+    with torch.no_grad():
+        feats = embedding.original(r[:, None], None, None, None)
+        feats = feats[0] if isinstance(feats, tuple) else feats
+    for mlp in (m for m in model.modules() if isinstance(m, FusedRadialMLP)):
+        table, coeffs = table_patch.table_of(mlp, like)
+        assert coeffs.dtype == torch.float32 and table.max_error <= TOLERANCE
+        with torch.no_grad():
+            want = mlp.original(feats)
+        got = evaluate(table.coeffs, table.inv_h, r)
+        assert float((got - want).abs().max() / want.abs().max()) < 2e-7
+        assert "looked up in a cubic Hermite table" in mlp.describe() or \
+            mlp.backend != "cuda"
+
+
+def test_bessel_like_embedding_needs_few_cells():
+    """MACE's 8 Bessel functions up to 6 Å into a random SiLU net: 1024 cells at most."""
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(8, 32, generator=g, dtype=F64) / 8 ** 0.5,
+          torch.randn(32, 64, generator=g, dtype=F64) / 32 ** 0.5]
+    n = torch.arange(1, 9, dtype=F64)
+
+    def f(r):
+        x = r / 6.0
+        cut = 1 - 28 * x ** 6 + 48 * x ** 7 - 21 * x ** 8
+        h = torch.sin(n * math.pi * r[:, None] / 6.0) / r[:, None] * cut[:, None]
+        return torch.nn.functional.silu(h @ ws[0]) @ ws[1]
+
+    assert build_table(f, 6.0, torch.zeros(1, dtype=F64)).cells <= 1024
