@@ -142,15 +142,15 @@ class AccelOptions:
             are never written. Off by default: at 539k edges on an H200 it measured 1.0-1.5x
             (float32) and 1.3-2.8x (float64) the time of the GEMM kernel and the conv it
             replaces (docs/design/last_layer_in_conv.md).
-        radial_table: in float32 on CUDA at inference, evaluate each interaction block's radial
-            MLP as a table in the edge length (:mod:`mace_accel.ops.radial_table`) where its
-            input is the model's fused radial embedding of the lengths: a cubic Hermite spline
-            built on first use in float64 from the block's own embedding and MLP, with cells
-            doubled until it is within 1e-7 of the largest weight and 5e-7 of the largest slope
-            between the nodes (the 3xTF32 MLP kernels are ~1e-6 off float64); forces are the
-            spline's exact gradient. At 539k edges on an H200 the lookups take 0.41x the MLP
-            kernels' time. ``False`` runs the MLP kernels. Training, float64 and weights the
-            conv recomputes run the MLP either way.
+        radial_table: on CUDA at inference, evaluate each interaction block's radial MLP as a
+            table in the edge length (:mod:`mace_accel.ops.radial_table`) where its input is the
+            model's fused radial embedding of the lengths: a Hermite spline built on first use
+            in float64 from the block's own embedding and MLP, with cells doubled until it is
+            within tolerance between the nodes: float32 cubic, 1e-7 of the largest weight and
+            5e-7 of the largest slope (the 3xTF32 MLP kernels are ~1e-6 off float64); float64
+            quintic, 1e-13 and 2e-12. Forces are the spline's exact gradient. At 539k edges on
+            an H200 the float32 lookups take 0.41x the MLP kernels' time. ``False`` runs the
+            MLP kernels. Training and weights the conv recomputes run the MLP either way.
         overlap_radial: on CUDA, start the later interaction blocks' radial MLPs on a side
             stream right after the first block's, so they run beside the earlier blocks' work
             (calls up to 131,072 edges; same results bit for bit). ``False`` runs every kernel

@@ -20,6 +20,7 @@ import torch
 
 from mace_accel.errors import InputError
 from mace_accel.ops.edge_features import autograd
+from mace_accel.ops.edge_features import reference as edge_reference
 from mace_accel.ops.edge_features.spec import (
     RadialSpec,
     SHSpec,
@@ -176,9 +177,11 @@ class FusedRadialEmbedding(FusedModule):
 
     def table_function(self) -> Any:
         """``f(r [N]) -> [N, num_basis]``: this embedding's features (what the radial MLPs
-        take) as differentiable torch ops (the reference op, any dtype), for tabulating."""
-        key = self._current_key()
-        return lambda r: autograd.radial_embedding(key, r.reshape(-1, 1), "reference")[0]
+        take) as plain torch ops (any dtype, differentiable to any order: the quintic tables
+        take third derivatives), for tabulating."""
+        self._current_key()  # the spec as the buffers are now
+        spec = self.spec
+        return lambda r: edge_reference.radial_forward(spec, r.reshape(-1, 1))[0]
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)

@@ -150,7 +150,7 @@ class FusedRadialMLP(FusedModule):
             return head
         table = radial_table.describe(self)
         return (head + self._float32_last() + self._float64_last()
-                + ("" if table is None else f"; float32 inference: {table}"))
+                + ("" if table is None else f"; at inference: {table}"))
 
     def _float32_last(self) -> str:
         """The report's words on the float32 GEMMs."""

@@ -21,7 +21,7 @@ import torch
 
 from mace_accel.ops import radial_mlp
 from mace_accel.ops.radial_table import autograd as table_ops
-from mace_accel.ops.radial_table.table import RadialTable, TableError, build_table
+from mace_accel.ops.radial_table.table import SPECS, RadialTable, TableError, build_table
 
 Tensor = torch.Tensor
 # from this many edges the lookups walk the edges in order of length (one argsort a call,
@@ -45,35 +45,35 @@ def link(model: torch.nn.Module, options) -> Optional[str]:
             or options.backend != "cuda":
         return None
     return (f"radial tables: the {len(mlps)} interaction blocks look their TP weights up in a "
-            "cubic Hermite table of the edge length (float32 CUDA inference; built in float64 "
-            "from each block's radial MLP on first use, within 1e-7 of the largest weight and "
-            "5e-7 of the largest slope between the nodes; AccelOptions(radial_table=False) "
-            "runs the MLP kernels)")
+            "Hermite table of the edge length (CUDA inference; built in float64 from each "
+            "block's radial MLP on first use: float32 cubic, within 1e-7 of the largest "
+            "weight and 5e-7 of the largest slope between the nodes, float64 quintic, within "
+            "1e-13 and 2e-12; AccelOptions(radial_table=False) runs the MLP kernels)")
 
 
 def lengths_for(mlp, x: Tensor) -> Optional[Tensor]:
     """The edge lengths ``[E]`` behind ``mlp``'s input ``x`` where its table may run: the
-    option on, CUDA float32, no weight gradient (inference), not under ``torch.compile``, and
-    ``x`` the linked embedding's last output; else None."""
+    option on, CUDA float32 or float64, no weight gradient (inference), not under
+    ``torch.compile``, and ``x`` the linked embedding's last output; else None."""
     embedding = mlp.__dict__.get("embedding")
     if embedding is None or not getattr(mlp.options, "radial_table", False) \
-            or mlp.backend != "cuda" or not x.is_cuda or x.dtype != torch.float32 \
+            or mlp.backend != "cuda" or not x.is_cuda or x.dtype not in SPECS \
             or torch.compiler.is_compiling() or not mlp._no_weight_grads():
         return None
     lengths = embedding.lengths_for(x)
-    if lengths is None or lengths.dtype != torch.float32 or table_of(mlp, x) is None:
+    if lengths is None or lengths.dtype != x.dtype or table_of(mlp, x) is None:
         return None
     return lengths
 
 
 def table_of(mlp, like: Tensor) -> Optional[Tuple[RadialTable, Tensor]]:
-    """``(table, its float32 coefficients on like's device)`` of ``mlp`` with its linked
-    embedding, built on first use and again when the weights or the embedding change; None
-    (and a warning, once) where it cannot be built within the tolerance."""
+    """``(table, its coefficients in like's dtype on like's device)`` of ``mlp`` with its
+    linked embedding (:data:`~mace_accel.ops.radial_table.table.SPECS`: cubic in float32,
+    quintic in float64), built on first use and again when the weights, the embedding or the
+    dtype change; None (and a warning, once) where it cannot be built within the tolerance."""
     embedding = mlp.__dict__["embedding"]
     key = embedding._current_key()
-    failed = mlp._kernels.get(("table_failed", key))
-    if failed is not None:
+    if ("table_failed", key, like.dtype) in mlp._kernels:
         return None
 
     def build(dtype: torch.dtype):
@@ -82,14 +82,14 @@ def table_of(mlp, like: Tensor) -> Optional[Tuple[RadialTable, Tensor]]:
         features = embedding.table_function()
         try:
             table = build_table(lambda r: radial_mlp.reference(features(r), weights),
-                                embedding.spec.r_max, weights[0])
+                                embedding.spec.r_max, weights[0], SPECS[dtype], dtype)
         except TableError as err:
             return err
         return table, table.coeffs.to(dtype).contiguous()
 
-    got = mlp._derived(f"radial_table:{key}", mlp.raw_weights(), torch.float32, build)
+    got = mlp._derived(f"radial_table:{key}", mlp.raw_weights(), like.dtype, build)
     if isinstance(got, TableError):
-        mlp._kernels[("table_failed", key)] = str(got)
+        mlp._kernels[("table_failed", key, like.dtype)] = str(got)
         warnings.warn(f"mace-accel: the radial MLP {mlp.spec.describe()} runs as an MLP, not a "
                       f"table: {got}", RuntimeWarning, stacklevel=3)
         return None
@@ -111,8 +111,12 @@ def describe(mlp) -> Optional[str]:
     if embedding is None:
         return None
     key = embedding._current_key()
-    failed = mlp._kernels.get(("table_failed", key))
-    if failed is not None:
-        return f"the MLP runs, not its table: {failed}"
+    failed = [v for k, v in mlp._kernels.items()
+              if isinstance(k, tuple) and k[:2] == ("table_failed", key)]
+    if failed:
+        return f"the MLP runs, not its table: {failed[0]}"
     cached = mlp._kernels.get(f"radial_table:{key}")
-    return None if cached is None else f"looked up in a {cached[1][0].describe()}"
+    if cached is None or isinstance(cached[1], TableError):
+        return None
+    table, coeffs = cached[1]
+    return f"looked up in a {table.describe(coeffs.dtype)}"

@@ -4,8 +4,10 @@ by length included), backward ``d r`` (``d x`` for the MLP), their error against
 MLP, and the bandwidth of the ``[E, n_out]`` tensor written / read (GPU machine). A Bessel x
 polynomial-cutoff embedding (MACE's, 8 functions, r_max 6 Å) into a random SiLU MLP; lengths
 drawn as in a dense solid (density ~ r^2 from 1.8 Å). 10 launches per CUDA graph, median.
+With ``--dtype float64`` the quintic float64 table alone (no float64 MLP kernel to compare).
 
     python scripts/bench_radial_table.py --edges 20000,539000 --outs 512,1280
+    python scripts/bench_radial_table.py --dtype float64
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from mace_accel.bench.timing import graph_ms_per_launch
 from mace_accel.ops import radial_mlp
 from mace_accel.ops.radial_table import autograd as table_ops
-from mace_accel.ops.radial_table.table import build_table
+from mace_accel.ops.radial_table.table import SPECS, build_table
 from mace_accel.ops.radial_tc.cuda import CudaRadialMLP
 from mace_accel.ops.radial_tc.spec import RadialSpec
 
@@ -40,7 +42,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b).abs().max() / b.abs().max())
 
 
-def run(n_out: int, edges: int) -> None:
+def run(n_out: int, edges: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     widths = (BASIS, 64, 64, 64, n_out)
     w64 = [torch.randn(widths[i], widths[i + 1], dtype=torch.float64, device="cuda")
@@ -53,13 +55,13 @@ def run(n_out: int, edges: int) -> None:
     t0 = torch.cuda.Event(enable_timing=True)
     t1 = torch.cuda.Event(enable_timing=True)
     t0.record()
-    table = build_table(net64, R_MAX, w64[0])
+    table = build_table(net64, R_MAX, w64[0], SPECS[dtype], dtype)
     t1.record()
     torch.cuda.synchronize()
-    coeffs = table.coeffs.float().contiguous()
+    coeffs = table.coeffs.to(dtype).contiguous()
     r = (R_MAX * torch.rand(edges, device="cuda", dtype=torch.float64) ** (1 / 3)).clamp(min=1.8)
-    r32 = r.float()
-    g = torch.randn(edges, n_out, device="cuda")
+    r32 = r.to(dtype)
+    g = torch.randn(edges, n_out, device="cuda", dtype=dtype)
     # float64 truth: the weights and d r of <g, w>
     rr = r.clone().requires_grad_(True)
     ref = net64(rr)
@@ -70,34 +72,38 @@ def run(n_out: int, edges: int) -> None:
         return table_ops.lookup(r32, order, coeffs, table.inv_h)
 
     order = torch.argsort(r32)
-    kernels = table_ops._kernels(n_out, r32.device)
+    kernels = table_ops._kernels(coeffs)
 
     def table_bwd():
         return kernels.backward(g, r32, order, coeffs, table.inv_h)
 
-    x = embedding(r32)
-    mlp = CudaRadialMLP(RadialSpec(widths), r32.device)
-    packed = mlp.pack(w32)
-    _, z = mlp.forward(x, packed)
+    if dtype == torch.float32:
+        x = embedding(r32)
+        mlp = CudaRadialMLP(RadialSpec(widths), r32.device)
+        packed = mlp.pack(w32)
+        _, z = mlp.forward(x, packed)
 
-    def mlp_fwd():
-        return mlp.forward(x, packed)[0]
+        def mlp_fwd():
+            return mlp.forward(x, packed)[0]
 
-    def mlp_bwd():
-        return mlp.backward(g, z, packed)
+        def mlp_bwd():
+            return mlp.backward(g, z, packed)
 
-    print(f"n_out {n_out}, {edges} edges: {table.describe()}; built in "
+    print(f"n_out {n_out}, {edges} edges: {table.describe(dtype)}; built in "
           f"{t0.elapsed_time(t1):.0f} ms", flush=True)
-    gb = edges * n_out * 4 / 1e9
+    gb = edges * n_out * r32.element_size() / 1e9
     base = {}
+    mlp_rows = [] if dtype != torch.float32 else [
+        ("MLP fwd (wgmma)", mlp_fwd, _rel(mlp_fwd(), ref.detach())),
+        ("MLP bwd d x (wgmma)", mlp_bwd, None)]
     for name, fn, err in (
-            ("MLP fwd (wgmma)", mlp_fwd, _rel(mlp_fwd(), ref.detach())),
+            *mlp_rows[:1],
             ("table fwd + sort", table_fwd, _rel(table_fwd(), ref.detach())),
             ("table fwd, sorted", lambda: kernels.forward(r32, order, coeffs, table.inv_h),
              None),
             ("table fwd, unsorted", lambda: kernels.forward(
                 r32, torch.arange(edges, device="cuda"), coeffs, table.inv_h), None),
-            ("MLP bwd d x (wgmma)", mlp_bwd, None),
+            *mlp_rows[1:],
             ("table bwd d r", table_bwd, _rel(table_bwd(), dref))):
         ms = graph_ms_per_launch(fn, LAUNCHES)
         key = name.split()[1]
@@ -111,10 +117,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--edges", default="20000,539000")
     parser.add_argument("--outs", default="512,1280")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     for n_out in (int(v) for v in args.outs.split(",")):
         for e in (int(v) for v in args.edges.split(",")):
-            run(n_out, e)
+            run(n_out, e, dtype)
 
 
 if __name__ == "__main__":

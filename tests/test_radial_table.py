@@ -13,7 +13,8 @@ import mace_accel
 from mace_accel.errors import ConfigError
 from mace_accel.models.architectures import small_test_model
 from mace_accel.ops.radial_table import codegen
-from mace_accel.ops.radial_table.table import (TOLERANCE, TableError, build_table, evaluate,
+from mace_accel.ops.radial_table.table import (SPECS, TOLERANCE, TableError, TableSpec,
+                                               build_table, derivatives, evaluate,
                                                hermite_coefficients, values_and_slopes)
 from mace_accel.options import AccelOptions
 from mace_accel.patches import radial_table as table_patch
@@ -50,6 +51,33 @@ def test_spline_meets_the_nodes_and_is_smooth_across_them():
     assert torch.allclose(d0, slopes[:-1] * h) and torch.allclose(d1, slopes[1:] * h)
 
 
+def test_quintic_spline_meets_values_slopes_and_curvatures_at_the_nodes():
+    r = torch.linspace(1.0, 2.0, 11, dtype=F64)
+    h = 0.1
+    v, d, a = derivatives(_curve, r, 2)
+    eps = 1e-5
+    fd = (values_and_slopes(_curve, r + eps)[1] - values_and_slopes(_curve, r - eps)[1]) / (2 * eps)
+    assert float((a - fd).abs().max()) < 1e-8
+    c = hermite_coefficients(v, d * h, a * h * h)
+    k = torch.arange(6, dtype=F64)[None, :, None]
+    assert torch.allclose(c.sum(1), v[1:])  # s = 1
+    assert torch.allclose((k * c).sum(1), d[1:] * h)
+    assert torch.allclose((k * (k - 1) * c).sum(1), a[1:] * h * h)
+    assert torch.allclose(c[:, 0], v[:-1]) and torch.allclose(c[:, 1], d[:-1] * h)
+
+
+def test_float64_tables_are_quintic_and_within_1e_13():
+    spec = SPECS[torch.float64]
+    table = build_table(_curve, 5.0, torch.zeros(1, dtype=F64), spec, torch.float64)
+    assert table.degree == 5 and table.max_error <= spec.tolerance
+    assert table.max_slope_error <= spec.slope_tolerance
+    r = torch.linspace(0.6, 4.99, 3001, dtype=F64, requires_grad=True)
+    w = evaluate(table.coeffs, table.inv_h, r)
+    assert float((w.detach() - _curve(r.detach())).abs().max() / _curve(r.detach()).abs().max()
+                 ) < 2e-13
+    assert "quintic Hermite table" in table.describe(torch.float64)
+
+
 def test_table_is_within_its_tolerance_and_differentiable():
     table = build_table(_curve, 5.0, torch.zeros(1, dtype=F64))
     assert table.cells >= 512 and table.max_error <= TOLERANCE
@@ -66,7 +94,7 @@ def test_table_is_within_its_tolerance_and_differentiable():
 def test_a_table_that_cannot_meet_the_tolerance_says_so():
     with pytest.raises(TableError, match="largest weight"):
         build_table(lambda r: torch.sin(400 * r)[:, None], 5.0, torch.zeros(1, dtype=F64),
-                    max_cells=1024)
+                    TableSpec(3, 1e-7, 5e-7, max_cells=1024))
     with pytest.raises(TableError, match="r_max"):
         build_table(_curve, 0.0, torch.zeros(1, dtype=F64))
 
@@ -77,7 +105,7 @@ def test_lengths_past_the_table_stay_on_its_end():
     assert torch.allclose(end[0], end[1])
 
 
-@pytest.mark.parametrize("n_out,vec", [(1280, 4), (90, 1)])
+@pytest.mark.parametrize("n_out,vec", [(1280, 4), (90, 2), (45, 1)])
 def test_plans_and_sources(n_out, vec):
     for direction in codegen.DIRECTIONS:
         plan = codegen.plan_kernel(direction, n_out)
@@ -86,8 +114,13 @@ def test_plans_and_sources(n_out, vec):
         assert codegen.kernel_name(plan) in src and f"#define NQ {plan.nq}" in src
     with pytest.raises(ValueError, match="direction"):
         codegen.plan_kernel("sideways", n_out)
+    with pytest.raises(ValueError, match="degree"):
+        codegen.plan_kernel("forward", n_out, "float64", 4)
+    quintic = codegen.plan_kernel("backward", n_out, "float64", 5)
+    assert quintic.nc == 6 and quintic.vec == min(vec, 2)
+    assert "typedef double real" in codegen.render_kernel(quintic)
     names = [name for name, _ in codegen.catalog_sources(None)]
-    assert len(names) == len(set(names)) == 2 * len(codegen.CATALOG_WIDTHS)
+    assert len(names) == len(set(names)) == 4 * len(codegen.CATALOG_WIDTHS)
 
 
 def test_option_is_checked():
@@ -112,7 +145,7 @@ def test_link_gives_every_mlp_the_embedding_and_reports_only_for_cuda():
     assert table_patch.link(model, AccelOptions(backend="reference")) is None
     assert table_patch.link(model, AccelOptions(backend="cuda", radial_table=False)) is None
     note = table_patch.link(model, AccelOptions(backend="cuda"))
-    assert "cubic Hermite table" in note and "radial MLPs" not in note
+    assert "Hermite table" in note and "radial MLPs" not in note
 
 
 def test_embedding_hands_out_the_lengths_of_its_own_output_only():
@@ -136,25 +169,26 @@ def test_off_cuda_the_mlp_runs():
     assert table_patch.lengths_for(mlp, feats) is None
 
 
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 2e-7), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("interaction", ["RealAgnosticResidualInteractionBlock",
                                          "RealAgnosticInteractionBlock"])
-def test_a_blocks_table_is_its_mlp_of_its_embedding(interaction):
+def test_a_blocks_table_is_its_mlp_of_its_embedding(interaction, dtype, bound):
     """The table a block would look up, built from our reference embedding and the folded
     weights, against mace's own modules (the original embedding and e3nn MLP) in float64."""
     model = _patched(interaction)
     embedding = next(m for m in model.modules() if isinstance(m, FusedRadialEmbedding))
-    like = torch.zeros(1, dtype=F64)
+    like = torch.zeros(1, dtype=dtype)
     r = torch.linspace(0.5, embedding.spec.r_max * 0.999, 2001, dtype=F64)
     with torch.no_grad():
         feats = embedding.original(r[:, None], None, None, None)
         feats = feats[0] if isinstance(feats, tuple) else feats
     for mlp in (m for m in model.modules() if isinstance(m, FusedRadialMLP)):
         table, coeffs = table_patch.table_of(mlp, like)
-        assert coeffs.dtype == torch.float32 and table.max_error <= TOLERANCE
+        assert coeffs.dtype == dtype and table.max_error <= SPECS[dtype].tolerance
         with torch.no_grad():
             want = mlp.original(feats)
         got = evaluate(table.coeffs, table.inv_h, r)
-        assert float((got - want).abs().max() / want.abs().max()) < 2e-7
+        assert float((got - want).abs().max() / want.abs().max()) < bound
         assert "looked up in a cubic Hermite table" in mlp.describe() or \
             mlp.backend != "cuda"
 

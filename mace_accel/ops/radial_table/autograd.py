@@ -14,11 +14,13 @@ from mace_accel.ops import registry
 Tensor = torch.Tensor
 
 
-def _kernels(n_out: int, device: torch.device):
+def _kernels(coeffs: Tensor):
+    """The kernels of tables shaped and typed as ``coeffs`` on its device."""
     from mace_accel.ops.radial_table.cuda import CudaRadialTable
 
-    return registry.cached(("radial_table", n_out, device),
-                           lambda: CudaRadialTable(n_out, device))
+    n_out, degree = int(coeffs.shape[2]), int(coeffs.shape[1]) - 1
+    return registry.cached(("radial_table", n_out, coeffs.dtype, degree, coeffs.device),
+                           lambda: CudaRadialTable(n_out, coeffs.dtype, degree, coeffs.device))
 
 
 class _Lookup(torch.autograd.Function):
@@ -28,8 +30,7 @@ class _Lookup(torch.autograd.Function):
         ctx.save_for_backward(lengths, coeffs)
         ctx.order = order  # int64, never differentiated
         ctx.inv_h = inv_h
-        return _kernels(int(coeffs.shape[2]), lengths.device).forward(lengths, order, coeffs,
-                                                                      inv_h)
+        return _kernels(coeffs).forward(lengths, order, coeffs, inv_h)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -38,8 +39,7 @@ class _Lookup(torch.autograd.Function):
             return None, None, None, None
         if torch.is_grad_enabled():  # create_graph: the slope as differentiable torch ops
             return _slope_on(lengths, coeffs, ctx.inv_h, grad), None, None, None
-        d = _kernels(int(coeffs.shape[2]), lengths.device).backward(
-            grad.contiguous(), lengths, ctx.order, coeffs, ctx.inv_h)
+        d = _kernels(coeffs).backward(grad.contiguous(), lengths, ctx.order, coeffs, ctx.inv_h)
         return d, None, None, None
 
 
@@ -47,17 +47,21 @@ def _slope_on(lengths: Tensor, coeffs: Tensor, inv_h: float, grad: Tensor) -> Te
     """``<grad[e], w'(r_e)>`` as torch ops of ``lengths`` and ``grad`` (differentiable)."""
     cells = coeffs.shape[0]
     t = lengths * inv_h
-    g = t.detach().floor().clamp(0, cells - 1).long()
+    g = t.detach().clamp(0, cells).floor().clamp(0, cells - 1).long()
     u = t - g.to(t.dtype)
     inside = (u < 1).to(t.dtype)
     s = u.clamp(max=1.0).unsqueeze(1)
     c = coeffs[g]
-    slope = c[:, 1] + s * (2 * c[:, 2] + 3 * s * c[:, 3])
+    nc = c.shape[1]
+    slope = (nc - 1) * c[:, nc - 1]
+    for k in range(nc - 2, 0, -1):
+        slope = k * c[:, k] + s * slope
     return (grad * slope).sum(1) * inside * inv_h
 
 
 def lookup(lengths: Tensor, order: Optional[Tensor], coeffs: Tensor, inv_h: float) -> Tensor:
-    """``w [E, n]`` of ``lengths [E]`` (float32, CUDA) from the table ``coeffs [cells, 4, n]``
-    (float32, :class:`~mace_accel.ops.radial_table.table.RadialTable` rounded), differentiable
+    """``w [E, n]`` of ``lengths [E]`` (CUDA) from the table ``coeffs [cells, degree + 1, n]``
+    of the same dtype (:class:`~mace_accel.ops.radial_table.table.RadialTable` rounded),
+    differentiable
     in ``lengths``; ``order [E]`` (int64): the edges sorted by length (faster), or None."""
     return _Lookup.apply(lengths, order, coeffs, inv_h)

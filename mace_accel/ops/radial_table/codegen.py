@@ -1,5 +1,6 @@
 """The radial table's kernel sources (``kernels/radial_table/``): the plan of one direction for
-one row width, its name and source, and the catalog CI compiles."""
+one row width, dtype and polynomial degree, its name and source, and the catalog CI
+compiles."""
 
 from __future__ import annotations
 
@@ -9,54 +10,102 @@ from typing import Iterator, Tuple
 from mace_accel.ops.limits import DeviceLimits
 from mace_accel.ops.templates import render
 
-THREADS = 256
-# positions of the length order per forward block: enough edges that most of a block's lookups
-# share the cells whose rows it has read into L1 (a 539k-edge graph over a 1024-cell table has
-# ~500 edges a cell)
-FORWARD_EDGES = 32
+# the forward: at most this many vectors of a row per block (its threads, one vector each), and
+# this many positions of the length order (its threads reload their coefficients only where
+# the cell changes: a 539k-edge graph over a 1024-cell table has ~500 edges a cell)
+MAX_CHUNK = 256
+FORWARD_EDGES = 64
+BACKWARD_THREADS = 256  # the backward: warps of a block, two edges each
 DIRECTIONS = ("forward", "backward")
-# the row widths CI compiles: MACE-MP medium's two interactions, MACE-MP large's, and a width
-# that is not a multiple of 4 (the scalar kernels)
-CATALOG_WIDTHS = (512, 1280, 1792, 2560, 90)
+DTYPES = ("float32", "float64")
+# the row widths CI compiles: MACE-MP medium's two interactions, MACE-MP large's, and widths
+# that take the narrower vectors (odd: scalars in both dtypes; 2 mod 4: float2 in float32)
+CATALOG_WIDTHS = (512, 1280, 1792, 2560, 90, 45)
+# the degree each dtype's tables have (ops/radial_table/table.py SPECS)
+CATALOG_DEGREES = {"float32": 3, "float64": 5}
+_VEC = {"float32": (4, 2, 1), "float64": (2, 1)}
+_REAL = {"float32": "float", "float64": "double"}
 
 
 @dataclasses.dataclass(frozen=True)
 class TablePlan:
-    """``direction`` (forward / backward) for rows of ``n_out`` weights: vectors of ``vec``
-    floats (4 where ``n_out`` allows)."""
+    """``direction`` (forward / backward) for rows of ``n_out`` weights of ``dtype``, the
+    polynomial of ``degree``: vectors of ``vec`` reals (the widest that divides ``n_out``:
+    16 bytes where it can)."""
 
     direction: str
     n_out: int
-    threads: int = THREADS
-    edges: int = FORWARD_EDGES
+    dtype: str
+    degree: int
+
+    @property
+    def edges(self) -> int:
+        """Positions of the length order a block takes."""
+        return FORWARD_EDGES if self.direction == "forward" else 2 * BACKWARD_THREADS // 32
+
+    @property
+    def real(self) -> str:
+        return _REAL[self.dtype]
 
     @property
     def vec(self) -> int:
-        return 4 if self.n_out % 4 == 0 else 1
+        return next(v for v in _VEC[self.dtype] if self.n_out % v == 0)
 
     @property
     def nq(self) -> int:
         return self.n_out // self.vec
 
     @property
+    def chunks(self) -> int:
+        """The forward's blocks along a row (grid.y; the backward's warps take whole rows)."""
+        return -(-self.nq // MAX_CHUNK) if self.direction == "forward" else 1
+
+    @property
+    def threads(self) -> int:
+        """Threads a block: the forward's one vector of the row each (the row split evenly
+        into :attr:`chunks`, whole warps), the backward's :data:`BACKWARD_THREADS`."""
+        if self.direction == "backward":
+            return BACKWARD_THREADS
+        per_chunk = -(-self.nq // self.chunks)
+        return -(-per_chunk // 32) * 32
+
+    @property
+    def unroll(self) -> int:
+        """The backward's row vectors a lane has in flight (16 bytes each)."""
+        return 2
+
+    @property
+    def nc(self) -> int:
+        return self.degree + 1
+
+    @property
     def vec_type(self) -> str:
-        return "float4" if self.vec == 4 else "float"
+        return self.real if self.vec == 1 else f"{self.real}{self.vec}"
+
+    @property
+    def components(self) -> Tuple[str, ...]:
+        """How the kernels address a vector's components (``""``: a scalar)."""
+        return ("",) if self.vec == 1 else tuple(f".{c}" for c in "xyzw"[:self.vec])
 
 
-def plan_kernel(direction: str, n_out: int) -> TablePlan:
-    """The plan of ``direction`` for rows of ``n_out`` weights.
+def plan_kernel(direction: str, n_out: int, dtype: str = "float32",
+                degree: int = 3) -> TablePlan:
+    """The plan of ``direction`` for rows of ``n_out`` weights of ``dtype`` (``"float32"`` or
+    ``"float64"``), a polynomial of ``degree`` (odd, 1 to 7).
 
     Raises:
-        ValueError: an unknown direction or a width below 1.
+        ValueError: an unknown direction or dtype, a width below 1, a degree not taken.
     """
-    if direction not in DIRECTIONS or n_out < 1:
+    if direction not in DIRECTIONS or dtype not in DTYPES or n_out < 1 \
+            or degree not in (1, 3, 5, 7):
         raise ValueError(f"radial table kernel: direction {direction!r} (one of {DIRECTIONS}), "
-                         f"n_out {n_out} (>= 1)")
-    return TablePlan(direction, n_out)
+                         f"dtype {dtype!r} (one of {DTYPES}), n_out {n_out} (>= 1), degree "
+                         f"{degree} (1, 3, 5 or 7)")
+    return TablePlan(direction, n_out, dtype, degree)
 
 
 def kernel_name(plan: TablePlan) -> str:
-    return f"mace_radial_table_{plan.direction}_n{plan.n_out}"
+    return f"mace_radial_table_{plan.direction}_{plan.dtype}_d{plan.degree}_n{plan.n_out}"
 
 
 def render_kernel(plan: TablePlan) -> str:
@@ -64,9 +113,11 @@ def render_kernel(plan: TablePlan) -> str:
 
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
-    """``(name, source)`` of both directions for every width of :data:`CATALOG_WIDTHS`."""
+    """``(name, source)`` of both directions for every width of :data:`CATALOG_WIDTHS`, in
+    each dtype with its tables' degree."""
     del limits  # the kernels take any sm_80+ GPU alike
-    for n_out in CATALOG_WIDTHS:
-        for direction in DIRECTIONS:
-            plan = plan_kernel(direction, n_out)
-            yield f"radial_table/{kernel_name(plan)}", render_kernel(plan)
+    for dtype, degree in CATALOG_DEGREES.items():
+        for n_out in CATALOG_WIDTHS:
+            for direction in DIRECTIONS:
+                plan = plan_kernel(direction, n_out, dtype, degree)
+                yield f"radial_table/{kernel_name(plan)}", render_kernel(plan)

@@ -2,16 +2,18 @@
 it in plain torch (the CPU path and the oracle of the GPU tests).
 
 The grid has ``cells`` cells of width ``h = r_max / cells`` over ``[0, r_max]``. At the nodes
-``r_g = g h`` the function's values ``f_g`` and slopes ``f'_g`` (forward-mode through autograd,
-float64) give per cell the cubic Hermite interpolant in ``s = r / h - g``:
-``c0 + c1 s + c2 s^2 + c3 s^3`` with ``c0 = f_g``, ``c1 = h f'_g``,
-``c2 = 3 (f_{g+1} - f_g) - 2 h f'_g - h f'_{g+1}``, ``c3 = 2 (f_g - f_{g+1}) + h f'_g + h f'_{g+1}``
-(continuous with its first derivative across the nodes). Its error falls as ``h^4``; the grid is
-doubled from :data:`FIRST_CELLS` until the error between the nodes (a quarter, half and three
-quarters into every cell, against the function itself, coefficients rounded to float32 as
-stored) is at most :data:`TOLERANCE` of the largest weight and the error of its slope (what
-forces see) at most :data:`SLOPE_TOLERANCE` of the largest slope, or :data:`MAX_CELLS` is
-passed.
+``r_g = g h`` the function's values and derivatives (forward mode through autograd, float64)
+give per cell the Hermite interpolant in ``s = r / h - g``, a polynomial ``sum_k c_k s^k``
+matching the values and slopes at both ends (cubic, :data:`CUBIC`) or values, slopes and
+second derivatives (quintic, :data:`QUINTIC`): continuous with its first (second) derivative
+across the nodes. The cubic's error falls as ``h^4`` (its slope's as ``h^3``), the quintic's as
+``h^6``. The grid is doubled from the spec's first cell count until the errors between the
+nodes (a quarter, half and three quarters into every cell, against the function itself, the
+coefficients rounded to the table's dtype) are within the spec's tolerances of the largest
+weight and the largest slope (what forces see), or its cell limit is passed.
+
+Float32 tables are cubic (1e-7 / 5e-7: the 3xTF32 MLP kernels are ~1e-6 off float64), float64
+tables quintic (1e-13 / 2e-12: the model-level float64 tolerance is 1e-10), :data:`SPECS`.
 
 The first cell, ``r < h`` (0.006 Å for a 6 Å cutoff; validation rejects atoms closer than
 0.5 Å), is left out of the check: the embeddings' ``sin(k r) / r`` is 0 / 0 at ``r = 0``, so the
@@ -21,32 +23,45 @@ first node is taken at ``r = NODE0 h``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
 Tensor = torch.Tensor
-FIRST_CELLS = 512
-MAX_CELLS = 8192
-# the largest error allowed between the nodes, relative to the largest weight; the float32
-# 3xTF32 MLP kernels are 1e-6 off float64, the tolerance table allows 1e-5 per pass
-TOLERANCE = 1e-7
-# the same for the slopes d w / d r, whose error falls as h^3 only (the 3xTF32 backward kernels
-# are 1.0-1.5e-6 off float64)
-SLOPE_TOLERANCE = 5e-7
 NODE0 = 1e-3  # the first node's radius, in cells (see the module docstring)
 CHECK_POINTS = (0.25, 0.5, 0.75)  # where in each cell the error is checked
+CUBIC, QUINTIC = 3, 5
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    """How a table of one dtype is built: the polynomial ``degree`` (3 or 5), the largest
+    errors allowed between the nodes relative to the largest weight (``tolerance``) and the
+    largest slope (``slope_tolerance``), the cells to start from and the most allowed."""
+
+    degree: int
+    tolerance: float
+    slope_tolerance: float
+    first_cells: int = 512
+    max_cells: int = 8192
+
+
+SPECS: Dict[torch.dtype, TableSpec] = {
+    torch.float32: TableSpec(CUBIC, 1e-7, 5e-7),
+    torch.float64: TableSpec(QUINTIC, 1e-13, 2e-12),
+}
+TOLERANCE = SPECS[torch.float32].tolerance  # float32's, the default of build_table
 
 
 class TableError(ValueError):
-    """The function cannot be tabulated to :data:`TOLERANCE` within :data:`MAX_CELLS`."""
+    """The function cannot be tabulated within the tolerances and the cell limit."""
 
 
 @dataclasses.dataclass(frozen=True)
 class RadialTable:
-    """``coeffs [cells, 4, n]`` (float64): per cell the cubic's coefficients in ``s``;
-    ``r_max``; ``max_error``, ``max_slope_error``: the errors of the values and the slopes
-    found between the nodes, relative to the largest weight and the largest slope."""
+    """``coeffs [cells, degree + 1, n]`` (float64): per cell the polynomial's coefficients in
+    ``s``; ``r_max``; ``max_error``, ``max_slope_error``: the errors of the values and the
+    slopes found between the nodes, relative to the largest weight and the largest slope."""
 
     coeffs: Tensor
     r_max: float
@@ -58,6 +73,10 @@ class RadialTable:
         return int(self.coeffs.shape[0])
 
     @property
+    def degree(self) -> int:
+        return int(self.coeffs.shape[1]) - 1
+
+    @property
     def n_out(self) -> int:
         return int(self.coeffs.shape[2])
 
@@ -66,41 +85,73 @@ class RadialTable:
         """Cells per unit of length."""
         return self.cells / self.r_max
 
-    def describe(self) -> str:
-        return (f"cubic Hermite table of {self.cells} cells over [0, {self.r_max:g}] "
-                f"({self.cells * 4 * self.n_out * 4 / 2 ** 20:.1f} MB float32), "
-                f"{self.max_error:.1e} of the largest weight and {self.max_slope_error:.1e} of "
-                "the largest slope off the float64 MLP between the nodes")
+    def describe(self, dtype: torch.dtype = torch.float32) -> str:
+        kind = {CUBIC: "cubic", QUINTIC: "quintic"}.get(self.degree, f"degree-{self.degree}")
+        size = self.coeffs.numel() * torch.finfo(dtype).bits / 8 / 2 ** 20
+        return (f"{kind} Hermite table of {self.cells} cells over [0, {self.r_max:g}] "
+                f"({size:.1f} MB {str(dtype).replace('torch.', '')}), {self.max_error:.1e} of "
+                f"the largest weight and {self.max_slope_error:.1e} of the largest slope off "
+                "the float64 MLP between the nodes")
 
 
-def values_and_slopes(f: Callable[[Tensor], Tensor], r: Tensor):
-    """``(f(r) [N, n], df/dr [N, n])`` for ``r [N]`` of a ``f`` that maps each ``r[i]`` to row
-    ``i`` alone; the slopes by forward mode (the gradient of a vector-Jacobian product in its
-    cotangent), so ``f`` must be twice differentiable (torch ops)."""
-    r = r.detach().clone().requires_grad_(True)
-    with torch.enable_grad():
-        out = f(r)
+def _forward_derivative(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """``r -> d fn(r) / d r`` (row ``i`` of ``fn`` depending on ``r[i]`` alone), itself
+    differentiable: the gradient of a vector-Jacobian product in its cotangent."""
+    def derivative(r: Tensor) -> Tensor:
+        out = fn(r)
         u = torch.zeros_like(out, requires_grad=True)
         (vjp,) = torch.autograd.grad(out, r, u, create_graph=True)
-        (slopes,) = torch.autograd.grad(vjp, u, torch.ones_like(vjp))
-    return out.detach(), slopes.detach()
+        (jvp,) = torch.autograd.grad(vjp, u, torch.ones_like(vjp), create_graph=True)
+        return jvp
+
+    return derivative
 
 
-def hermite_coefficients(values: Tensor, slopes_h: Tensor) -> Tensor:
-    """``[cells, 4, n]`` from the node values ``[cells + 1, n]`` and slopes times ``h``."""
-    f0, f1, d0, d1 = values[:-1], values[1:], slopes_h[:-1], slopes_h[1:]
-    return torch.stack([f0, d0, 3 * (f1 - f0) - 2 * d0 - d1, 2 * (f0 - f1) + d0 + d1], dim=1)
+def derivatives(f: Callable[[Tensor], Tensor], r: Tensor, order: int) -> List[Tensor]:
+    """``[f(r), f'(r), ..., f^(order)(r)]``, each ``[N, n]``, for ``r [N]`` of a ``f`` that
+    maps each ``r[i]`` to row ``i`` alone (torch ops, differentiable ``order + 1`` times)."""
+    r = r.detach().clone().requires_grad_(True)
+    out, fn = [], f
+    with torch.enable_grad():
+        for _ in range(order + 1):
+            out.append(fn(r))
+            fn = _forward_derivative(fn)
+    return [t.detach() for t in out]
+
+
+def values_and_slopes(f: Callable[[Tensor], Tensor], r: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(f(r), f'(r))`` (:func:`derivatives` of order 1)."""
+    values, slopes = derivatives(f, r, 1)
+    return values, slopes
+
+
+def hermite_coefficients(values: Tensor, slopes_h: Tensor,
+                         curvatures_h2: Tensor = None) -> Tensor:
+    """``[cells, 4, n]`` (cubic) from the node values ``[cells + 1, n]`` and slopes times ``h``,
+    or ``[cells, 6, n]`` (quintic) with the second derivatives times ``h^2`` too."""
+    p0, p1, d0, d1 = values[:-1], values[1:], slopes_h[:-1], slopes_h[1:]
+    dp = p1 - p0
+    if curvatures_h2 is None:
+        return torch.stack([p0, d0, 3 * dp - 2 * d0 - d1, -2 * dp + d0 + d1], dim=1)
+    a0, a1 = curvatures_h2[:-1], curvatures_h2[1:]
+    return torch.stack([p0, d0, a0 / 2,
+                        10 * dp - 6 * d0 - 4 * d1 - (3 * a0 - a1) / 2,
+                        -15 * dp + 8 * d0 + 7 * d1 + (3 * a0 - 2 * a1) / 2,
+                        6 * dp - 3 * d0 - 3 * d1 - (a0 - a1) / 2], dim=1)
 
 
 def evaluate(coeffs: Tensor, inv_h: float, r: Tensor) -> Tensor:
     """``[E, n]``: the table at ``r [E]`` (differentiable in ``r`` and ``coeffs``, any dtype;
-    ``r`` past the last node stays on the last cell's end, as the kernel does)."""
+    ``r`` past the last node stays on the last cell's end, as the kernels do)."""
     cells = coeffs.shape[0]
     t = r * inv_h
-    g = t.detach().floor().clamp(0, cells - 1).long()
+    g = t.detach().clamp(0, cells).floor().clamp(0, cells - 1).long()
     s = (t - g.to(t.dtype)).clamp(max=1.0).unsqueeze(1)
     c = coeffs[g].to(r.dtype)
-    return c[:, 0] + s * (c[:, 1] + s * (c[:, 2] + s * c[:, 3]))
+    out = c[:, -1]
+    for k in range(c.shape[1] - 2, -1, -1):
+        out = c[:, k] + s * out
+    return out
 
 
 def _nodes(cells: int, r_max: float, like: Tensor) -> Tensor:
@@ -111,46 +162,51 @@ def _nodes(cells: int, r_max: float, like: Tensor) -> Tensor:
 
 
 def _errors(coeffs: Tensor, f: Callable[[Tensor], Tensor], r_max: float, scale: float,
-            slope_scale: float) -> Tuple[float, float]:
+            slope_scale: float, dtype: torch.dtype) -> Tuple[float, float]:
     """The largest errors of the values and slopes between the nodes (cells 1..), relative to
-    ``scale`` and ``slope_scale``, with the coefficients rounded to float32."""
+    ``scale`` and ``slope_scale``, with the coefficients rounded to ``dtype``."""
     cells = coeffs.shape[0]
     if cells < 2:
         return 0.0, 0.0
     h = r_max / cells
     g = torch.arange(1, cells, dtype=torch.float64, device=coeffs.device)
     r = torch.cat([(g + u) * h for u in CHECK_POINTS])
-    exact, exact_slopes = values_and_slopes(f, r)
-    spline, spline_slopes = values_and_slopes(
-        lambda x: evaluate(coeffs.float().double(), cells / r_max, x), r)
-    err = float((spline - exact).abs().max()) / scale if scale else 0.0
-    slope_err = (float((spline_slopes - exact_slopes).abs().max()) / slope_scale
-                 if slope_scale else 0.0)
-    return err, slope_err
+    exact = derivatives(f, r, 1)
+    stored = coeffs.to(dtype).double()
+    spline = derivatives(lambda x: evaluate(stored, cells / r_max, x), r, 1)
+    errors = [float((a - b).abs().max()) / s if s else 0.0
+              for a, b, s in zip(spline, exact, (scale, slope_scale))]
+    return errors[0], errors[1]
 
 
 def build_table(f: Callable[[Tensor], Tensor], r_max: float, like: Tensor,
-                tolerance: float = TOLERANCE, slope_tolerance: float = SLOPE_TOLERANCE,
-                first_cells: int = FIRST_CELLS, max_cells: int = MAX_CELLS) -> RadialTable:
-    """The table of ``f`` (``r [N]`` float64 -> ``[N, n]``, twice differentiable) over
-    ``[0, r_max]`` on ``like``'s device, with the fewest cells (doubling from ``first_cells``)
-    that keep the errors between the nodes within ``tolerance`` of the largest weight and
-    ``slope_tolerance`` of the largest slope.
+                spec: TableSpec = SPECS[torch.float32],
+                dtype: torch.dtype = torch.float32) -> RadialTable:
+    """The table of ``f`` (``r [N]`` float64 -> ``[N, n]``, differentiable ``spec.degree``
+    times over) over ``[0, r_max]`` on ``like``'s device, with the fewest cells (doubling from
+    ``spec.first_cells``) whose errors between the nodes, coefficients rounded to ``dtype``,
+    are within the spec's tolerances.
 
     Raises:
-        TableError: not within ``max_cells`` cells (the message gives the error reached).
+        TableError: not within ``spec.max_cells`` cells (the message gives the errors reached),
+            or a non-finite coefficient.
     """
     if not r_max > 0:
         raise TableError(f"r_max must be positive, got {r_max}")
-    cells, err, slope_err = first_cells, float("inf"), float("inf")
-    while cells <= max_cells:
-        values, slopes = values_and_slopes(f, _nodes(cells, r_max, like))
-        coeffs = hermite_coefficients(values, slopes * (r_max / cells))
-        scales = [float(v[1:].abs().max()) if v.numel() else 0.0 for v in (values, slopes)]
-        err, slope_err = _errors(coeffs, f, r_max, *scales)
-        if err <= tolerance and slope_err <= slope_tolerance:
+    order = (spec.degree - 1) // 2
+    cells, err, slope_err = spec.first_cells, float("inf"), float("inf")
+    while cells <= spec.max_cells:
+        h = r_max / cells
+        node = derivatives(f, _nodes(cells, r_max, like), order)
+        coeffs = hermite_coefficients(node[0], node[1] * h,
+                                      None if order < 2 else node[2] * h * h)
+        if not bool(torch.isfinite(coeffs).all()):
+            raise TableError("the radial MLP is not finite at every node of the table")
+        scales = [float(v[1:].abs().max()) if v.numel() else 0.0 for v in node[:2]]
+        err, slope_err = _errors(coeffs, f, r_max, *scales, dtype)
+        if err <= spec.tolerance and slope_err <= spec.slope_tolerance:
             return RadialTable(coeffs, float(r_max), err, slope_err)
         cells *= 2
     raise TableError(f"a table of {cells // 2} cells is {err:.1e} of the radial MLP's largest "
                      f"weight and {slope_err:.1e} of its largest slope off it (at most "
-                     f"{tolerance:.0e} and {slope_tolerance:.0e} allowed)")
+                     f"{spec.tolerance:.0e} and {spec.slope_tolerance:.0e} allowed)")
