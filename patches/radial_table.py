@@ -7,8 +7,8 @@ weights, so where its input is the model's fused radial embedding
 alone) its output is a function of the length. :func:`link` gives every fused radial MLP the
 model's embedding; at a call, :func:`lengths_for` finds the lengths behind the MLP's input (the
 embedding's last output, the very tensor); :func:`lookup` builds the table once per weights
-(float64, from the embedding's reference op and the MLP's folded weights, checked between the
-nodes) and looks the weights up. Where the table cannot be built within its tolerance the MLP
+and dtype (in float64, from the embedding's spec as torch ops and the MLP's folded weights,
+checked between the nodes) and looks the weights up. Where the table cannot be built within its tolerance the MLP
 runs, and a warning says why once.
 """
 
