@@ -150,7 +150,8 @@ class AccelOptions:
             5e-7 of the largest slope (the 3xTF32 MLP kernels are ~1e-6 off float64); float64
             quintic, 1e-13 and 2e-12. Forces are the spline's exact gradient. At 539k edges on
             an H200 the float32 lookups take 0.45x (forward, sort included) and 0.42x
-            (backward) the MLP kernels' time. ``False`` runs the MLP kernels. Training and weights the conv recomputes run the MLP either way.
+            (backward) the MLP kernels' time. ``False`` runs the MLP kernels. Training and
+            weights the conv recomputes run the MLP either way.
         overlap_radial: on CUDA, start the later interaction blocks' radial MLPs on a side
             stream right after the first block's, so they run beside the earlier blocks' work
             (calls up to 131,072 edges; same results bit for bit). ``False`` runs every kernel

@@ -1,7 +1,7 @@
 """The table lookup as a differentiable op: ``lookup(lengths, order, coeffs, inv_h)`` gives the
 per-edge weights; its backward ``d lengths`` runs the backward kernel, or, under ``create_graph``
-(double backward: training on forces, Hessians), the same slope in torch ops, differentiable
-again."""
+(double backward: training on forces, Hessians), the gradient of the table's torch evaluation
+(:func:`~mace_accel.ops.radial_table.table.evaluate`), differentiable again."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from mace_accel.ops import registry
+from mace_accel.ops.radial_table.table import evaluate
 
 Tensor = torch.Tensor
 
@@ -37,31 +38,17 @@ class _Lookup(torch.autograd.Function):
         lengths, coeffs = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        if torch.is_grad_enabled():  # create_graph: the slope as differentiable torch ops
-            return _slope_on(lengths, coeffs, ctx.inv_h, grad), None, None, None
+        if torch.is_grad_enabled():  # create_graph: the table's own torch ops, differentiated
+            (d,) = torch.autograd.grad(evaluate(coeffs, ctx.inv_h, lengths), lengths, grad,
+                                       create_graph=True)
+            return d, None, None, None
         d = _kernels(coeffs).backward(grad.contiguous(), lengths, ctx.order, coeffs, ctx.inv_h)
         return d, None, None, None
-
-
-def _slope_on(lengths: Tensor, coeffs: Tensor, inv_h: float, grad: Tensor) -> Tensor:
-    """``<grad[e], w'(r_e)>`` as torch ops of ``lengths`` and ``grad`` (differentiable)."""
-    cells = coeffs.shape[0]
-    t = lengths * inv_h
-    g = t.detach().clamp(0, cells).floor().clamp(0, cells - 1).long()
-    u = t - g.to(t.dtype)
-    inside = (u < 1).to(t.dtype)
-    s = u.clamp(max=1.0).unsqueeze(1)
-    c = coeffs[g]
-    nc = c.shape[1]
-    slope = (nc - 1) * c[:, nc - 1]
-    for k in range(nc - 2, 0, -1):
-        slope = k * c[:, k] + s * slope
-    return (grad * slope).sum(1) * inside * inv_h
 
 
 def lookup(lengths: Tensor, order: Optional[Tensor], coeffs: Tensor, inv_h: float) -> Tensor:
     """``w [E, n]`` of ``lengths [E]`` (CUDA) from the table ``coeffs [cells, degree + 1, n]``
     of the same dtype (:class:`~mace_accel.ops.radial_table.table.RadialTable` rounded),
-    differentiable
-    in ``lengths``; ``order [E]`` (int64): the edges sorted by length (faster), or None."""
+    differentiable in ``lengths``; ``order [E]`` (int64): the edges sorted by length (faster),
+    or None."""
     return _Lookup.apply(lengths, order, coeffs, inv_h)

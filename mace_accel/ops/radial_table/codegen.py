@@ -8,7 +8,7 @@ import dataclasses
 from typing import Iterator, Tuple
 
 from mace_accel.ops.limits import DeviceLimits
-from mace_accel.ops.templates import render
+from mace_accel.ops.templates import RealType, render
 
 # the forward: at most this many vectors of a row per block (its threads, one vector each), and
 # this many positions of the length order (its threads reload their coefficients only where
@@ -24,11 +24,10 @@ CATALOG_WIDTHS = (512, 1280, 1792, 2560, 90, 45)
 # the degree each dtype's tables have (ops/radial_table/table.py SPECS)
 CATALOG_DEGREES = {"float32": 3, "float64": 5}
 _VEC = {"float32": (4, 2, 1), "float64": (2, 1)}
-_REAL = {"float32": "float", "float64": "double"}
 
 
 @dataclasses.dataclass(frozen=True)
-class TablePlan:
+class TablePlan(RealType):
     """``direction`` (forward / backward) for rows of ``n_out`` weights of ``dtype``, the
     polynomial of ``degree``: vectors of ``vec`` reals (the widest that divides ``n_out``:
     16 bytes where it can)."""
@@ -42,10 +41,6 @@ class TablePlan:
     def edges(self) -> int:
         """Positions of the length order a block takes."""
         return FORWARD_EDGES if self.direction == "forward" else 2 * BACKWARD_THREADS // 32
-
-    @property
-    def real(self) -> str:
-        return _REAL[self.dtype]
 
     @property
     def vec(self) -> int:

@@ -4,14 +4,14 @@ synchronises, so a lookup can be captured in a CUDA graph)."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
-from mace_accel.ops.radial_table.codegen import FORWARD_EDGES, TablePlan, kernel_name, plan_kernel, \
-    render_kernel
 from mace_accel.errors import KernelError
+from mace_accel.ops.radial_table.codegen import FORWARD_EDGES, TablePlan, kernel_name, \
+    plan_kernel, render_kernel
 from mace_accel.ops.runtime import Kernel, check_aligned, check_rows, check_tensor, \
     device_limits, i32, kernel_device, ptr
 from mace_accel.options import dtype_name
@@ -30,15 +30,14 @@ class CudaRadialTable:
         self.device = kernel_device(dtype, device)
         self.arch = device_limits(self.device).arch
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._kernels: Dict[str, Kernel] = {}
-        self._plans: Dict[str, TablePlan] = {}
+        self._kernels: Dict[str, Tuple[Kernel, TablePlan]] = {}
 
-    def _kernel(self, direction: str) -> Kernel:
+    def _kernel(self, direction: str) -> Tuple[Kernel, TablePlan]:
+        """The loaded kernel of ``direction`` and its plan (built on first use)."""
         if direction not in self._kernels:
             plan = plan_kernel(direction, self.n_out, dtype_name(self.dtype), self.degree)
-            self._plans[direction] = plan
-            self._kernels[direction] = Kernel(render_kernel(plan), kernel_name(plan),
-                                              self.device, self.arch)
+            self._kernels[direction] = (Kernel(render_kernel(plan), kernel_name(plan),
+                                               self.device, self.arch), plan)
         return self._kernels[direction]
 
     def _real(self, v: float):
@@ -67,8 +66,7 @@ class CudaRadialTable:
         e = self._check(lengths, order, coeffs)
         w = torch.empty((e, self.n_out), dtype=self.dtype, device=self.device)
         if e:
-            kernel = self._kernel("forward")
-            plan = self._plans["forward"]
+            kernel, plan = self._kernel("forward")
             kernel.launch(
                 (-(-e // plan.edges), plan.chunks), plan.threads,
                 (ptr(lengths), ptr(order), ptr(coeffs), ptr(w), self._real(inv_h),
@@ -84,8 +82,7 @@ class CudaRadialTable:
         check_aligned("d w", grad, WHAT)
         dr = torch.empty((e,), dtype=self.dtype, device=self.device)
         if e:
-            kernel = self._kernel("backward")
-            plan = self._plans["backward"]
+            kernel, plan = self._kernel("backward")
             blocks = max(1, min(-(-e // plan.edges), self.sms * 16))
             kernel.launch(blocks, plan.threads,
                           (ptr(lengths), ptr(order), ptr(coeffs), ptr(grad), ptr(dr),

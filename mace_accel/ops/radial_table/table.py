@@ -142,11 +142,13 @@ def hermite_coefficients(values: Tensor, slopes_h: Tensor,
 
 def evaluate(coeffs: Tensor, inv_h: float, r: Tensor) -> Tensor:
     """``[E, n]``: the table at ``r [E]`` (differentiable in ``r`` and ``coeffs``, any dtype;
-    ``r`` past the last node stays on the last cell's end, as the kernels do)."""
+    ``r`` from the last node on stays on the last cell's end, its slope 0, as the kernels
+    do)."""
     cells = coeffs.shape[0]
     t = r * inv_h
     g = t.detach().clamp(0, cells).floor().clamp(0, cells - 1).long()
-    s = (t - g.to(t.dtype)).clamp(max=1.0).unsqueeze(1)
+    u = t - g.to(t.dtype)
+    s = torch.where(u < 1, u, torch.ones_like(u)).unsqueeze(1)
     c = coeffs[g].to(r.dtype)
     out = c[:, -1]
     for k in range(c.shape[1] - 2, -1, -1):
