@@ -27,6 +27,7 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     """
     from mace_accel.ops.conv_tp import codegen as conv_tp
     from mace_accel.ops.conv_tp import hidden as conv_tp_hidden
+    from mace_accel.ops.conv_tp import staged as conv_tp_staged
     from mace_accel.ops.dmma_gemm import codegen as dmma_gemm
     from mace_accel.ops.edge_features import codegen as edge_features_codegen
     from mace_accel.ops.edge_vectors import codegen as edge_vectors
@@ -39,6 +40,7 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
 
     yield from conv_tp.catalog_sources(limits)
     yield from conv_tp_hidden.catalog_sources(limits)
+    yield from conv_tp_staged.catalog_sources(limits)
     yield from dmma_gemm.catalog_sources(limits)
     yield from edge_features_codegen.catalog_sources(limits)
     yield from edge_vectors.catalog_sources(limits)

@@ -7,7 +7,7 @@ hexadecimal float literals, so float64 kernels use the very bits of the spec.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from mace_accel.ops.conv_tp.schedule import KernelPlan, PathPlan, SegmentPlan
 from mace_accel.ops.templates import literal, render
@@ -63,17 +63,57 @@ def fwd_path_lines(seg: SegmentPlan, p: PathPlan, w_value: str,
     return accs, body, store
 
 
+# Accumulators (values) a segment's staged forward may keep of ``M[a][b] = sum_e w x[a] y[b]``
+# (the per-receiver outer product, contracted with the CG tensor once per node at the store):
+# one FMA per (a, b) pair an edge, instead of forming ``u[a][k] = sum_b C y_b`` per CG term and
+# ``sum_a x[a] u[a][k]`` per (a, k) pair. The 128x1o segment of MACE-MP-medium keeps 60.
+# Measured on the H200 at 539k edges: the staged float32 forward 1.02 -> 0.96 ms; the plain
+# forwards lost (float32 1.23 -> 1.62 ms, float64 1.91 -> 2.21 ms: the accumulators cost them
+# occupancy), so they keep ``u``.
+OUTER_FWD_VALUES = 64
+
+
+def _keeps_outer(seg: SegmentPlan) -> bool:
+    """Whether the forward of ``seg`` accumulates ``M`` (:data:`OUTER_FWD_VALUES`)."""
+    return sum(len(_h_pairs(p)) for p in seg.paths) <= OUTER_FWD_VALUES
+
+
+def fwd_outer_lines(seg: SegmentPlan, p: PathPlan, w_value: str,
+                    j: int = 0) -> Tuple[List[str], List[str], List[str]]:
+    """Like :func:`fwd_path_lines`, accumulating ``m{j}_{a}_{b} += (w x[a]) y[b]`` per edge;
+    the store applies the CG tensor: ``out[k] = sum_{a,b} C[a, b, k] M[a][b]``."""
+    pairs = _h_pairs(p)
+    accs = [f"m{j}_{a}_{b}" for a, b in sorted(pairs)]
+    a_used = sorted({a for a, _ in pairs})
+    body = ["{", f"  const real wv = {w_value};"]
+    body += [f"  const real wx{a} = wv * x{a};" for a in a_used]
+    body += [f"  m{j}_{a}_{b} += wx{a} * y{p.y_offset + b};" for a, b in sorted(pairs)]
+    body.append("}")
+    by_k: Dict[int, List[str]] = {}
+    for a, b, k, c in p.terms:
+        by_k.setdefault(k, []).append(f"{literal(c)} * m{j}_{a}_{b}")
+    store = [f"orow[{p.out_offset} + u * {p.out_dim} + {k}] = {_sum(by_k.get(k, []))};"
+             for k in range(p.out_dim)]
+    return accs, body, store
+
+
 def fwd_y_loads(seg: SegmentPlan, paths: Sequence[PathPlan]) -> List[str]:
     """The per-edge loads (from ``yr``) of the edge attributes ``paths`` read."""
     return [f"const real y{c} = yr[{c}];" for c in _y_cols(seg, paths)]
 
 
-def _fwd_lines(seg: SegmentPlan) -> Tuple[List[str], List[str], List[str]]:
-    """Accumulator names, per-edge body and final store of one segment's forward."""
+def _fwd_lines(seg: SegmentPlan, w_value: Optional[Callable[[PathPlan], str]] = None,
+               outer: bool = False) -> Tuple[List[str], List[str], List[str]]:
+    """Accumulator names, per-edge body and final store of one segment's forward; the body
+    reads ``xr`` and ``yr``, and path ``p``'s weight as ``w_value(p)`` (default: streamed from
+    the global row ``wr``); ``outer``: accumulate ``M`` (:func:`fwd_outer_lines`)."""
+    if w_value is None:
+        w_value = lambda p: _stream_load(f"wr + {p.w_offset}")  # noqa: E731
     accs, store = [], []
     body = [f"const real x{a} = xr[{a}];" for a in range(seg.x_dim)] + fwd_y_loads(seg, seg.paths)
+    path_lines = fwd_outer_lines if outer else fwd_path_lines
     for j, p in enumerate(seg.paths):
-        a, b, s = fwd_path_lines(seg, p, _stream_load(f"wr + {p.w_offset}"), j)
+        a, b, s = path_lines(seg, p, w_value(p), j)
         accs, body, store = accs + a, body + b, store + s
     return accs, body, store
 
@@ -106,48 +146,61 @@ def _w_row0_arg(w_sorted: bool) -> str:
 # the 128x1o segment of MACE-MP-medium holds 24 values (48 words in float64, 198 registers in
 # all); the float64 L=2/3 segments of the catalog, 31-50 values, spilled at 255 registers.
 HOIST_G_WORDS = 48
+# Values a segment may hold of ``h[a][b] = sum_k C[a, b, k] g_k`` (the node's output gradient
+# contracted with the CG tensor, once per node; 64 registers in float32, 128 in float64): the
+# 128x1o segment of MACE-MP-medium holds 60. With ``h`` held, each edge costs one FMA per
+# (a, b) pair for d(x)/d(w) and one for d(y), instead of re-forming ``u[a][k] = sum_b C y_b``
+# and ``x[a] g[k]`` per CG term (measured on the H200, 539k edges: the backward was bound by
+# issuing those instructions; float32 2.60 -> 2.33 ms, float64 5.17 -> 4.71 ms staged).
+HOIST_H_VALUES = 64
 
 
-def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: bool = False,
-               real_words: int = 1) -> Dict[str, List[str]]:
-    """Per-edge body of one segment's backward (``i`` = segment number).
+def _h_pairs(p: PathPlan) -> Dict[Tuple[int, int], List[Tuple[int, float]]]:
+    """CG terms of a path grouped by (a, b): ``h[a][b] = sum_k coef * g[k]``."""
+    out: Dict[Tuple[int, int], List[Tuple[int, float]]] = {}
+    for a, b, k, c in p.terms:
+        out.setdefault((a, b), []).append((k, c))
+    return out
 
-    Per edge ``t`` of the receiver ``node``: x gathered from the sender, g from the node's row.
-    With ``u[a][k] = sum_b C y_b`` and ``s[a] = sum_k g_k u[a][k]``:
-    d(x)[a] += w s[a];  d(w) = sum_a x[a] s[a];  d(y)[b] += w sum_{a,k} C x[a] g[k].
 
-    Latency: the node's output gradient is loaded once per tile of edges into the ``gh*``
-    registers (``tile_loads``; where it fits :data:`HOIST_G_WORDS`, else per edge), and each
-    edge's weights and sender features are loaded one edge ahead into the ``n*`` registers
-    (``prefetch``, given the edge index ``tt``), so the body of edge ``t`` runs while edge
-    ``t + 1``'s loads are in flight.
-    """
-    need_x, need_y, need_w = needs
-    x = [f"xs{i}_{a}" for a in range(seg.x_dim)]
-    gx = [f"gx{i}_{a}" for a in range(seg.x_dim)]
-    # the node's output gradient, by (path, k): where it is read from
+def _holds_h(seg: SegmentPlan) -> bool:
+    """Whether the backward of ``seg`` holds ``h`` (see :data:`HOIST_H_VALUES`) in registers."""
+    return sum(len(_h_pairs(p)) for p in seg.paths) <= HOIST_H_VALUES
+
+
+def _g_sources(i: int, seg: SegmentPlan, real_words: int) -> Tuple[Dict[Tuple[int, int], str], bool]:
+    """Where the backward reads the node's output gradient, by (path, k), and whether those
+    values are held in registers (``gh{i}_{j}_{k}``, :data:`HOIST_G_WORDS`) instead."""
     g_src = {(j, k): f"gr[{p.out_offset} + u * {p.out_dim} + {k}]"
              for j, p in enumerate(seg.paths) for k in sorted({k for _, k in _by_ak(p)})}
-    hoist = len(g_src) * real_words <= HOIST_G_WORDS
-    load_w, load_x = need_x or need_y, need_y or need_w  # d(node_feats) alone needs no x
-    w_next = [f"nw{i}_{j}" for j in range(len(seg.paths))] if load_w else []
-    x_next = [f"nxs{i}_{a}" for a in range(seg.x_dim)] if load_x else []
+    return g_src, len(g_src) * real_words <= HOIST_G_WORDS
+
+
+def _bwd_operands(needs: Needs) -> Tuple[bool, bool]:
+    """Whether the backward reads (the TP weights, the sender features) for ``needs``: d(x) and
+    d(y) need the weights, d(y) and d(w) the sender features (d(node_feats) alone needs no x)."""
+    need_x, need_y, need_w = needs
+    return need_x or need_y, need_y or need_w
+
+
+def _bwd_math(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: bool,
+              real_words: int) -> List[str]:
+    """The arithmetic and stores of one edge ``t`` of segment ``i``'s backward, given its
+    operands in ``cw{j}`` (weight of path ``j``) and ``xs{i}_{a}`` (sender features) where
+    :func:`_bwd_operands` asks for them, ``ys`` (the tile's staged edge attributes), ``es`` /
+    ``ss`` (the tile's edge ids / senders) and ``gr`` (the node's output-gradient row).
+
+    With ``u[a][k] = sum_b C y_b`` and ``s[a] = sum_k g_k u[a][k]``:
+    d(x)[a] += w s[a];  d(w) = sum_a x[a] s[a];  d(y)[b] += w sum_{a,k} C x[a] g[k].
+    """
+    need_x, need_y, need_w = needs
+    load_w, _ = _bwd_operands(needs)
+    x = [f"xs{i}_{a}" for a in range(seg.x_dim)]
+    gx = [f"gx{i}_{a}" for a in range(seg.x_dim)]
+    g_src, hoist = _g_sources(i, seg, real_words)
+    holds_h = _holds_h(seg)
     cols = _y_cols(seg)
-    prefetch = []
-    if load_w:
-        prefetch.append(f"const real* wr = w + (long long){_w_row(w_sorted, 'tt')} * WN + u;")
-        prefetch += [f"{v} = {_stream_load(f'wr + {p.w_offset}')};"
-                     for v, p in zip(w_next, seg.paths)]
-    if load_x:
-        prefetch.append(f"const real* xr = x + (long long)ss[tt] * DIM1 + {seg.x_offset}"
-                        f" + u * {seg.x_dim};")
-        prefetch += [f"{v} = xr[{a}];" for a, v in enumerate(x_next)]
-    body = [f"const real cw{j} = {v};" for j, v in enumerate(w_next)]
-    body += [f"const real {x[a]} = {v};" for a, v in enumerate(x_next)]
-    body.append("if (t + 1 < cnt) {")
-    body.append("  const int tt = t + 1;")
-    body += ["  " + line for line in prefetch]
-    body.append("}")
+    body = []
     if need_w:
         body.append(f"real* gwr = gw + (long long){_w_row(w_sorted)} * WN + u;")
     if need_x or need_w:  # d(edge_attrs) alone needs no edge attributes
@@ -156,6 +209,9 @@ def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: b
     if need_x:
         body += [f"real {v} = 0;" for v in gx]
     for j, p in enumerate(seg.paths):
+        if holds_h:
+            body += _h_path_lines(i, j, p, needs, load_w, x, gx)
+            continue
         pairs = _by_ak(p)
         ks = sorted({k for _, k in pairs})
         body.append("{")
@@ -187,11 +243,88 @@ def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: b
     elif need_x:
         body.append(f"real* gxr = gxm + (long long)es[t] * DIM1 + {seg.x_offset} + u * {seg.x_dim};")
         body += [_stream_store(f"gxr + {a}", gx[a]) for a in range(seg.x_dim)]
-    g_rows = [(f"gh{i}_{j}_{k}", src) for (j, k), src in g_src.items()] if hoist else []
-    return {"gy_regs": [f"py{c}" for c in cols] if need_y else [], "bwd_body": body,
+    return body
+
+
+def _h_path_lines(i: int, j: int, p: PathPlan, needs: Needs, load_w: bool, x: List[str],
+                  gx: List[str]) -> List[str]:
+    """Path ``j``'s part of one edge's backward from the held ``hh{i}_{j}_{a}_{b}``:
+    ``s[a] = sum_b y_b h[a][b]``; d(x)[a] += w s[a]; d(w) = sum_a x[a] s[a];
+    d(y)[b] += w sum_a x[a] h[a][b]."""
+    need_x, need_y, need_w = needs
+    pairs = _h_pairs(p)
+    a_used = sorted({a for a, _ in pairs})
+    b_used = sorted({b for _, b in pairs})
+    lines = ["{"]
+    if load_w:
+        lines.append(f"  const real wv = cw{j};")
+    if need_x or need_w:
+        for a in a_used:
+            terms = [f"y{p.y_offset + b} * hh{i}_{j}_{a}_{b}" for b in b_used if (a, b) in pairs]
+            lines.append(f"  const real s{a} = {_sum(terms)};")
+        if need_x:
+            lines += [f"  {gx[a]} += wv * s{a};" for a in a_used]
+        if need_w:
+            lines.append("  " + _stream_store(f"gwr + {p.w_offset}",
+                                              _sum([f"{x[a]} * s{a}" for a in a_used])))
+    if need_y:
+        for b in b_used:
+            terms = [f"{x[a]} * hh{i}_{j}_{a}_{b}" for a in a_used if (a, b) in pairs]
+            lines.append(f"  py{p.y_offset + b} += wv * ({_sum(terms)});")
+    lines.append("}")
+    return lines
+
+
+def _g_hoist(i: int, seg: SegmentPlan, real_words: int) -> List[Tuple[str, str]]:
+    """``(register, source)`` of the values segment ``i`` holds in registers for a node: ``h``
+    where it fits (:data:`HOIST_H_VALUES`), else the output gradient where that fits."""
+    g_src, hoist = _g_sources(i, seg, real_words)
+    if _holds_h(seg):
+        out = []
+        for j, p in enumerate(seg.paths):
+            for (a, b), terms in sorted(_h_pairs(p).items()):
+                src = _sum([f"{literal(c)} * {g_src[j, k]}" for k, c in terms])
+                out.append((f"hh{i}_{j}_{a}_{b}", src))
+        return out
+    return [(f"gh{i}_{j}_{k}", src) for (j, k), src in g_src.items()] if hoist else []
+
+
+def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: bool = False,
+               real_words: int = 1) -> Dict[str, List[str]]:
+    """Per-edge body of one segment's backward (``i`` = segment number), see :func:`_bwd_math`.
+
+    Per edge ``t`` of the receiver ``node``: x gathered from the sender, g from the node's row.
+    Latency: the node's output gradient is loaded once per tile of edges into the ``gh*``
+    registers (``tile_loads``; where it fits :data:`HOIST_G_WORDS`, else per edge), and each
+    edge's weights and sender features are loaded one edge ahead into the ``n*`` registers
+    (``prefetch``, given the edge index ``tt``), so the body of edge ``t`` runs while edge
+    ``t + 1``'s loads are in flight.
+    """
+    need_x, need_y, need_w = needs
+    load_w, load_x = _bwd_operands(needs)
+    w_next = [f"nw{i}_{j}" for j in range(len(seg.paths))] if load_w else []
+    x_next = [f"nxs{i}_{a}" for a in range(seg.x_dim)] if load_x else []
+    prefetch = []
+    if load_w:
+        prefetch.append(f"const real* wr = w + (long long){_w_row(w_sorted, 'tt')} * WN + u;")
+        prefetch += [f"{v} = {_stream_load(f'wr + {p.w_offset}')};"
+                     for v, p in zip(w_next, seg.paths)]
+    if load_x:
+        prefetch.append(f"const real* xr = x + (long long)ss[tt] * DIM1 + {seg.x_offset}"
+                        f" + u * {seg.x_dim};")
+        prefetch += [f"{v} = xr[{a}];" for a, v in enumerate(x_next)]
+    body = [f"const real cw{j} = {v};" for j, v in enumerate(w_next)]
+    body += [f"const real xs{i}_{a} = {v};" for a, v in enumerate(x_next)]
+    body.append("if (t + 1 < cnt) {")
+    body.append("  const int tt = t + 1;")
+    body += ["  " + line for line in prefetch]
+    body.append("}")
+    body += _bwd_math(i, seg, needs, atomic, w_sorted, real_words)
+    g_rows = _g_hoist(i, seg, real_words)
+    return {"gy_regs": [f"py{c}" for c in _y_cols(seg)] if need_y else [], "bwd_body": body,
             "tile_regs": [v for v, _ in g_rows] + w_next + x_next,
             "tile_loads": [f"{v} = {src};" for v, src in g_rows]
-            + ["const int tt = 0;"] + prefetch, "cols": cols}
+            + ["const int tt = 0;"] + prefetch, "cols": _y_cols(seg)}
 
 
 def _gy_reduce(cols: Sequence[int], dim2: int) -> List[str]:

@@ -6,7 +6,7 @@ current stream; launch geometry comes from the :class:`~.schedule.ConvPlan`.
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -20,7 +20,9 @@ from mace_accel.ops.conv_tp.codegen import (
     render_sender_sum,
 )
 from mace_accel.ops.conv_tp import hidden as hidden_fwd
-from mace_accel.ops.conv_tp.schedule import ConvPlan, edge_chunks, plan_kernels
+from mace_accel.ops.conv_tp import staged
+from mace_accel.ops.conv_tp.staged import DEFAULT_STAGING, STAGED_MIN_EDGES
+from mace_accel.ops.conv_tp.schedule import ConvPlan, KernelPlan, edge_chunks, plan_kernels
 from mace_accel.ops.conv_tp.spec import TPSpec
 from mace_accel.ops.graph import KernelGraph, ReceiverRows
 from mace_accel.ops.runtime import (
@@ -63,16 +65,22 @@ class CudaConvPrimitives:
     """
 
     def __init__(self, spec: TPSpec, dtype: torch.dtype, device: torch.device,
-                 deterministic: bool = True) -> None:
+                 deterministic: bool = True,
+                 staging: Optional[Dict[str, Optional[staged.Staging]]] = None) -> None:
         self.spec, self.dtype = spec, dtype
         self.deterministic = deterministic
+        self.staging = dict(DEFAULT_STAGING[dtype_name(dtype)] if staging is None else staging)
+        self.staged_min_edges = STAGED_MIN_EDGES
         self.device = kernel_device(dtype, device)
         limits = device_limits(self.device)
         self.arch = limits.arch
         self.plan: ConvPlan = plan_kernels(spec, dtype_name(dtype), limits)
+        self._segment_plan: ConvPlan = plan_kernels(spec, dtype_name(dtype), limits,
+                                                    by_segment=True)
         props = torch.cuda.get_device_properties(self.device)
         self._sms = props.multi_processor_count
         self._threads_per_sm = props.max_threads_per_multi_processor
+        self._shared_optin = int(getattr(props, "shared_memory_per_block_optin", 0))
         self._kernels: Dict[str, Kernel] = {}
         self._hidden_plans: Dict[int, hidden_fwd.HiddenForwardPlan] = {}
         self._fragment_index: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -80,12 +88,42 @@ class CudaConvPrimitives:
         self._out_all_written = {p.i_out for p in spec.paths} == set(range(len(spec.irreps_out)))
         self._in1_all_read = {p.i_in1 for p in spec.paths} == set(range(len(spec.irreps_in1)))
 
-    def _kernel(self, name: str, render) -> Kernel:
+    def _kernel(self, name: str, render, dynamic_shared: int = 0) -> Kernel:
         k = self._kernels.get(name)
         if k is None:
-            k = Kernel(render(), name, self.device, self.arch)
+            k = Kernel(render(), name, self.device, self.arch, dynamic_shared=dynamic_shared)
             self._kernels[name] = k
         return k
+
+    def _staging(self, direction: str, n_edges: int) -> Optional[staged.Staging]:
+        """How ``direction`` stages on a graph of ``n_edges`` edges (None: plain kernels)."""
+        staging = self.staging.get(direction)
+        if (staging is None or n_edges < self.staged_min_edges
+                or int(self.arch.split("_")[1]) < 80):  # cp.async needs sm_80
+            return None
+        return staging
+
+    def _launch_plans(self, direction: str, needs, tensors, n_edges: int
+                      ) -> List[Tuple[KernelPlan, Optional[staged.StagePlan]]]:
+        """``(launch, staging or None)`` of ``direction``: every launch staged (on the plan its
+        staging asks for, one segment a launch or not), else every launch of the plain plan
+        plain: where staging is off or the graph small (:meth:`_staging`), a launch's stages
+        pass the shared memory, or a tensor does not start on the copies' alignment (a view;
+        the plain kernels read any)."""
+        staging = self._staging(direction, n_edges)
+        forward = direction == "forward"
+        if staging is not None:
+            conv = self._segment_plan if staging.by_segment else self.plan
+            launches = conv.forward_launches if forward else conv.backward_launches
+            stages = [staged.forward_stages(plan, staging) if forward
+                      else staged.backward_stages(plan, needs, staging) for plan in launches]
+            vec = max(max(st.w_vec, st.x_vec, st.y_vec) for st in stages)
+            if (all(st.shared_bytes <= self._shared_optin for st in stages)
+                    and not any(t is not None and t.numel() and t.data_ptr() % vec
+                                for t in tensors)):
+                return list(zip(launches, stages))
+        launches = self.plan.forward_launches if forward else self.plan.backward_launches
+        return [(plan, None) for plan in launches]
 
     # -- checks before launch -------------------------------------------------------------------
     def _check(self, n: int, graph: KernelGraph, **tensors: torch.Tensor) -> None:
@@ -135,9 +173,14 @@ class CudaConvPrimitives:
             return
         sorted_w = rows is not None
         extra = (i32(rows.e0),) if sorted_w else ()
-        for plan in self.plan.forward_launches:
-            name = forward_name(plan, sorted_w)
-            k = self._kernel(name, lambda: render_forward(plan, sorted_w))
+        for plan, st in self._launch_plans("forward", None, xyw, graph.n_edges):
+            if st is not None:
+                k = self._kernel(staged.staged_forward_name(plan, st, sorted_w),
+                                 lambda: staged.render_staged_forward(plan, st, sorted_w),
+                                 st.shared_bytes)
+            else:
+                k = self._kernel(forward_name(plan, sorted_w),
+                                 lambda: render_forward(plan, sorted_w))
             k.launch(n1 - n0, plan.threads,
                      (*(ptr(t) for t in xyw), ptr(graph.sender), ptr(graph.recv_ptr[n0:]),
                       ptr(graph.recv_perm), ptr(out[n0:]), i32(n1 - n0)) + extra)
@@ -248,9 +291,16 @@ class CudaConvPrimitives:
         sorted_w = rows is not None
         extra = (i32(rows.e0),) if sorted_w else ()
         x, y, w, g = xywg
-        for plan in self.plan.backward_launches:  # launch 0 writes gy, later ones add to it
-            name = backward_name(plan, needs, atomic, sorted_w)
-            k = self._kernel(name, lambda: render_backward(plan, needs, atomic, sorted_w))
+        # launch 0 writes gy, the later ones add to it
+        for plan, st in self._launch_plans("backward", needs, (x, y, w), graph.n_edges):
+            if st is not None:
+                k = self._kernel(staged.staged_backward_name(plan, st, needs, atomic, sorted_w),
+                                 lambda: staged.render_staged_backward(plan, st, needs, atomic,
+                                                                       sorted_w),
+                                 st.shared_bytes)
+            else:
+                k = self._kernel(backward_name(plan, needs, atomic, sorted_w),
+                                 lambda: render_backward(plan, needs, atomic, sorted_w))
             chunks = edge_chunks(n1 - n0, plan.threads, self._sms, self._threads_per_sm)
             k.launch((n1 - n0) * chunks, plan.threads,
                      (ptr(x), ptr(y), ptr(w), ptr(g[n0:]), ptr(graph.sender),

@@ -149,8 +149,13 @@ def _largest_tile(bytes_for_tile, budget: int, candidates=(32, 16, 8, 4, 2, 1)) 
     raise KernelError("not even one edge fits the shared-memory budget")
 
 
-def plan_kernels(spec: TPSpec, dtype: str, limits: DeviceLimits = DeviceLimits()) -> ConvPlan:
+def plan_kernels(spec: TPSpec, dtype: str, limits: DeviceLimits = DeviceLimits(),
+                 by_segment: bool = False) -> ConvPlan:
     """Map ``spec`` onto threads for ``dtype`` (``"float32"|"float64"``) under ``limits``.
+
+    ``by_segment``: one input segment per launch in both directions (every warp of a block
+    then does the same work per edge; the staged kernels' blocks wait for their slowest warp
+    at each tile).
 
     Raises:
         KernelError: the spec is not supported by the fused kernels, or does not fit one block.
@@ -163,16 +168,17 @@ def plan_kernels(spec: TPSpec, dtype: str, limits: DeviceLimits = DeviceLimits()
     if limits.warp_size != WARP:
         raise KernelError(f"the kernels assume 32-thread warps, device has {limits.warp_size}")
 
-    by_segment: dict = {}
+    paths_of: dict = {}  # input segment -> its paths
     for p in spec.paths:
         b, c = spec.irreps_in2[p.i_in2], spec.irreps_out[p.i_out]
         coef = tuple((i, j, k, v * p.path_weight) for i, j, k, v in p.cg)
-        by_segment.setdefault(p.i_in1, []).append(PathPlan(
+        paths_of.setdefault(p.i_in1, []).append(PathPlan(
             y_offset=spec.offsets_in2[p.i_in2], y_dim=b.ir_dim,
             out_offset=spec.offsets_out[p.i_out], out_dim=c.ir_dim,
             w_offset=p.weight_offset, terms=coef))
     forward_launches, backward_launches = (
-        tuple(_plan_launches(spec, dtype, limits, by_segment, _max_group_threads(dtype, way)))
+        tuple(_plan_launches(spec, dtype, limits, paths_of,
+                             WARP if by_segment else _max_group_threads(dtype, way)))
         for way in ("forward", "backward"))
     sender_sum_threads = min(limits.max_threads_per_block,
                              max(WARP, -(-spec.dim_in1 // WARP) * WARP))
