@@ -19,6 +19,7 @@ The backward stages only what its gradients read (:func:`~.codegen._bwd_operands
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from mace_accel.ops.conv_tp.codegen import (
@@ -233,6 +234,31 @@ def _issue_lines(st: StagePlan, w_sorted: bool) -> List[str]:
     return lines
 
 
+_Y_LOAD = re.compile(r"^const real y(\d+) = yr\[(\d+)\];$")
+
+
+def _vector_y_loads(body: List[str], st: StagePlan) -> List[str]:
+    """``body`` with its edge-attribute loads (``const real y{c} = yr[{c}];``) read as 16-byte
+    vectors from the staged row (one shared-memory load per 4 floats / 2 doubles instead of
+    one per value); unchanged where the row's width is not a multiple of 16 bytes."""
+    per = 16 // st.real_bytes
+    if st.y_cols == 0 or (st.y_cols * st.real_bytes) % 16:
+        return body
+    loads = [(i, _Y_LOAD.match(line.strip())) for i, line in enumerate(body)]
+    loads = [(i, m) for i, m in loads if m and m.group(1) == m.group(2)]
+    if not loads:
+        return body
+    vec = "float4" if st.real_bytes == 4 else "double2"
+    lanes = "xyzw"
+    quads = sorted({int(m.group(1)) // per for _, m in loads})
+    lines = [f"const {vec} yq{q} = reinterpret_cast<const {vec}*>(yr)[{q}];" for q in quads]
+    lines += [f"const real y{c} = yq{c // per}.{lanes[c % per]};"
+              for c in (int(m.group(1)) for _, m in loads)]
+    first, taken = loads[0][0], {i for i, _ in loads}
+    return body[:first] + lines + [line for i, line in enumerate(body)
+                                   if i >= first and i not in taken]
+
+
 def _operand_lines(i: int, seg, st: StagePlan, load_w: bool, load_x: bool,
                    x_name: str) -> List[str]:
     """Staged operands of edge ``t``: ``wr`` / ``cw{j}`` weights, ``xr`` / sender features."""
@@ -282,7 +308,7 @@ def render_staged_forward(plan: KernelPlan, st: StagePlan, w_sorted: bool = Fals
         accs, body, store = _fwd_lines(seg, lambda p: f"wr[{st.w_column(p)}]",
                                        outer=_keeps_outer(seg))
         body = _operand_lines(0, seg, st, True, True, "") + ["const real* yr = ys + t * DIM2;"] \
-            + body
+            + _vector_y_loads(body, st)
         segments.append(dict(warp_begin=seg.warp_begin, warp_end=seg.warp_end, mul=seg.mul,
                              accumulators=accs, fwd_body=body, fwd_store=store))
     return render("conv_tp/staged_forward.cu.j2", plan=plan, st=st,
@@ -340,7 +366,7 @@ def render_staged_backward(plan: KernelPlan, st: StagePlan, needs: Needs, atomic
         body = _operand_lines(i, seg, st, load_w, load_x, f"xs{i}_")
         if load_w:
             body += [f"const real cw{j} = wr[{st.w_column(p)}];" for j, p in enumerate(seg.paths)]
-        body += _bwd_math(i, seg, needs, atomic, w_sorted, rw)
+        body += _vector_y_loads(_bwd_math(i, seg, needs, atomic, w_sorted, rw), st)
         segments.append(dict(
             warp_begin=seg.warp_begin, warp_end=seg.warp_end, mul=seg.mul,
             hoist=_g_hoist(i, seg, rw), bwd_body=body,
