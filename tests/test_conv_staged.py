@@ -107,3 +107,58 @@ def test_defaults_and_catalog():
     assert "conv_tp/mp-medium-l2-float32-staged-g1-fwd" in names  # one segment a launch
     assert not any("float64-staged" in n and n.endswith("-fwd") for n in names)
     assert list(staged.catalog_sources(DeviceLimits(arch="sm_75"))) == []  # no cp.async
+
+
+class _Tensor:
+    """What the launch choice reads of a tensor: its address and size."""
+
+    def __init__(self, address: int) -> None:
+        self.address = address
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def numel(self) -> int:
+        return 1
+
+
+def _primitives(dtype: str):
+    """CudaConvPrimitives' launch choice without a GPU: kernels stand in as their names."""
+    from mace_accel.ops.conv_tp.cuda import CudaConvPrimitives
+
+    spec = make_spec(*CATALOG["mp-medium-l2"].irreps)
+    prims = object.__new__(CudaConvPrimitives)
+    prims.staging = dict(staged.DEFAULT_STAGING[dtype])
+    prims.staged_min_edges = staged.STAGED_MIN_EDGES
+    prims.arch, prims._shared_optin, prims._launch_cache = "sm_90", 227 * 1024, {}
+    prims.plan = plan_kernels(spec, dtype)
+    prims._segment_plan = plan_kernels(spec, dtype, by_segment=True)
+    prims._kernel = lambda name, render, dynamic_shared=0: name
+    return prims
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_launch_choice_by_size_and_alignment(dtype):
+    prims = _primitives(dtype)
+    aligned, view = _Tensor(1 << 20), _Tensor((1 << 20) + 4)
+    big, small = staged.STAGED_MIN_EDGES, staged.STAGED_MIN_EDGES - 1
+    fwd = [k for _, k in prims._launches("forward", None, False, False, (aligned,), big)]
+    bwd = [k for _, k in prims._launches("backward", EVERY, False, False, (aligned,), big)]
+    if dtype == "float32":  # one segment a launch, each staged
+        assert len(fwd) == 2 and all("_st8x2" in k for k in fwd)
+    else:  # the float64 forward stays plain: its launches are one segment each anyway
+        assert len(fwd) == 2 and not any("_st" in k for k in fwd)
+    assert len(bwd) == 1 and "_st4x2" in bwd[0]
+    for tensors, n_edges in (((aligned,), small), ((view,), big)):  # small graph, a view
+        launches = prims._launches("backward", EVERY, False, False, tensors, n_edges)
+        assert not any("_st" in k for _, k in launches)
+    # the choice is made once per (direction, gradients, variant, size class)
+    assert prims._launches("backward", EVERY, False, False, (aligned,), big)[0][1] == bwd[0]
+    assert len(prims._launch_cache) == 3  # forward, backward staged, backward plain
+
+
+def test_stages_past_the_shared_memory_run_plain():
+    prims = _primitives("float32")
+    prims._shared_optin = 16 * 1024
+    launches = prims._launches("backward", EVERY, False, False, (), staged.STAGED_MIN_EDGES)
+    assert not any("_st" in k for _, k in launches)

@@ -81,6 +81,7 @@ class CudaConvPrimitives:
         self._sms = props.multi_processor_count
         self._threads_per_sm = props.max_threads_per_multi_processor
         self._shared_optin = int(getattr(props, "shared_memory_per_block_optin", 0))
+        self._launch_cache: Dict[tuple, list] = {}  # see _launches
         self._kernels: Dict[str, Kernel] = {}
         self._hidden_plans: Dict[int, hidden_fwd.HiddenForwardPlan] = {}
         self._fragment_index: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -103,27 +104,59 @@ class CudaConvPrimitives:
             return None
         return staging
 
-    def _launch_plans(self, direction: str, needs, tensors, n_edges: int
-                      ) -> List[Tuple[KernelPlan, Optional[staged.StagePlan]]]:
-        """``(launch, staging or None)`` of ``direction``: every launch staged (on the plan its
-        staging asks for, one segment a launch or not), else every launch of the plain plan
-        plain: where staging is off or the graph small (:meth:`_staging`), a launch's stages
+    def _launches(self, direction: str, needs, atomic: bool, w_sorted: bool, tensors,
+                  n_edges: int) -> List[Tuple[KernelPlan, Kernel]]:
+        """The launches of ``direction`` and their kernels (built on first use, then cached:
+        a call costs a lookup and an alignment check): every launch staged, on the plan its
+        staging asks for (one segment a launch or not), else every launch of the plain plan
+        plain, where staging is off or the graph small (:meth:`_staging`), a launch's stages
         pass the shared memory, or a tensor does not start on the copies' alignment (a view;
         the plain kernels read any)."""
-        staging = self._staging(direction, n_edges)
+        staged_here = self._staging(direction, n_edges) is not None
+        key = (direction, needs, atomic, w_sorted, staged_here)
+        entry = self._launch_cache.get(key)
+        if entry is None:
+            entry = self._launch_cache[key] = [
+                *self._plan_launches(direction, needs, self._staging(direction, n_edges)), None]
+        staging, vec, kernels = entry
+        if vec and any(t is not None and t.numel() and t.data_ptr() % vec for t in tensors):
+            return self._launches(direction, needs, atomic, w_sorted, (), -1)  # plain
+        if kernels is None:
+            kernels = entry[2] = [(plan, self._kernel_of(plan, st, needs, atomic, w_sorted))
+                                  for plan, st in staging]
+        return kernels
+
+    def _plan_launches(self, direction: str, needs, staging: Optional[staged.Staging]):
+        """``([(launch, stage plan or None)], copy alignment in bytes, 0 for plain kernels)``."""
         forward = direction == "forward"
         if staging is not None:
             conv = self._segment_plan if staging.by_segment else self.plan
-            launches = conv.forward_launches if forward else conv.backward_launches
+            plans = conv.forward_launches if forward else conv.backward_launches
             stages = [staged.forward_stages(plan, staging) if forward
-                      else staged.backward_stages(plan, needs, staging) for plan in launches]
-            vec = max(max(st.w_vec, st.x_vec, st.y_vec) for st in stages)
-            if (all(st.shared_bytes <= self._shared_optin for st in stages)
-                    and not any(t is not None and t.numel() and t.data_ptr() % vec
-                                for t in tensors)):
-                return list(zip(launches, stages))
-        launches = self.plan.forward_launches if forward else self.plan.backward_launches
-        return [(plan, None) for plan in launches]
+                      else staged.backward_stages(plan, needs, staging) for plan in plans]
+            if all(st.shared_bytes <= self._shared_optin for st in stages):
+                return (list(zip(plans, stages)),
+                        max(max(st.w_vec, st.x_vec, st.y_vec) for st in stages))
+        plans = self.plan.forward_launches if forward else self.plan.backward_launches
+        return [(plan, None) for plan in plans], 0
+
+    def _kernel_of(self, plan: KernelPlan, st: Optional[staged.StagePlan], needs,
+                   atomic: bool, w_sorted: bool) -> Kernel:
+        """The kernel of one launch: forward where ``needs`` is None; plain where ``st`` is."""
+        if needs is None and st is None:
+            return self._kernel(forward_name(plan, w_sorted),
+                                lambda: render_forward(plan, w_sorted))
+        if needs is None:
+            return self._kernel(staged.staged_forward_name(plan, st, w_sorted),
+                                lambda: staged.render_staged_forward(plan, st, w_sorted),
+                                st.shared_bytes)
+        if st is None:
+            return self._kernel(backward_name(plan, needs, atomic, w_sorted),
+                                lambda: render_backward(plan, needs, atomic, w_sorted))
+        return self._kernel(staged.staged_backward_name(plan, st, needs, atomic, w_sorted),
+                            lambda: staged.render_staged_backward(plan, st, needs, atomic,
+                                                                  w_sorted),
+                            st.shared_bytes)
 
     # -- checks before launch -------------------------------------------------------------------
     def _check(self, n: int, graph: KernelGraph, **tensors: torch.Tensor) -> None:
@@ -173,14 +206,7 @@ class CudaConvPrimitives:
             return
         sorted_w = rows is not None
         extra = (i32(rows.e0),) if sorted_w else ()
-        for plan, st in self._launch_plans("forward", None, xyw, graph.n_edges):
-            if st is not None:
-                k = self._kernel(staged.staged_forward_name(plan, st, sorted_w),
-                                 lambda: staged.render_staged_forward(plan, st, sorted_w),
-                                 st.shared_bytes)
-            else:
-                k = self._kernel(forward_name(plan, sorted_w),
-                                 lambda: render_forward(plan, sorted_w))
+        for plan, k in self._launches("forward", None, False, sorted_w, xyw, graph.n_edges):
             k.launch(n1 - n0, plan.threads,
                      (*(ptr(t) for t in xyw), ptr(graph.sender), ptr(graph.recv_ptr[n0:]),
                       ptr(graph.recv_perm), ptr(out[n0:]), i32(n1 - n0)) + extra)
@@ -292,15 +318,8 @@ class CudaConvPrimitives:
         extra = (i32(rows.e0),) if sorted_w else ()
         x, y, w, g = xywg
         # launch 0 writes gy, the later ones add to it
-        for plan, st in self._launch_plans("backward", needs, (x, y, w), graph.n_edges):
-            if st is not None:
-                k = self._kernel(staged.staged_backward_name(plan, st, needs, atomic, sorted_w),
-                                 lambda: staged.render_staged_backward(plan, st, needs, atomic,
-                                                                       sorted_w),
-                                 st.shared_bytes)
-            else:
-                k = self._kernel(backward_name(plan, needs, atomic, sorted_w),
-                                 lambda: render_backward(plan, needs, atomic, sorted_w))
+        for plan, k in self._launches("backward", needs, atomic, sorted_w, (x, y, w),
+                                      graph.n_edges):
             chunks = edge_chunks(n1 - n0, plan.threads, self._sms, self._threads_per_sm)
             k.launch((n1 - n0) * chunks, plan.threads,
                      (ptr(x), ptr(y), ptr(w), ptr(g[n0:]), ptr(graph.sender),
