@@ -190,8 +190,10 @@ def _bwd_math(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: bo
     :func:`_bwd_operands` asks for them, ``ys`` (the tile's staged edge attributes), ``es`` /
     ``ss`` (the tile's edge ids / senders) and ``gr`` (the node's output-gradient row).
 
-    With ``u[a][k] = sum_b C y_b`` and ``s[a] = sum_k g_k u[a][k]``:
-    d(x)[a] += w s[a];  d(w) = sum_a x[a] s[a];  d(y)[b] += w sum_{a,k} C x[a] g[k].
+    With ``s[a] = sum_{b,k} C[a,b,k] y_b g_k``: d(x)[a] += w s[a];  d(w) = sum_a x[a] s[a];
+    d(y)[b] += w sum_{a,k} C x[a] g[k]. Where the segment holds ``h = C g``
+    (:func:`_holds_h`), ``s[a] = sum_b y_b h[a][b]`` and d(y)[b] += w sum_a x[a] h[a][b]
+    (:func:`_h_path_lines`); else ``s[a] = sum_k g_k u[a][k]`` with ``u[a][k] = sum_b C y_b``.
     """
     need_x, need_y, need_w = needs
     load_w, _ = _bwd_operands(needs)

@@ -5,14 +5,16 @@ sender features into registers, one edge ahead: the bytes a block has in flight 
 its registers, and the per-edge streams run well below the HBM's bandwidth on an H200 (the
 latency x bandwidth product grew with the bandwidth; the SM count did not). The staged kernels
 copy the rows of ``STAGES - 1`` tiles of ``STAGE_EDGES`` edges ahead with ``cp.async`` (16-byte
-copies where the rows allow, else 8 or 4), then run the very same per-edge arithmetic from
-shared memory: the results are the plain kernels' bits.
+copies where the rows allow, else 8 or 4), then compute from shared memory: the backward the
+plain backward's per-edge code, the forward accumulating the outer product ``M`` where it fits
+(:func:`~.codegen.fwd_outer_lines`). Results agree with the plain kernels to rounding and are
+bit-reproducible. Design and measurements: ``docs/design/staged_conv.md``.
 
 What is staged, per edge of a launch (its input segments' columns only):
     * the TP weights of the launch's paths (``w_spans``: runs of adjacent columns), read once:
       evict-first in L2;
     * the sender's features ``x[sender, x_lo : x_lo + x_cols]``;
-    * the edge attributes ``y[e, :]``.
+    * the edge attributes ``y[e, :]`` (read by the threads as 16-byte vectors where they can).
 The backward stages only what its gradients read (:func:`~.codegen._bwd_operands`).
 """
 
