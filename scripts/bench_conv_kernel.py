@@ -62,6 +62,15 @@ def copy_bandwidth(device) -> float:
     return 2 * 2 * 1024**3 / (med * 1e-3)
 
 
+def random_inputs(spec, n_nodes: int, n_edges: int, dtype, device):
+    """``(x [N, dim_in1], y [E, dim_in2], w [E, weight_numel], g [N, dim_out])``, seeded."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = ((n_nodes, spec.dim_in1), (n_edges, spec.dim_in2), (n_edges, spec.weight_numel),
+              (n_nodes, spec.dim_out))
+    return tuple(torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+                 for shape in shapes)
+
+
 def make_backends(problem, dtype, device):
     """name -> module with MACE's fused call (node_feats, edge_attrs, tp_weights, edge_index)."""
     from mace.modules import wrapper_ops
@@ -123,12 +132,8 @@ def run(problem_name: str, cells: int, dtypes, repeats: int) -> dict:
           f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     for dtype in dtypes:
         backends, status, spec = make_backends(problem, dtype, device)
-        gen = torch.Generator(device=device).manual_seed(0)
         E = edge_index.shape[1]
-        x = torch.randn(n_nodes, spec.dim_in1, device=device, dtype=dtype, generator=gen)
-        y = torch.randn(E, spec.dim_in2, device=device, dtype=dtype, generator=gen)
-        w = torch.randn(E, spec.weight_numel, device=device, dtype=dtype, generator=gen)
-        g = torch.randn(n_nodes, spec.dim_out, device=device, dtype=dtype, generator=gen)
+        x, y, w, g = random_inputs(spec, n_nodes, E, dtype, device)
         roof = count_flops_bytes(spec, n_nodes, E, str(dtype).replace("torch.", ""))
         ref_out = None
         for name, module in backends.items():

@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_conv_kernel import build_graph, copy_bandwidth, time_ms  # noqa: E402
+from bench_conv_kernel import build_graph, copy_bandwidth, random_inputs, time_ms  # noqa: E402
 
 from mace_accel.ops.conv_tp import codegen  # noqa: E402
 from mace_accel.ops.conv_tp.catalog import CATALOG  # noqa: E402
@@ -61,11 +61,7 @@ def run(problem: str, cells: int, dtype: torch.dtype, shapes, bw: float, repeats
     n, edge_index = build_graph(cells, 6.0, device)
     graph = KernelGraph(*graph_from_edge_index(edge_index, n).tensors("cuda"))
     e = edge_index.shape[1]
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(n, spec.dim_in1, device=device, dtype=dtype, generator=gen)
-    y = torch.randn(e, spec.dim_in2, device=device, dtype=dtype, generator=gen)
-    w = torch.randn(e, spec.weight_numel, device=device, dtype=dtype, generator=gen)
-    g = torch.randn(n, spec.dim_out, device=device, dtype=dtype, generator=gen)
+    x, y, w, g = random_inputs(spec, n, e, dtype, device)
     roof = count_flops_bytes(spec, n, e, str(dtype).replace("torch.", ""))
     ref = None
     print(f"\n{problem} {str(dtype)[6:]} {n} atoms {e} edges")

@@ -226,11 +226,7 @@ def _bwd_math(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: bo
             a_used = sorted({a for a, _ in pairs})
             for a in a_used:
                 body.append(f"  const real s{a} = {_sum([f'g{k} * u{a}_{k}' for k in ks if (a, k) in pairs])};")
-            if need_x:
-                body += [f"  {gx[a]} += wv * s{a};" for a in a_used]
-            if need_w:
-                body.append("  " + _stream_store(f"gwr + {p.w_offset}",
-                                                 _sum([f"{x[a]} * s{a}" for a in a_used])))
+            body += _s_uses(p, a_used, x, gx, need_x, need_w)
         if need_y:
             body += [f"  const real xg{a}_{k} = {x[a]} * g{k};" for a, k in sorted(pairs)]
             by_col: Dict[int, List[str]] = {}
@@ -246,6 +242,16 @@ def _bwd_math(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: bo
         body.append(f"real* gxr = gxm + (long long)es[t] * DIM1 + {seg.x_offset} + u * {seg.x_dim};")
         body += [_stream_store(f"gxr + {a}", gx[a]) for a in range(seg.x_dim)]
     return body
+
+
+def _s_uses(p: PathPlan, a_used: List[int], x: List[str], gx: List[str], need_x: bool,
+           need_w: bool) -> List[str]:
+    """Path ``p``'s uses of ``s[a]``: d(x)[a] += w s[a] and the store of d(w) = sum_a x[a] s[a]."""
+    lines = [f"  {gx[a]} += wv * s{a};" for a in a_used] if need_x else []
+    if need_w:
+        lines.append("  " + _stream_store(f"gwr + {p.w_offset}",
+                                          _sum([f"{x[a]} * s{a}" for a in a_used])))
+    return lines
 
 
 def _h_path_lines(i: int, j: int, p: PathPlan, needs: Needs, load_w: bool, x: List[str],
@@ -264,11 +270,7 @@ def _h_path_lines(i: int, j: int, p: PathPlan, needs: Needs, load_w: bool, x: Li
         for a in a_used:
             terms = [f"y{p.y_offset + b} * hh{i}_{j}_{a}_{b}" for b in b_used if (a, b) in pairs]
             lines.append(f"  const real s{a} = {_sum(terms)};")
-        if need_x:
-            lines += [f"  {gx[a]} += wv * s{a};" for a in a_used]
-        if need_w:
-            lines.append("  " + _stream_store(f"gwr + {p.w_offset}",
-                                              _sum([f"{x[a]} * s{a}" for a in a_used])))
+        lines += _s_uses(p, a_used, x, gx, need_x, need_w)
     if need_y:
         for b in b_used:
             terms = [f"{x[a]} * hh{i}_{j}_{a}_{b}" for a in a_used if (a, b) in pairs]

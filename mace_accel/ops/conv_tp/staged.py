@@ -214,25 +214,20 @@ def _issue_lines(st: StagePlan, w_sorted: bool) -> List[str]:
                 f"  {copy}({dst}, {src});",
                 "}"]
 
-    rb = st.real_bytes
-    for s in st.w_spans:
-        step = st.w_vec // rb
-        lines += loop(s.cols * rb // st.w_vec,
-                      f"sw + sbk * (STAGE_EDGES * W_COLS) + t * W_COLS + {s.dst} + c * {step}",
-                      f"w + (long long)({w_row}) * WN + {s.src} + c * {step}, policy",
-                      f"stage_stream<{st.w_vec}>")
+    tile = "sbk * (STAGE_EDGES * {}) + t * {}"
+    copies = [(s.cols, st.w_vec, f"sw + {tile.format('W_COLS', 'W_COLS')} + {s.dst}",
+               f"w + (long long)({w_row}) * WN + {s.src}", "stage_stream", ", policy")
+              for s in st.w_spans]
     if st.x_cols:
-        step = st.x_vec // rb
-        lines += loop(st.x_cols * rb // st.x_vec,
-                      f"sx + sbk * (STAGE_EDGES * X_COLS) + t * X_COLS + c * {step}",
-                      f"x + (long long)sidx[q0 + t] * DIM1 + X_LO + c * {step}",
-                      f"stage_copy<{st.x_vec}>")
+        copies.append((st.x_cols, st.x_vec, f"sx + {tile.format('X_COLS', 'X_COLS')}",
+                       "x + (long long)sidx[q0 + t] * DIM1 + X_LO", "stage_copy", ""))
     if st.y_cols:
-        step = st.y_vec // rb
-        lines += loop(st.y_cols * rb // st.y_vec,
-                      f"sy + sbk * (STAGE_EDGES * DIM2) + t * DIM2 + c * {step}",
-                      f"y + (long long)eidx[q0 + t] * DIM2 + c * {step}",
-                      f"stage_copy<{st.y_vec}>")
+        copies.append((st.y_cols, st.y_vec, f"sy + {tile.format('DIM2', 'DIM2')}",
+                       "y + (long long)eidx[q0 + t] * DIM2", "stage_copy", ""))
+    for cols, vec, dst, src, copy, extra in copies:
+        step = vec // st.real_bytes
+        lines += loop(cols * st.real_bytes // vec, f"{dst} + c * {step}",
+                      f"{src} + c * {step}{extra}", f"{copy}<{vec}>")
     return lines
 
 
