@@ -97,20 +97,35 @@ def fwd_outer_lines(seg: SegmentPlan, p: PathPlan, w_value: str,
     return accs, body, store
 
 
-def fwd_y_loads(seg: SegmentPlan, paths: Sequence[PathPlan]) -> List[str]:
-    """The per-edge loads (from ``yr``) of the edge attributes ``paths`` read."""
-    return [f"const real y{c} = yr[{c}];" for c in _y_cols(seg, paths)]
+def y_loads(cols: Sequence[int], per_vector: int = 0) -> List[str]:
+    """The per-edge loads (from ``yr``) of the edge-attribute columns ``cols``: one each, or
+    (``per_vector`` = 4 floats / 2 doubles) as 16-byte vectors of a 16-byte aligned row, one
+    shared-memory load per vector (the staged kernels)."""
+    if not per_vector:
+        return [f"const real y{c} = yr[{c}];" for c in cols]
+    vec = "float4" if per_vector == 4 else "double2"
+    lines = [f"const {vec} yq{q} = reinterpret_cast<const {vec}*>(yr)[{q}];"
+             for q in sorted({c // per_vector for c in cols})]
+    return lines + [f"const real y{c} = yq{c // per_vector}.{'xyzw'[c % per_vector]};"
+                    for c in cols]
+
+
+def fwd_y_loads(seg: SegmentPlan, paths: Sequence[PathPlan], per_vector: int = 0) -> List[str]:
+    """The per-edge loads (from ``yr``) of the edge attributes ``paths`` read (:func:`y_loads`)."""
+    return y_loads(_y_cols(seg, paths), per_vector)
 
 
 def _fwd_lines(seg: SegmentPlan, w_value: Optional[Callable[[PathPlan], str]] = None,
-               outer: bool = False) -> Tuple[List[str], List[str], List[str]]:
+               outer: bool = False, per_vector: int = 0) -> Tuple[List[str], List[str], List[str]]:
     """Accumulator names, per-edge body and final store of one segment's forward; the body
-    reads ``xr`` and ``yr``, and path ``p``'s weight as ``w_value(p)`` (default: streamed from
-    the global row ``wr``); ``outer``: accumulate ``M`` (:func:`fwd_outer_lines`)."""
+    reads ``xr`` and ``yr`` (``per_vector``: see :func:`y_loads`), and path ``p``'s weight as
+    ``w_value(p)`` (default: streamed from the global row ``wr``); ``outer``: accumulate ``M``
+    (:func:`fwd_outer_lines`)."""
     if w_value is None:
         w_value = lambda p: _stream_load(f"wr + {p.w_offset}")  # noqa: E731
     accs, store = [], []
-    body = [f"const real x{a} = xr[{a}];" for a in range(seg.x_dim)] + fwd_y_loads(seg, seg.paths)
+    body = [f"const real x{a} = xr[{a}];" for a in range(seg.x_dim)] \
+        + fwd_y_loads(seg, seg.paths, per_vector)
     path_lines = fwd_outer_lines if outer else fwd_path_lines
     for j, p in enumerate(seg.paths):
         a, b, s = path_lines(seg, p, w_value(p), j)
@@ -184,11 +199,12 @@ def _bwd_operands(needs: Needs) -> Tuple[bool, bool]:
 
 
 def _bwd_math(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: bool,
-              real_words: int) -> List[str]:
+              real_words: int, per_vector: int = 0) -> List[str]:
     """The arithmetic and stores of one edge ``t`` of segment ``i``'s backward, given its
     operands in ``cw{j}`` (weight of path ``j``) and ``xs{i}_{a}`` (sender features) where
     :func:`_bwd_operands` asks for them, ``ys`` (the tile's staged edge attributes), ``es`` /
-    ``ss`` (the tile's edge ids / senders) and ``gr`` (the node's output-gradient row).
+    ``ss`` (the tile's edge ids / senders) and ``gr`` (the node's output-gradient row);
+    ``per_vector``: how the edge attributes are loaded (:func:`y_loads`).
 
     With ``s[a] = sum_{b,k} C[a,b,k] y_b g_k``: d(x)[a] += w s[a];  d(w) = sum_a x[a] s[a];
     d(y)[b] += w sum_{a,k} C x[a] g[k]. Where the segment holds ``h = C g``
@@ -207,7 +223,7 @@ def _bwd_math(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: bo
         body.append(f"real* gwr = gw + (long long){_w_row(w_sorted)} * WN + u;")
     if need_x or need_w:  # d(edge_attrs) alone needs no edge attributes
         body.append("const real* yr = ys + t * DIM2;")
-        body += [f"const real y{c} = yr[{c}];" for c in cols]
+        body += y_loads(cols, per_vector)
     if need_x:
         body += [f"real {v} = 0;" for v in gx]
     for j, p in enumerate(seg.paths):
@@ -298,8 +314,8 @@ def _bwd_lines(i: int, seg: SegmentPlan, needs: Needs, atomic: bool, w_sorted: b
     """Per-edge body of one segment's backward (``i`` = segment number), see :func:`_bwd_math`.
 
     Per edge ``t`` of the receiver ``node``: x gathered from the sender, g from the node's row.
-    Latency: the node's output gradient is loaded once per tile of edges into the ``gh*``
-    registers (``tile_loads``; where it fits :data:`HOIST_G_WORDS`, else per edge), and each
+    Latency: what :func:`_g_hoist` holds (``h``, else the node's output gradient where it fits,
+    else nothing: read per edge) is formed once per tile of edges (``tile_loads``), and each
     edge's weights and sender features are loaded one edge ahead into the ``n*`` registers
     (``prefetch``, given the edge index ``tt``), so the body of edge ``t`` runs while edge
     ``t + 1``'s loads are in flight.

@@ -112,18 +112,18 @@ class CudaConvPrimitives:
         plain, where staging is off or the graph small (:meth:`_staging`), a launch's stages
         pass the shared memory, or a tensor does not start on the copies' alignment (a view;
         the plain kernels read any)."""
-        staged_here = self._staging(direction, n_edges) is not None
-        key = (direction, needs, atomic, w_sorted, staged_here)
+        staging = self._staging(direction, n_edges)
+        key = (direction, needs, atomic, w_sorted, staging is not None)
         entry = self._launch_cache.get(key)
         if entry is None:
-            entry = self._launch_cache[key] = [
-                *self._plan_launches(direction, needs, self._staging(direction, n_edges)), None]
-        staging, vec, kernels = entry
+            entry = self._launch_cache[key] = [*self._plan_launches(direction, needs, staging),
+                                               None]
+        launches, vec, kernels = entry
         if vec and any(t is not None and t.numel() and t.data_ptr() % vec for t in tensors):
             return self._launches(direction, needs, atomic, w_sorted, (), -1)  # plain
         if kernels is None:
             kernels = entry[2] = [(plan, self._kernel_of(plan, st, needs, atomic, w_sorted))
-                                  for plan, st in staging]
+                                  for plan, st in launches]
         return kernels
 
     def _plan_launches(self, direction: str, needs, staging: Optional[staged.Staging]):

@@ -21,7 +21,6 @@ The backward stages only what its gradients read (:func:`~.codegen._bwd_operands
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from mace_accel.ops.conv_tp.codegen import (
@@ -32,6 +31,8 @@ from mace_accel.ops.conv_tp.codegen import (
     _g_hoist,
     _gy_reduce,
     _keeps_outer,
+    _needs_tag,
+    _real,
     _w_row0_arg,
     _y_cols,
 )
@@ -151,6 +152,13 @@ class StagePlan(RealType):
         reals = self.w_buffer + self.x_buffer + self.y_buffer + self.red_buffer
         return reals * self.real_bytes + 2 * self.index_tile * 4
 
+    @property
+    def y_per_vector(self) -> int:
+        """Edge-attribute values per 16-byte shared-memory load of the staged rows (4 floats,
+        2 doubles), 0 where a row is not a whole number of 16 bytes (:func:`~.codegen.y_loads`)."""
+        whole = self.y_cols and (self.y_cols * self.real_bytes) % 16 == 0
+        return 16 // self.real_bytes if whole else 0
+
     def w_column(self, p: PathPlan) -> int:
         """The staged column of path ``p``'s first weight."""
         for s in self.w_spans:
@@ -188,7 +196,7 @@ def stage_plan(plan: KernelPlan, loads: Tuple[bool, bool, bool], reduce_y: bool,
     if stages < 2 or edges < 1:
         raise ValueError(f"a staged kernel needs >= 2 stages of >= 1 edge, got {stages} x {edges}")
     load_w, load_x, load_y = loads
-    rb = 8 if plan.dtype == "float64" else 4
+    rb = plan.real_bytes
     spans = _w_spans(plan) if load_w else ()
     x_lo = min(seg.x_offset for seg in plan.segments)
     x_hi = max(seg.x_offset + seg.mul * seg.x_dim for seg in plan.segments)
@@ -229,31 +237,6 @@ def _issue_lines(st: StagePlan, w_sorted: bool) -> List[str]:
         lines += loop(cols * st.real_bytes // vec, f"{dst} + c * {step}",
                       f"{src} + c * {step}{extra}", f"{copy}<{vec}>")
     return lines
-
-
-_Y_LOAD = re.compile(r"^const real y(\d+) = yr\[(\d+)\];$")
-
-
-def _vector_y_loads(body: List[str], st: StagePlan) -> List[str]:
-    """``body`` with its edge-attribute loads (``const real y{c} = yr[{c}];``) read as 16-byte
-    vectors from the staged row (one shared-memory load per 4 floats / 2 doubles instead of
-    one per value); unchanged where the row's width is not a multiple of 16 bytes."""
-    per = 16 // st.real_bytes
-    if st.y_cols == 0 or (st.y_cols * st.real_bytes) % 16:
-        return body
-    loads = [(i, _Y_LOAD.match(line.strip())) for i, line in enumerate(body)]
-    loads = [(i, m) for i, m in loads if m and m.group(1) == m.group(2)]
-    if not loads:
-        return body
-    vec = "float4" if st.real_bytes == 4 else "double2"
-    lanes = "xyzw"
-    quads = sorted({int(m.group(1)) // per for _, m in loads})
-    lines = [f"const {vec} yq{q} = reinterpret_cast<const {vec}*>(yr)[{q}];" for q in quads]
-    lines += [f"const real y{c} = yq{c // per}.{lanes[c % per]};"
-              for c in (int(m.group(1)) for _, m in loads)]
-    first, taken = loads[0][0], {i for i, _ in loads}
-    return body[:first] + lines + [line for i, line in enumerate(body)
-                                   if i >= first and i not in taken]
 
 
 def _operand_lines(i: int, seg, st: StagePlan, load_w: bool, load_x: bool,
@@ -303,9 +286,9 @@ def render_staged_forward(plan: KernelPlan, st: StagePlan, w_sorted: bool = Fals
     segments = []
     for seg in plan.segments:
         accs, body, store = _fwd_lines(seg, lambda p: f"wr[{st.w_column(p)}]",
-                                       outer=_keeps_outer(seg))
+                                       outer=_keeps_outer(seg), per_vector=st.y_per_vector)
         body = _operand_lines(0, seg, st, True, True, "") + ["const real* yr = ys + t * DIM2;"] \
-            + _vector_y_loads(body, st)
+            + body
         segments.append(dict(warp_begin=seg.warp_begin, warp_end=seg.warp_end, mul=seg.mul,
                              accumulators=accs, fwd_body=body, fwd_store=store))
     return render("conv_tp/staged_forward.cu.j2", plan=plan, st=st,
@@ -363,7 +346,7 @@ def render_staged_backward(plan: KernelPlan, st: StagePlan, needs: Needs, atomic
         body = _operand_lines(i, seg, st, load_w, load_x, f"xs{i}_")
         if load_w:
             body += [f"const real cw{j} = wr[{st.w_column(p)}];" for j, p in enumerate(seg.paths)]
-        body += _vector_y_loads(_bwd_math(i, seg, needs, atomic, w_sorted, rw), st)
+        body += _bwd_math(i, seg, needs, atomic, w_sorted, rw, st.y_per_vector)
         segments.append(dict(
             warp_begin=seg.warp_begin, warp_end=seg.warp_end, mul=seg.mul,
             hoist=_g_hoist(i, seg, rw), bwd_body=body,
@@ -375,10 +358,6 @@ def render_staged_backward(plan: KernelPlan, st: StagePlan, needs: Needs, atomic
                   tile_decls=_bwd_tile_decls(needs, atomic, w_sorted),
                   issue=_issue_lines(st, w_sorted), w_row0_arg=_w_row0_arg(w_sorted),
                   gy_sum=lambda tile: _gy_sum(tile, plan, plan.group > 0))
-
-
-def _real(plan: KernelPlan) -> str:
-    return "double" if plan.dtype == "float64" else "float"
 
 
 def catalog_sources(limits, problems=None) -> Iterator[Tuple[str, str]]:
@@ -413,14 +392,14 @@ def catalog_sources(limits, problems=None) -> Iterator[Tuple[str, str]]:
             for plan in plan_kernels(spec, dtype, limits, bwd.by_segment).backward_launches:
                 tag = f"{base}-g{plan.group}"
                 for needs in selections:
-                    yield (f"{tag}-bwd{''.join(str(int(n)) for n in needs)}",
+                    yield (f"{tag}-bwd{_needs_tag(needs)}",
                            render_staged_backward(plan, backward_stages(plan, needs, bwd), needs))
                 if not full:
                     continue
                 st = backward_stages(plan, every, bwd)
                 yield f"{tag}-bwd111-atomic", render_staged_backward(plan, st, every, True)
                 for needs in (every, (False, True, True)):
-                    yield (f"{tag}-ws-bwd{''.join(str(int(n)) for n in needs)}",
+                    yield (f"{tag}-ws-bwd{_needs_tag(needs)}",
                            render_staged_backward(plan, backward_stages(plan, needs, bwd), needs,
                                                   w_sorted=True))
 
