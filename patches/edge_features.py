@@ -27,6 +27,7 @@ from mace_accel.ops.edge_features.spec import (
     radial_spec_from_module,
     sh_spec_from_module,
 )
+from mace_accel.ops.radial_table import order as radial_order
 from mace_accel.options import AccelOptions
 from mace_accel.patches import edge_vectors
 from mace_accel.patches.adopt import FusedModule
@@ -168,11 +169,13 @@ class FusedRadialEmbedding(FusedModule):
         return last[2]
 
     def length_order(self, lengths: torch.Tensor) -> torch.Tensor:
-        """``[E]`` int64: the edges sorted by ``lengths`` (from :meth:`lengths_for`), made once
-        per call for every table that looks them up."""
+        """``[E]`` int64: the edges sorted by ``lengths`` (from :meth:`lengths_for`; see
+        :func:`mace_accel.ops.radial_table.order.length_order`), made once per call for every
+        table that looks them up."""
         cached = self._kernels.get("length_order")
         if cached is None or cached[0] is not lengths:
-            cached = self._kernels["length_order"] = (lengths, torch.argsort(lengths.detach()))
+            order = radial_order.length_order(lengths, self.spec.r_max)
+            cached = self._kernels["length_order"] = (lengths, order)
         return cached[1]
 
     def table_function(self) -> Any:

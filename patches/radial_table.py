@@ -24,10 +24,18 @@ from mace_accel.ops.radial_table import autograd as table_ops
 from mace_accel.ops.radial_table.table import SPECS, RadialTable, TableError, build_table
 
 Tensor = torch.Tensor
-# from this many edges the lookups walk the edges in order of length (one argsort a call,
-# shared by the blocks): at 539k edges on an H200 sorted lookups took 0.58x (forward) the time
-# of unsorted ones, sort included; at 20k the sort (~50 us) costs more than it saves
+# from this many edges the lookups walk the edges in order of length (one sort a call, shared
+# by the blocks): at 539k edges on an H200 sorted lookups took 0.58x (forward) the time of
+# unsorted ones, sort included; at 20k, for a table that stays in L2, the sort costs about
+# what it saves
 SORT_MIN_EDGES = 65536
+# a table larger than this does not stay in L2: walked as the edges come, every edge reads its
+# cell's coefficient rows from memory (at 20k edges, a 126 MB float64 table of 1,280 weights:
+# 233 + 199 us forward + backward against 88 + 97 us sorted), so these sort from
+# SORT_MIN_EDGES_LARGE_TABLE edges. MACE-MP medium: float64 96 and 240 MB, float32 16 and
+# 40 MB (the 256-atom graphs: float64 1.317 -> 1.159 ms, float32 0.739 -> 0.733 ms)
+LARGE_TABLE_BYTES = 32 * 2 ** 20
+SORT_MIN_EDGES_LARGE_TABLE = 4096
 
 
 def link(model: torch.nn.Module, options) -> Optional[str]:
@@ -101,8 +109,15 @@ def lookup(mlp, lengths: Tensor) -> Tensor:
     :func:`lengths_for`) looked up in its table."""
     table, coeffs = table_of(mlp, lengths)
     order = (mlp.__dict__["embedding"].length_order(lengths)
-             if lengths.shape[0] >= SORT_MIN_EDGES else None)
+             if walks_sorted(lengths.shape[0], coeffs) else None)
     return table_ops.lookup(lengths, order, coeffs, table.inv_h)
+
+
+def walks_sorted(edges: int, coeffs: Tensor) -> bool:
+    """Whether the lookups of ``edges`` edges in the table ``coeffs`` walk them in order of
+    length (see :data:`SORT_MIN_EDGES`, :data:`LARGE_TABLE_BYTES`)."""
+    large = coeffs.numel() * coeffs.element_size() > LARGE_TABLE_BYTES
+    return edges >= (SORT_MIN_EDGES_LARGE_TABLE if large else SORT_MIN_EDGES)
 
 
 def describe(mlp) -> Optional[str]:

@@ -20,6 +20,7 @@ import torch
 from mace_accel.bench.timing import graph_ms_per_launch
 from mace_accel.ops import radial_mlp
 from mace_accel.ops.radial_table import autograd as table_ops
+from mace_accel.ops.radial_table.order import length_order
 from mace_accel.ops.radial_table.table import SPECS, build_table
 from mace_accel.ops.radial_tc.cuda import CudaRadialMLP
 from mace_accel.ops.radial_tc.spec import RadialSpec
@@ -68,10 +69,10 @@ def run(n_out: int, edges: int, dtype: torch.dtype) -> None:
     (dref,) = torch.autograd.grad(ref, rr, g.double())
 
     def table_fwd():
-        order = torch.argsort(r32)
+        order = length_order(r32, R_MAX)
         return table_ops.lookup(r32, order, coeffs, table.inv_h)
 
-    order = torch.argsort(r32)
+    order = length_order(r32, R_MAX)
     kernels = table_ops._kernels(coeffs)
 
     def table_bwd():

@@ -49,11 +49,12 @@ BOUNDS = {torch.float32: (1e-6, 1e-5, 1e-6), torch.float64: (1e-14, 1e-12, 1e-12
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("n_out", [1280, 90])
-@pytest.mark.parametrize("edges", [1, 1000, 70000])
+@pytest.mark.parametrize("edges", [1, 1000, 70000, 70001])
 def test_lookup_matches_the_table_and_the_mlp(n_out, edges, dtype):
     """Forward and ``d r`` of the kernels (cubic float32, quintic float64 tables) against the
     float64 evaluation of the same table (rounding only) and against the float64 MLP (the
-    table's tolerance); sorted and unsorted walks and repeats give the same bits."""
+    table's tolerance); the walks in order of length, in any order and shuffled agree, and
+    repeats give the same bits."""
     f = _net(n_out, seed=1)
     table = build_table(f, R_MAX, torch.zeros(1, dtype=torch.float64, device="cuda"),
                         SPECS[dtype], dtype)
@@ -76,13 +77,21 @@ def test_lookup_matches_the_table_and_the_mlp(n_out, edges, dtype):
                   .abs().max())
     assert float((w.detach().double() - f(r.detach().double())).abs().max()) / scale \
         < bound_mlp
-    # the walk's order changes no bit; nor does a repeat
+    # the forward's bits do not depend on the walk; the sorted backward's do not depend on the
+    # order it is given (a shuffle), the backward in any order (its sums in another order)
+    # agrees to rounding; repeats give the same bits
     w_unsorted = table_ops.lookup(r, None, coeffs, table.inv_h)
     (dr_unsorted,) = torch.autograd.grad(w_unsorted, r, g)
-    assert torch.equal(w_unsorted, w) and torch.equal(dr_unsorted, dr)
+    assert torch.equal(w_unsorted, w) and rel_linf_error(dr_unsorted, dr.double()) < bound_dr
+    shuffled = torch.randperm(edges, generator=torch.Generator().manual_seed(5)).cuda()
+    w_shuffled = table_ops.lookup(r, shuffled, coeffs, table.inv_h)
+    (dr_shuffled,) = torch.autograd.grad(w_shuffled, r, g)
+    assert torch.equal(w_shuffled, w) and torch.equal(dr_shuffled, dr)
     w2 = table_ops.lookup(r, order, coeffs, table.inv_h)
     (dr2,) = torch.autograd.grad(w2, r, g)
-    assert torch.equal(w2, w) and torch.equal(dr2, dr)
+    w3 = table_ops.lookup(r, None, coeffs, table.inv_h)
+    (dr3,) = torch.autograd.grad(w3, r, g)
+    assert torch.equal(w2, w) and torch.equal(dr2, dr) and torch.equal(dr3, dr_unsorted)
 
 
 def test_double_backward_is_the_table_second_derivative():
@@ -131,13 +140,14 @@ def _inference_model(arch: str, dtype: torch.dtype = torch.float32):
 @pytest.mark.parametrize("arch", ["mp-medium", "mp-large"])
 def test_model_with_tables_matches_unpatched(arch, dtype, monkeypatch):
     """A model with the tables on (the default) against the unpatched model within the
-    model-level tolerance, every block's weights looked up (sorted walk too: SORT_MIN_EDGES
+    model-level tolerance, every block's weights looked up (sorted walk too: the thresholds
     lowered), and the report says so."""
     from test_gpu_model import _assert_matches_unpatched
 
     from mace_accel.patches import radial_table as table_patch
 
     monkeypatch.setattr(table_patch, "SORT_MIN_EDGES", 0)
+    monkeypatch.setattr(table_patch, "SORT_MIN_EDGES_LARGE_TABLE", 0)
     calls = []
     real = table_patch.lookup
     monkeypatch.setattr(table_patch, "lookup", lambda *a: calls.append(1) or real(*a))

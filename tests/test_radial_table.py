@@ -13,6 +13,7 @@ import mace_accel
 from mace_accel.errors import ConfigError
 from mace_accel.models.architectures import small_test_model
 from mace_accel.ops.radial_table import codegen
+from mace_accel.ops.radial_table.order import ORDER_KEY_MAX
 from mace_accel.ops.radial_table.table import (SPECS, TOLERANCE, TableError, TableSpec,
                                                build_table, derivatives, evaluate,
                                                hermite_coefficients, values_and_slopes)
@@ -120,7 +121,34 @@ def test_plans_and_sources(n_out, vec):
     assert quintic.nc == 6 and quintic.vec == min(vec, 2)
     assert "typedef double real" in codegen.render_kernel(quintic)
     names = [name for name, _ in codegen.catalog_sources(None)]
-    assert len(names) == len(set(names)) == 4 * len(codegen.CATALOG_WIDTHS)
+    assert len(names) == len(set(names)) == 2 * 3 * len(codegen.CATALOG_WIDTHS)
+
+
+@pytest.mark.parametrize("n_out,dtype,threads,chunks", [
+    (1280, "float64", 224, 3), (1280, "float32", 160, 2), (512, "float64", 256, 1),
+    (2560, "float64", 256, 5), (45, "float32", 64, 1)])
+def test_sorted_backward_walks_the_row_in_chunks(n_out, dtype, threads, chunks):
+    """The sorted backward: one vector column a thread, the row in chunks of at most 256
+    vectors (whole warps), GROUP edges loaded at once; a block a run of positions."""
+    plan = codegen.plan_kernel("sorted_backward", n_out, dtype, 5 if dtype == "float64" else 3)
+    assert (plan.threads, plan.chunks) == (threads, chunks)
+    assert plan.threads * plan.chunks >= plan.nq > plan.threads * (plan.chunks - 1)
+    assert 1 << plan.log_group == plan.group <= 32 and plan.edges % plan.group == 0
+    src = codegen.render_kernel(plan)
+    assert f"#define CHUNKS {chunks}" in src and f"#define GROUP {plan.group}" in src
+    assert codegen.grid(plan, 1000, 132) == -(-1000 // plan.edges)
+
+
+def test_forward_takes_whole_rows_where_they_fit():
+    """The forward's blocks write a whole row up to 640 vectors; wider rows split evenly."""
+    fits = codegen.plan_kernel("forward", 1280, "float64", 5)
+    assert (fits.chunks, fits.threads) == (1, 640)
+    assert codegen.grid(fits, 1000, 132) == (-(-1000 // fits.edges), 1)
+    wide = codegen.plan_kernel("forward", 1792, "float64", 5)  # 896 vectors
+    assert (wide.chunks, wide.threads) == (2, 448)
+    anyway = codegen.plan_kernel("backward", 1280, "float64", 5)
+    assert anyway.threads == codegen.BACKWARD_THREADS and anyway.chunks == 1
+    assert codegen.grid(anyway, 10 ** 7, 132) == 132 * 16
 
 
 def test_option_is_checked():
@@ -156,9 +184,25 @@ def test_embedding_hands_out_the_lengths_of_its_own_output_only():
     assert torch.equal(embedding.lengths_for(feats), lengths.reshape(-1))
     assert embedding.lengths_for(feats.clone()) is None
     order = embedding.length_order(embedding.lengths_for(feats))
-    assert torch.equal(order, torch.argsort(lengths.reshape(-1)))
+    assert torch.equal(order.sort().values, torch.arange(7))  # a permutation
+    step = embedding.spec.r_max / ORDER_KEY_MAX  # sorted to the keys' steps
+    assert bool((lengths.reshape(-1)[order].diff() > -step).all())
+    ties = torch.tensor([1.0, 1.0 + step / 4, 1.0 - step / 4, 0.2, 99.0], dtype=F64)
+    walk = embedding.length_order(ties).tolist()  # within a step: any order; past r_max: last
+    assert walk[0] == 3 and set(walk[1:4]) == {0, 1, 2} and walk[4] == 4
     feats.mul_(1.0)  # modified in place: no longer the embedding of those lengths
     assert embedding.lengths_for(feats) is None
+
+
+def test_large_tables_are_walked_in_order_of_length_from_fewer_edges():
+    """A table that stays in L2 (float32 cubic) is walked in order of length from 65,536
+    edges; one that does not (float64 quintic, 126 MB) from 4,096."""
+    small = torch.empty(1024, 4, 1280, dtype=torch.float32, device="meta")  # 21 MB
+    large = torch.empty(2048, 6, 1280, dtype=F64, device="meta")  # 126 MB
+    assert not table_patch.walks_sorted(20000, small)
+    assert table_patch.walks_sorted(table_patch.SORT_MIN_EDGES, small)
+    assert table_patch.walks_sorted(20000, large)
+    assert not table_patch.walks_sorted(table_patch.SORT_MIN_EDGES_LARGE_TABLE - 1, large)
 
 
 def test_off_cuda_the_mlp_runs():

@@ -10,13 +10,21 @@ from typing import Iterator, Tuple
 from mace_accel.ops.limits import DeviceLimits
 from mace_accel.ops.templates import RealType, render
 
-# the forward: at most this many vectors of a row per block (its threads, one vector each), and
-# this many positions of the length order (its threads reload their coefficients only where
-# the cell changes: a 539k-edge graph over a 1024-cell table has ~500 edges a cell)
-MAX_CHUNK = 256
-FORWARD_EDGES = 64
-BACKWARD_THREADS = 256  # the backward: warps of a block, two edges each
-DIRECTIONS = ("forward", "backward")
+# the forward and the sorted backward: blocks take this many consecutive positions of the
+# length order (their threads reload their coefficients only where the cell changes: a
+# 539k-edge graph over a 2048-cell table has ~260 edges a cell) and chunks of at most this many
+# vectors of a row, one vector a thread: the forward's blocks take a whole row where it fits
+# in 640 (rows written whole: 1.474 against 1.500 ms in 256-vector chunks, float64 1,280
+# weights on an H200; 640 threads keep two blocks an SM), the sorted backward's walk the row
+# in chunks of 256 (more blocks an SM)
+TABLE_EDGES = 64
+FORWARD_MAX_CHUNK = 640
+SORTED_BACKWARD_MAX_CHUNK = 256
+SORTED_BACKWARD_GROUP = 4  # edges whose d w a thread loads before it sums any (8: 1.13x slower)
+BACKWARD_THREADS = 256  # the backward in any order: warps of a block, two edges each
+# forward; backward in any order (the edges as they come: a cell per edge); backward in order
+# of length (the coefficients held in registers across the edges of a cell)
+DIRECTIONS = ("forward", "backward", "sorted_backward")
 DTYPES = ("float32", "float64")
 # the row widths CI compiles: MACE-MP medium's two interactions, MACE-MP large's, and widths
 # that take the narrower vectors (odd: scalars in both dtypes; 2 mod 4: float2 in float32)
@@ -28,7 +36,7 @@ _VEC = {"float32": (4, 2, 1), "float64": (2, 1)}
 
 @dataclasses.dataclass(frozen=True)
 class TablePlan(RealType):
-    """``direction`` (forward / backward) for rows of ``n_out`` weights of ``dtype``, the
+    """``direction`` (:data:`DIRECTIONS`) for rows of ``n_out`` weights of ``dtype``, the
     polynomial of ``degree``: vectors of ``vec`` reals (the widest that divides ``n_out``:
     16 bytes where it can)."""
 
@@ -39,8 +47,9 @@ class TablePlan(RealType):
 
     @property
     def edges(self) -> int:
-        """Positions of the length order a block takes."""
-        return FORWARD_EDGES if self.direction == "forward" else 2 * BACKWARD_THREADS // 32
+        """Positions of the length order a block takes (the backward in any order: a grid
+        stride loop, two positions a warp)."""
+        return 2 * BACKWARD_THREADS // 32 if self.direction == "backward" else TABLE_EDGES
 
     @property
     def vec(self) -> int:
@@ -52,13 +61,17 @@ class TablePlan(RealType):
 
     @property
     def chunks(self) -> int:
-        """The forward's blocks along a row (grid.y; the backward's warps take whole rows)."""
-        return -(-self.nq // MAX_CHUNK) if self.direction == "forward" else 1
+        """Chunks of a row: the forward's blocks along grid.y, the sorted backward's walked by
+        each block in turn (the backward in any order: its warps take whole rows)."""
+        if self.direction == "backward":
+            return 1
+        most = FORWARD_MAX_CHUNK if self.direction == "forward" else SORTED_BACKWARD_MAX_CHUNK
+        return -(-self.nq // most)
 
     @property
     def threads(self) -> int:
-        """Threads a block: the forward's one vector of the row each (the row split evenly
-        into :attr:`chunks`, whole warps), the backward's :data:`BACKWARD_THREADS`."""
+        """Threads a block: one vector of a chunk each (the row split evenly into
+        :attr:`chunks`, whole warps); the backward in any order :data:`BACKWARD_THREADS`."""
         if self.direction == "backward":
             return BACKWARD_THREADS
         per_chunk = -(-self.nq // self.chunks)
@@ -68,6 +81,15 @@ class TablePlan(RealType):
     def unroll(self) -> int:
         """The backward's row vectors a lane has in flight (16 bytes each)."""
         return 2
+
+    @property
+    def group(self) -> int:
+        """The sorted backward's edges loaded at once (a power of 2, at most 32)."""
+        return SORTED_BACKWARD_GROUP
+
+    @property
+    def log_group(self) -> int:
+        return self.group.bit_length() - 1
 
     @property
     def nc(self) -> int:
@@ -107,8 +129,20 @@ def render_kernel(plan: TablePlan) -> str:
     return render(f"radial_table/{plan.direction}.cu.j2", plan=plan, name=kernel_name(plan))
 
 
+def grid(plan: TablePlan, edges: int, sms: int):
+    """The launch grid of ``plan`` over ``edges`` edges on a device of ``sms`` SMs: the
+    forward's (position blocks, row chunks); the sorted backward's position blocks; the
+    backward in any order, a grid-stride loop of at most 16 blocks an SM."""
+    blocks = -(-edges // plan.edges)
+    if plan.direction == "forward":
+        return (blocks, plan.chunks)
+    if plan.direction == "sorted_backward":
+        return blocks
+    return max(1, min(blocks, sms * 16))
+
+
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
-    """``(name, source)`` of both directions for every width of :data:`CATALOG_WIDTHS`, in
+    """``(name, source)`` of every direction for every width of :data:`CATALOG_WIDTHS`, in
     each dtype with its tables' degree."""
     del limits  # the kernels take any sm_80+ GPU alike
     for dtype, degree in CATALOG_DEGREES.items():

@@ -1,4 +1,4 @@
-"""The CUDA side of the radial table: both kernels for one row width on one device, launched on
+"""The CUDA side of the radial table: its kernels for one row width on one device, launched on
 torch's current stream (outputs allocated with ``torch.empty``, each element written; nothing
 synchronises, so a lookup can be captured in a CUDA graph)."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from mace_accel.errors import KernelError
-from mace_accel.ops.radial_table.codegen import FORWARD_EDGES, TablePlan, kernel_name, \
+from mace_accel.ops.radial_table.codegen import TABLE_EDGES, TablePlan, grid, kernel_name, \
     plan_kernel, render_kernel
 from mace_accel.ops.runtime import Kernel, check_aligned, check_rows, check_tensor, \
     device_limits, i32, kernel_device, ptr
@@ -54,7 +54,7 @@ class CudaRadialTable:
         if cells < 1:
             raise KernelError(f"{WHAT}: the table has no cells")
         check_aligned("table", coeffs, WHAT)
-        check_rows(e, FORWARD_EDGES, WHAT)
+        check_rows(e, TABLE_EDGES, WHAT)
         return e
 
     def forward(self, lengths: Tensor, order: Optional[Tensor], coeffs: Tensor,
@@ -68,7 +68,7 @@ class CudaRadialTable:
         if e:
             kernel, plan = self._kernel("forward")
             kernel.launch(
-                (-(-e // plan.edges), plan.chunks), plan.threads,
+                grid(plan, e, self.sms), plan.threads,
                 (ptr(lengths), ptr(order), ptr(coeffs), ptr(w), self._real(inv_h),
                  i32(coeffs.shape[0]), i32(e)))
         return w
@@ -76,15 +76,17 @@ class CudaRadialTable:
     def backward(self, grad: Tensor, lengths: Tensor, order: Optional[Tensor], coeffs: Tensor,
                  inv_h: float) -> Tensor:
         """``d lengths [E]`` of ``<grad, w>`` (``grad [E, n_out]``: d w), as :meth:`forward`
-        takes its arguments."""
+        takes its arguments. With ``order`` the kernel walks the edges by length, keeping each
+        cell's coefficients in registers; without, it reads them per edge. Each is
+        deterministic (the same bits on a repeat); the two differ in the last bits (their sums
+        run in different orders)."""
         e = self._check(lengths, order, coeffs)
         check_tensor("d w", grad, (e, self.n_out), self.dtype, self.device, WHAT)
         check_aligned("d w", grad, WHAT)
         dr = torch.empty((e,), dtype=self.dtype, device=self.device)
         if e:
-            kernel, plan = self._kernel("backward")
-            blocks = max(1, min(-(-e // plan.edges), self.sms * 16))
-            kernel.launch(blocks, plan.threads,
+            kernel, plan = self._kernel("backward" if order is None else "sorted_backward")
+            kernel.launch(grid(plan, e, self.sms), plan.threads,
                           (ptr(lengths), ptr(order), ptr(coeffs), ptr(grad), ptr(dr),
                            self._real(inv_h), i32(coeffs.shape[0]), i32(e)))
         return dr
