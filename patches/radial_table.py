@@ -32,8 +32,9 @@ SORT_MIN_EDGES = 65536
 # a table larger than this does not stay in L2: walked as the edges come, every edge reads its
 # cell's coefficient rows from memory (at 20k edges, a 126 MB float64 table of 1,280 weights:
 # 233 + 199 us forward + backward against 88 + 97 us sorted), so these sort from
-# SORT_MIN_EDGES_LARGE_TABLE edges. MACE-MP medium: float64 96 and 240 MB, float32 16 and
-# 40 MB (the 256-atom graphs: float64 1.317 -> 1.159 ms, float32 0.739 -> 0.733 ms)
+# SORT_MIN_EDGES_LARGE_TABLE edges (an estimate from those figures, not measured between 1k
+# and 20k edges). MACE-MP medium: float64 96 and 240 MB, float32 16 and 40 MB (the 256-atom
+# graphs: float64 1.317 -> 1.159 ms, float32 0.739 -> 0.733 ms)
 LARGE_TABLE_BYTES = 32 * 2 ** 20
 SORT_MIN_EDGES_LARGE_TABLE = 4096
 

@@ -5,7 +5,7 @@ compiles."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Tuple
+from typing import Iterator, Tuple, Union
 
 from mace_accel.ops.limits import DeviceLimits
 from mace_accel.ops.templates import RealType, render
@@ -129,7 +129,7 @@ def render_kernel(plan: TablePlan) -> str:
     return render(f"radial_table/{plan.direction}.cu.j2", plan=plan, name=kernel_name(plan))
 
 
-def grid(plan: TablePlan, edges: int, sms: int):
+def grid(plan: TablePlan, edges: int, sms: int) -> Union[int, Tuple[int, int]]:
     """The launch grid of ``plan`` over ``edges`` edges on a device of ``sms`` SMs: the
     forward's (position blocks, row chunks); the sorted backward's position blocks; the
     backward in any order, a grid-stride loop of at most 16 blocks an SM."""
