@@ -8,11 +8,13 @@
 
 This module only parses arguments, calls library functions and prints their results; stdout
 carries only a command's output (``info --json`` is JSON), notes and warnings go to stderr.
-Exit codes: 0 success; 2 a user mistake (any :class:`~mace_accel.errors.MaceAccelError`, and
-OS errors on a path the user gave: permission denied, not a folder, ...), reported as one
-``error: ...`` line on stderr that names the file or key and the fix, never a traceback; 1 any
-other OS failure (disk full, I/O error), also one line; 130 Ctrl-C, with one line saying what
-was left on disk.
+Exit codes: 0 success; 2 anything the user can fix (any
+:class:`~mace_accel.errors.MaceAccelError`, and OS errors on a path the user gave: permission
+denied, a read-only filesystem, a full disk, not a folder, ...), reported as one ``error: ...``
+line on stderr that names the file or key and the fix, never a traceback; 3 a run that finished
+without reaching its goal (a geometry optimisation that did not converge: its files are written,
+a ``warning:`` line says so); 1 any other OS failure (an I/O error), also one line; 130 Ctrl-C,
+with one line saying what was left on disk.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
 from mace_accel.errors import InputError, Interrupted, MaceAccelError, OutputError
+from mace_accel.files import NO_ROOM_ERRNOS, os_error_reason, read_only_filesystem
 from mace_accel.options import BACKENDS, DTYPE_NAMES
 
-EXIT_OK, EXIT_OS_ERROR, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_OS_ERROR, EXIT_USER_ERROR, EXIT_NOT_CONVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 # OS errors that mean "this path is wrong for what you asked", i.e. a user mistake (exit 2)
 _PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR,
                 errno.EEXIST, errno.ENOENT, errno.ENAMETOOLONG, errno.ELOOP}
@@ -50,11 +53,19 @@ def check_model_input(path: Path, what: str = "input model") -> None:
         raise InputError(f"{what} not found: {str(path)!r}; check the path")
 
 
-def check_output_file(dst: Path, force: bool, src: Optional[Path] = None) -> None:
+def check_output_file(dst: Path, force: bool, src: Optional[Path] = None,
+                      tag: str = "out") -> None:
     """Raise :class:`OutputError` unless ``dst`` can be written as a new file (or, with
-    ``force``, replace one). Creates nothing."""
+    ``force``, replace one). Creates nothing.
+
+    Args:
+        src: the input file (its name, with ``-<tag>`` added, is the example of a file path
+            offered when ``dst`` is a folder: never the input file's own path).
+    """
     if dst.is_dir():
-        example = dst / (src.name if src is not None else "model.model")
+        stem, suffix = (src.stem, src.suffix or ".model") if src is not None else ("model",
+                                                                                    ".model")
+        example = dst / f"{stem}-{tag}{suffix}"
         raise OutputError(f"output {str(dst)!r} is a folder; give a file path such as "
                           f"{str(example)!r}")
     if dst.exists() or dst.is_symlink():
@@ -73,6 +84,9 @@ def check_output_file(dst: Path, force: bool, src: Optional[Path] = None) -> Non
     if existing != folder:
         raise OutputError(f"cannot write {str(dst)!r}: folder {str(folder)!r} does not exist; "
                           f"create it first (mkdir -p {folder}) or choose another output path")
+    if read_only_filesystem(folder):  # os.access says "no" too: name the real reason
+        raise OutputError(f"cannot write {str(dst)!r}: folder {str(folder)!r} is on a read-only "
+                          "filesystem; choose an output path on a writable one")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write {str(dst)!r}: no permission to write in folder "
                           f"{str(folder)!r}; choose another output path or fix its permissions")
@@ -85,6 +99,13 @@ def _save(model, dst: Path, force: bool) -> None:
 
     try:
         save_model(model, dst, overwrite=force)
+    except RuntimeError as exc:
+        # torch.save reports a failed write (a full disk) as a RuntimeError from its zip writer,
+        # with the OSError as its context: say the OS error, naming the file (none was left)
+        cause = exc.__context__
+        if not isinstance(cause, OSError) or cause.errno is None:
+            raise
+        raise OSError(cause.errno, cause.strerror, str(dst)) from None
     except OutputError:
         if force or not dst.exists():
             raise
@@ -108,7 +129,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     options = AccelOptions(backend=args.backend, verify=not args.no_verify,
                            deterministic=not args.nondeterministic)
     check_model_input(src)
-    check_output_file(dst, args.force, src)
+    check_output_file(dst, args.force, src, tag="accel")
     device = args.device or ("cuda" if args.backend == "cuda" else "cpu")
     check_device(device, fix="without a GPU, convert with --device cpu --backend reference")
     try:
@@ -128,7 +149,7 @@ def cmd_revert(args: argparse.Namespace) -> int:
 
     src, dst = Path(args.input), Path(args.output)
     check_model_input(src)
-    check_output_file(dst, args.force, src)
+    check_output_file(dst, args.force, src, tag="plain")
     try:
         model = load_model(src, device="cpu")
         n = revert(model)
@@ -173,8 +194,22 @@ def cmd_info(args: argparse.Namespace) -> int:
     from mace_accel.surgery import describe_model
 
     plan = describe_model(load_model(path, device="cpu"))
-    print(json.dumps(plan, indent=2) if args.json else format_plan(plan, str(path)))
+    print(json.dumps(plan_as_json(plan), indent=2) if args.json else format_plan(plan, str(path)))
     return EXIT_OK
+
+
+def plan_as_json(plan: Dict[str, Any]) -> Dict[str, Any]:
+    """``info --json``'s document: ``patched`` (each block) and ``fused`` (each part) say what
+    is so now, ``would_patch`` and ``would_fuse`` what ``accelerate`` does (for a plain model:
+    everything ``patched``/``fused`` false, the plan in ``would_*``)."""
+    now = bool(plan["accelerated"])
+    blocks = []
+    for block in plan["blocks"]:
+        parts = [{**part, "fused": bool(part["fused"]) and now, "would_fuse": part["fused"]}
+                 for part in block["parts"]]
+        blocks.append({**block, "patched": bool(block["patched"]) and now,
+                       "would_patch": block["patched"], "parts": parts})
+    return {**plan, "blocks": blocks}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -193,8 +228,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.gpus is not None and args.gpus > 1:
         check_launch(load_run_config(args.config, overrides, overrides_base=cwd), args.gpus)
         return _launch_ranks(args)
-    print(run(args.config, overrides, overrides_base=cwd, overwrite=args.overwrite))
-    return EXIT_OK
+    result = run(args.config, overrides, overrides_base=cwd, overwrite=args.overwrite,
+                 warn=False)
+    print(result)
+    for text in result.warnings:
+        print(f"warning: {text}", file=sys.stderr)
+    return EXIT_OK if result.ok else EXIT_NOT_CONVERGED
 
 
 def _run_rank(args: argparse.Namespace, overrides: Dict[str, Any], cwd: Path, world) -> int:
@@ -277,10 +316,18 @@ def _register_bench(subparsers: Any) -> None:
     importlib.import_module("mace_accel.bench.cli").add_bench_parser(subparsers)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one ``error:`` line naming the help to read (exit 2),
+    like every other error of the command line; subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mace_accel import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mace-accel", description="Fused CUDA tensor products for MACE potentials: convert "
         "checkpoints, inspect models and run YAML-driven simulations.")
     parser.add_argument("--version", action="version", version=f"mace-accel {__version__}")
@@ -316,11 +363,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "interaction block, its tensor product and whether it would be patched. "
                        "Changes nothing.")
     p.add_argument("model", metavar="MODEL", help="MACE model file (plain or accelerated)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true",
+                   help="machine-readable output (patched / fused: what is so now; would_patch "
+                   "/ would_fuse: what convert does)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("run", help="run a YAML run file (singlepoint, geomopt, md)",
-                       description="Run a YAML run file; see configs/ for examples.")
+                       description="Run a YAML run file; see configs/ for examples. Relative "
+                       "paths in the file are taken from the file's folder, those given with "
+                       "--set from the current folder. Exit 0: done; 2: an error (one line on "
+                       "stderr); 3: a geomopt that did not converge (files written, a warning "
+                       "on stderr).")
     p.add_argument("config", metavar="CONFIG.yaml", help="run file")
     p.add_argument("--set", metavar="KEY=VALUE", action="append",
                    help="override a key before validation, e.g. --set md.steps=100 "
@@ -371,9 +424,19 @@ def _print_error(text: str) -> None:
 
 
 def _os_error(exc: OSError) -> int:
-    """One line for an OS error; exit 2 if the path given was wrong, 1 if the system failed."""
-    what = exc.strerror or str(exc) or type(exc).__name__
+    """One line for an OS error, naming a filesystem's state where it is one; exit 2 if the
+    user can fix it (a wrong path, a read-only filesystem, a full disk), 1 if the system
+    failed."""
+    what = os_error_reason(exc)
     path = exc.filename
+    if exc.errno in NO_ROOM_ERRNOS:
+        where = f"cannot write {str(path)!r}" if path is not None else "cannot write"
+        _print_error(f"{where}: {what}; free space there or write somewhere else")
+        return EXIT_USER_ERROR
+    if exc.errno == errno.EROFS and path is not None:
+        _print_error(f"cannot write {str(path)!r}: {what}; choose a path on a writable "
+                     "filesystem")
+        return EXIT_USER_ERROR
     if exc.errno in _PATH_ERRNOS and path is not None:
         _print_error(f"cannot use {str(path)!r}: {what}; check that the path is right and that "
                      "you may write there")

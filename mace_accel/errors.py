@@ -51,6 +51,17 @@ class OutputError(MaceAccelError, OSError):
     run holds it."""
 
 
+class OutputWriteError(OutputError):
+    """Writing an output failed part-way (the disk is full, a quota is exceeded, the filesystem
+    turned read-only, an I/O error). The message names the file, why, and what was kept: every
+    file ends with its last whole record."""
+
+
+class SimulationError(MaceAccelError, RuntimeError):
+    """A simulation became unphysical part-way (an MD run diverged, an optimiser moved atoms onto
+    each other). The message names the step, the likely cause and the files kept."""
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C, with a note on what was left on disk (``note``), for the command line to print.
 

@@ -1,22 +1,58 @@
-"""Writing files so that nobody ever sees half of one: the one ``atomic_write`` of the project.
+"""Writing files so that nobody ever sees half of one: the one ``atomic_write`` of the project,
+and :class:`RecordWriter` for files that grow record by record while a run goes.
 
-The data goes to a uniquely named temporary file beside the target (so two writers never share
-one), is flushed and fsynced, gets the mode a plain ``open()`` would give (0666 minus the
-umask, not mkstemp's 0600), and is then renamed over the target (``overwrite=True``) or linked
-to it only if the target does not exist yet (``overwrite=False``: an atomic no-clobber create, so
-of two writers racing for a new path exactly one wins and the other gets FileExistsError).
+``atomic_write``: the data goes to a uniquely named temporary file beside the target (so two
+writers never share one), is flushed and fsynced, gets the mode a plain ``open()`` would give
+(0666 minus the umask, not mkstemp's 0600), and is then renamed over the target
+(``overwrite=True``) or linked to it only if the target does not exist yet (``overwrite=False``:
+an atomic no-clobber create, so of two writers racing for a new path exactly one wins and the
+other gets FileExistsError).
+
+``RecordWriter``: each record (a log line, a stats row, a trajectory frame) is one ``write`` to
+the end of the file; a write that fails part-way (disk full) is cut back, so the file always ends
+with its last whole record and stays readable.
+
+The OS errors of both name the file they were writing (``exc.filename``);
+:func:`os_error_reason` says in words what a filesystem error means.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import IO, Iterator, Union
+from typing import IO, Iterator, Optional, Union
 
 _UMASK_LOCK = threading.Lock()
+# errors that mean the filesystem has no room for the data: freeing space (or writing elsewhere)
+# fixes them, unlike a failing disk
+NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_REASONS = {
+    errno.ENOSPC: "the disk is full (no space left on device)",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EFBIG: "the file grew larger than the filesystem allows",
+    errno.EROFS: "the filesystem is read-only (mounted read-only)",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EIO: "an input/output error of the disk or filesystem",
+}
+
+
+def os_error_reason(exc: OSError) -> str:
+    """What an OS error means, in words that name a filesystem's state where it is one (a full
+    disk, a read-only filesystem) rather than only the C library's text."""
+    return _REASONS.get(exc.errno, exc.strerror or str(exc) or type(exc).__name__)
+
+
+def read_only_filesystem(path: Union[str, Path]) -> bool:
+    """Whether the existing ``path`` lies on a filesystem mounted read-only."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs (not POSIX): os.access still answers
+        return False
 
 
 def current_umask() -> int:
@@ -45,7 +81,8 @@ def atomic_write(path: Union[str, Path], mode: str = "w", *, overwrite: bool = T
         overwrite: replace an existing ``path``; if False and ``path`` exists (also when another
             writer created it meanwhile), raise FileExistsError and leave it untouched.
 
-    If the block raises, the temporary file is removed and ``path`` is left as it was.
+    If the block raises, the temporary file is removed and ``path`` is left as it was; an OS
+    error (a full disk) then names ``path``.
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"mode must be 'w' or 'wb', got {mode!r}")
@@ -65,6 +102,13 @@ def atomic_write(path: Union[str, Path], mode: str = "w", *, overwrite: bool = T
             os.replace(tmp, path)
         else:
             _create_exclusive(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if exc.errno is None or exc.filename is not None:
+            raise
+        # a write through the file object: say which file (the target, not the temporary one)
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -94,3 +138,56 @@ def atomic_write_bytes(path: Union[str, Path], data: bytes, *, overwrite: bool =
     with atomic_write(path, "wb", overwrite=overwrite) as f:
         f.write(data)
     return Path(path)
+
+
+class RecordWriter:
+    """A file written as whole records, for outputs that grow while a run goes.
+
+    Each record is appended with one ``os.write`` (no buffer in between: what :meth:`write`
+    returned from is in the file, as after a flush). If a write fails part-way (a full disk
+    writes what fits, then fails), the file is cut back to its last whole record before the
+    error is raised, so a reader never finds half a record at its end.
+
+    Args:
+        path: the file; created with the umask's mode, or emptied if it exists.
+
+    Attributes:
+        records: how many whole records the file holds.
+        size: its size in bytes.
+    """
+
+    def __init__(self, path: Union[str, Path]) -> None:
+        self.path = Path(path)
+        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                                          | os.O_APPEND, 0o666)
+        self.records = 0
+        self.size = 0
+
+    def write(self, record: Union[str, bytes]) -> None:
+        """Append ``record`` whole, or raise the OSError (naming the file) with the file as it
+        was before."""
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
+        data = record.encode("utf-8") if isinstance(record, str) else bytes(record)
+        view, done = memoryview(data), 0
+        try:
+            while done < len(data):
+                done += os.write(self._fd, view[done:])
+        except OSError as exc:
+            if done:  # O_APPEND: the part written is at the end; cutting it back frees its space
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, self.size)
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
+        self.records += 1
+        self.size += len(data)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RecordWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

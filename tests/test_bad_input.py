@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,3 +232,293 @@ def test_calculator_on_a_model_that_itself_gives_nan(tiny_model):
     message = str(err.value)
     assert "the model itself (without mace-accel) gives non-finite" in message
     assert "disagrees" not in message
+
+
+# -- a new user's mistakes, through the command line and the YAML runner -------------------------
+# Each case: one `error:` line on stderr (no traceback), exit 2, nothing written. The run file
+# starts from RUN and takes the case's changes (DROP deletes a key); paths are relative to the
+# inputs folder, where the run file is written.
+DROP = object()
+RUN = {"task": "md", "struct": "cu32.extxyz", "model": "cuni.model", "device": "cpu",
+       "dtype": "float64", "progress": False, "md": {"steps": 1}}
+
+RUN_CASES = [
+    # id, run-file changes, extra arguments, fragments of the error line
+    ("no-task", {"task": DROP}, [], ["task is required: one of singlepoint, geomopt, md"]),
+    ("unknown-task", {"task": "relax"}, [], ["task must be one of", "'relax'"]),
+    ("no-struct", {"struct": DROP}, [], ["missing required key(s): 'struct'"]),
+    ("struct-missing", {"struct": "nope.xyz"}, [], ["struct: no such file", "nope.xyz"]),
+    ("struct-not-a-structure", {"struct": "notes.yaml"}, [],
+     ["could not read structure file", "give a structure file ASE reads"]),
+    ("struct-empty-file", {"struct": "empty.extxyz"}, [], ["could not read structure file",
+                                                           "Empty file"]),
+    ("struct-no-atoms", {"struct": "zero.extxyz"}, [], ["frame 0 of", "holds no atoms"]),
+    ("struct-is-a-folder", {"struct": "."}, [], ["struct:", "is a folder, not a file"]),
+    ("typo-top-key", {"temprature": 300}, [], ["unknown key(s) 'temprature' in the run file",
+                                               "valid keys: task, struct"]),
+    ("typo-md-key", {"md": {"temp": 300}}, [], ["unknown key(s) 'temp' in section 'md'",
+                                                "temperature"]),
+    ("section-of-another-task", {"geomopt": {"fmax": 0.1}}, [],
+     ["section 'geomopt' is given but task is 'md'"]),
+    ("negative-steps", {"md": {"steps": -1}}, [], ["md.steps must be >= 0, got -1"]),
+    ("steps-1e99", {"md": {"steps": "1e99"}}, [], ["md.steps must be <= 9.22e+18, got 1e+99"]),
+    ("timestep-not-a-number", {"md": {"timestep": "fast"}}, [],
+     ["md.timestep must be a finite number, got 'fast'"]),
+    ("timestep-inf", {"md": {"timestep": ".inf"}}, [], ["md.timestep must be a finite number"]),
+    ("negative-temperature", {"md": {"temperature": -5}}, [], ["md.temperature must be >= 0"]),
+    ("seed-negative", {"md": {"seed": -1}}, [], ["md.seed must be >= 0, got -1"]),
+    ("seed-too-large", {}, ["--set", "md.seed=4294967296"], ["md.seed must be <= 4294967295"]),
+    ("seed-not-whole", {"md": {"seed": 1.5}}, [], ["md.seed must be an integer, got 1.5"]),
+    ("unknown-ensemble", {"md": {"ensemble": "nph"}}, [], ["md.ensemble must be one of nve, nvt, "
+                                                           "npt; got 'nph'"]),
+    ("md-section-a-list", {"md": [1, 2]}, [], ["md must be a mapping of keys to values"]),
+    ("frame-out-of-range", {"frame": 5}, [], ["frame: 5 is out of range", "holds 1 frame(s)"]),
+    ("multi-frame-md-without-frame", {"struct": "frames.extxyz"}, [],
+     ["holds 4 frames and md runs from one", "--set frame=-1"]),
+    ("device-gpu", {"device": "gpu"}, [], ["device must be auto | cpu | cuda | cuda:N, got 'gpu'"]),
+    ("device-cuda-x", {"device": "cuda:x"}, [], ["device must be auto | cpu | cuda | cuda:N"]),
+    ("dtype-float16", {"dtype": "float16"}, [], ["dtype must be one of float32, float64"]),
+    ("backend-triton", {"backend": "triton"}, [], ["backend must be one of auto, cuda, reference"]),
+    ("negative-min-distance", {"min_distance": -1}, [], ["min_distance must be >= 0"]),
+    ("negative-skin", {"skin": -1}, [], ["skin must be >= 0"]),
+    ("unknown-property", {"task": "singlepoint", "md": DROP,
+                          "singlepoint": {"properties": ["dipole"]}}, [],
+     ["singlepoint.properties: unknown property 'dipole'"]),
+    ("zero-max-edges", {"task": "singlepoint", "md": DROP, "singlepoint": {"max_edges": 0}}, [],
+     ["singlepoint.max_edges must be > 0"]),
+    ("unknown-optimizer", {"task": "geomopt", "md": DROP, "geomopt": {"optimizer": "adam"}}, [],
+     ["geomopt.optimizer must be one of FIRE, BFGS, LBFGS; got 'adam'"]),
+    ("model-missing", {"model": "nope.model"}, [], ["model: no such file", "nope.model"]),
+    ("model-is-a-folder", {"model": "."}, [], ["model:", "is a folder, not a file"]),
+    ("model-is-text", {"model": "notes.model"}, [], ["could not be read as a torch checkpoint",
+                                                     "not a torch file"]),
+    ("model-is-a-state-dict", {"model": "weights.pt"}, [], ["holds a state dict",
+                                                            "not a whole model"]),
+    ("unknown-head", {"head": "pbe"}, [], ["unknown head 'pbe'", "--set head=NAME"]),
+    ("unknown-element", {"struct": "cufe.extxyz"}, [], ["Fe (Z=26)", "the model's elements are "
+                                                        "Ni, Cu"]),
+    ("overlapping-atoms", {"struct": "close.extxyz"}, [],
+     ["0.2000 Å apart", "lower `min_distance:` in the run file (or --set min_distance=...)"]),
+    ("nan-positions", {"struct": "nan.extxyz"}, [], ["positions of atom(s) [1] are NaN or inf"]),
+    ("npt-of-a-molecule", {"struct": "dimer.extxyz", "md": {"ensemble": "npt"}}, [],
+     ["md.ensemble npt needs a structure with a 3D periodic cell"]),
+    ("relax-cell-of-a-molecule", {"task": "geomopt", "md": DROP, "struct": "dimer.extxyz",
+                                  "geomopt": {"relax_cell": True}}, [],
+     ["geomopt.relax_cell needs a structure with a 3D periodic cell"]),
+    ("md-of-one-atom", {"struct": "one.extxyz"}, [], ["md needs at least 2 atoms"]),
+    ("outputs-is-a-file", {"outputs": "notes.yaml"}, [], ["is a file, not a folder",
+                                                          "--set outputs=DIR"]),
+    ("override-without-value", {}, ["--set", "md.steps"], ["expected KEY=VALUE"]),
+    ("override-unknown-section", {}, ["--set", "mdd.steps=3"], ["unknown key(s) 'mdd'"]),
+    ("override-bad-yaml", {}, ["--set", "md.steps=[1"], ["bad value in override", "line 1"]),
+    ("override-into-a-value", {}, ["--set", "device.x=1"], ["'device' is not a section"]),
+    ("gpus-zero", {}, ["--gpus", "0"], ["argument --gpus: must be at least 1",
+                                        "see mace-accel run --help"]),
+    ("gpus-for-md", {}, ["--gpus", "2"], ["task md runs in one process"]),
+]
+if not torch.cuda.is_available():  # the messages shown on a machine without a GPU
+    RUN_CASES += [
+        ("device-cuda-without-gpu", {"device": "cuda"}, [],
+         ["no CUDA GPU is visible", "set `device: cpu` in the run file (or pass --set "
+                                    "device=cpu)"]),
+        ("cuda-backend-without-gpu", {"backend": "cuda", "fallback": "error"}, [],
+         ["the CUDA backend cannot run", "`backend: reference`", "--set backend=reference"]),
+        ("graphs-on-the-cpu", {"graphs": True}, [], ["`graphs: true` needs a CUDA device",
+                                                     "--set graphs=null"]),
+    ]
+
+COMMAND_CASES = [
+    # id, arguments ({in}: the inputs folder), fragments of the error line
+    ("no-command", [], ["the following arguments are required: COMMAND",
+                        "see mace-accel --help"]),
+    ("unknown-command", ["relax"], ["invalid choice: 'relax'"]),
+    ("run-file-missing", ["run", "{in}/nope.yaml"], ["run file not found"]),
+    ("run-file-is-a-folder", ["run", "{in}"], ["is a folder, not a run file"]),
+    ("run-file-not-text", ["run", "{in}/binary.yaml"], ["is not a text file"]),
+    ("run-file-not-yaml", ["run", "{in}/broken.yaml"], ["is not valid YAML: line 2, column 9"]),
+    ("run-file-a-list", ["run", "{in}/list.yaml"], ["must hold a mapping of keys to values"]),
+    ("run-file-empty", ["run", "{in}/empty.yaml"], ["task is required"]),
+    ("convert-missing-input", ["convert", "{in}/nope.model", "{in}/o.model"],
+     ["input model not found"]),
+    ("convert-folder-input", ["convert", "{in}", "{in}/o.model"], ["is a folder, not a model "
+                                                                   "file"]),
+    ("convert-into-a-folder", ["convert", "{in}/cuni.model", "{in}", "--device", "cpu"],
+     ["is a folder; give a file path such as", "cuni-accel.model"]),
+    ("convert-over-a-file", ["convert", "{in}/cuni.model", "{in}/notes.yaml"],
+     ["exists; choose another path or pass --force"]),
+    ("convert-into-a-missing-folder", ["convert", "{in}/cuni.model", "{in}/no/dir/o.model"],
+     ["does not exist; create it first (mkdir -p"]),
+    ("convert-float16", ["convert", "{in}/cuni.model", "{in}/o.model", "--dtype", "float16"],
+     ["argument --dtype: invalid choice: 'float16'"]),
+    ("convert-a-text-file", ["convert", "{in}/notes.model", "{in}/o.model", "--device", "cpu",
+                             "--backend", "reference"], ["not a torch file"]),
+    ("revert-a-plain-model", ["revert", "{in}/cuni.model", "{in}/p.model"],
+     ["is not accelerated", "nothing to revert"]),
+    ("info-of-a-state-dict", ["info", "{in}/weights.pt"], ["holds a state dict"]),
+    ("info-of-a-folder", ["info", "{in}"], ["is a folder, not a model file"]),
+]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A folder of inputs a new user might give: a Cu/Ni model, structures good and bad, files
+    that are not what they are named."""
+    from ase.io import write
+
+    from mace_accel.models.architectures import small_test_model
+
+    folder = tmp_path_factory.mktemp("inputs")
+    model = small_test_model("RealAgnosticResidualInteractionBlock", elements=(28, 29),
+                             hidden_irreps="4x0e+4x1o", seed=5)
+    torch.save(model, folder / "cuni.model")
+    torch.save(model.state_dict(), folder / "weights.pt")
+    structures = Path(__file__).resolve().parents[1] / "configs" / "structures"
+    shutil.copy(structures / "cu_ni_fcc32.extxyz", folder / "cu32.extxyz")
+    shutil.copy(structures / "cu_ni_fcc32_frames.extxyz", folder / "frames.extxyz")
+    (folder / "notes.model").write_text("this is not a model\n")
+    (folder / "notes.yaml").write_text("just: notes\n")
+    (folder / "binary.yaml").write_bytes(b"\x00\xff\xfe\x00")
+    (folder / "broken.yaml").write_text("task: md\n  struct: [\n")
+    (folder / "list.yaml").write_text("- 1\n- 2\n")
+    (folder / "empty.yaml").write_text("")
+    (folder / "empty.extxyz").write_text("")
+    write(folder / "zero.extxyz", Atoms())
+    write(folder / "one.extxyz", Atoms("Cu", cell=[6, 6, 6], pbc=True))
+    write(folder / "dimer.extxyz", Atoms("Cu2", positions=[[0, 0, 0], [2.5, 0, 0]]))
+    write(folder / "cufe.extxyz", Atoms("CuFe", positions=[[0, 0, 0], [2.5, 0, 0]]))
+    write(folder / "close.extxyz", Atoms("Cu2", positions=[[0, 0, 0], [0.2, 0, 0]]))
+    nan = Atoms("Cu2", positions=[[0, 0, 0], [2.5, 0, 0]])
+    nan.positions[1, 0] = np.nan
+    write(folder / "nan.extxyz", nan)
+    return folder
+
+
+def _cli(argv) -> int:
+    """``mace-accel ARGV``'s exit code (argparse's usage errors exit by SystemExit)."""
+    from mace_accel import cli
+
+    try:
+        return cli.main([str(a) for a in argv])
+    except SystemExit as exc:
+        return exc.code
+
+
+def _one_error_line(code: int, err: str, fragments) -> str:
+    assert code == 2, err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    others = [line for line in err.splitlines() if not line.startswith(("error:", "mace-accel:"))]
+    assert not others, err  # nothing but start-up notes and the error
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+    return errors[0]
+
+
+@pytest.mark.parametrize("changes, argv, fragments", [c[1:] for c in RUN_CASES],
+                         ids=[c[0] for c in RUN_CASES])
+def test_run_file_mistakes(inputs, tmp_path, capsys, changes, argv, fragments):
+    import yaml
+
+    data = {**RUN, "outputs": str(tmp_path / "out"), **changes}
+    data = {k: v for k, v in data.items() if v is not DROP}
+    run_file = inputs / f"run-{tmp_path.name}.yaml"
+    run_file.write_text(yaml.safe_dump(data))
+    code = _cli(["run", run_file, *argv])
+    _one_error_line(code, capsys.readouterr().err, fragments)
+    assert not (tmp_path / "out").exists()  # nothing written, nothing to block a rerun
+
+
+@pytest.mark.parametrize("argv, fragments", [c[1:] for c in COMMAND_CASES],
+                         ids=[c[0] for c in COMMAND_CASES])
+def test_command_line_mistakes(inputs, capsys, argv, fragments):
+    before = sorted(p.name for p in inputs.iterdir())
+    code = _cli([a.replace("{in}", str(inputs)) for a in argv])
+    _one_error_line(code, capsys.readouterr().err, fragments)
+    assert sorted(p.name for p in inputs.iterdir()) == before
+
+
+# -- a new user's mistakes in Python --------------------------------------------------------------
+def _dimer(symbols: str = "Cu2", distance: float = 2.5, **kwargs) -> Atoms:
+    return Atoms(symbols, positions=[[0, 0, 0], [distance, 0, 0]], **kwargs)
+
+
+API_CASES = [
+    # id, call(inputs folder), error class, fragment of the message
+    ("calculator-of-a-number", lambda d: MACEAccelCalculator(123, device="cpu"),
+     CheckpointError, "holds a builtins.int, not a MACE model"),
+    ("calculator-of-a-folder", lambda d: MACEAccelCalculator(d, device="cpu"),
+     CheckpointError, "is a folder (directory), not a model file"),
+    ("calculator-negative-skin", lambda d: MACEAccelCalculator(d / "cuni.model", device="cpu",
+                                                               skin=-1),
+     ConfigError, "skin must be a finite number of Å >= 0"),
+    ("calculator-options-as-a-dict",
+     lambda d: MACEAccelCalculator(d / "cuni.model", device="cpu", options={"radial_table": 0}),
+     ConfigError, "options must be an AccelOptions, got dict"),
+    ("calculator-negative-min-distance", lambda d: _energy(
+        MACEAccelCalculator(d / "cuni.model", device="cpu", min_distance=-1), _dimer()),
+     InputError, "min_distance must be a distance >= 0 Å"),
+    ("calculator-positions-in-nm", lambda d: _energy(
+        MACEAccelCalculator(d / "cuni.model", device="cpu"), _dimer(distance=0.25)),
+     InputError, "0.2500 Å apart"),
+    ("calculator-infinite-cell", lambda d: _energy(
+        MACEAccelCalculator(d / "cuni.model", device="cpu"),
+        Atoms("Cu", cell=[np.inf, 1, 1], pbc=True)),
+     InputError, "the cell contains NaN or inf"),
+    ("load-model-bad-dtype", lambda d: load_model(d / "cuni.model", dtype="half"),
+     InputError, "dtype must be one of float32, float64"),
+    ("accelerate-a-path", lambda d: __import__("mace_accel").accelerate(str(d / "cuni.model")),
+     UnsupportedModelError, "expected a MACE torch.nn.Module, got str"),
+    ("options-unknown-choice",
+     lambda d: __import__("mace_accel").AccelOptions(recompute_tp_weights="sometimes"),
+     ConfigError, "recompute_tp_weights must be one of auto, always, never"),
+    ("options-unknown-part", lambda d: __import__("mace_accel").AccelOptions(parts=("magic",)),
+     ConfigError, "unknown part(s) ['magic'] in parts"),
+    ("evaluate-a-string", lambda d: __import__("mace_accel").evaluate(["Cu"], d / "cuni.model",
+                                                                      device="cpu"),
+     InputError, "frame 0: not an ase.Atoms (str)"),
+    ("evaluate-a-bad-frame", lambda d: __import__("mace_accel").evaluate(
+        [bulk("Cu", "fcc", a=3.6), Atoms("Fe")], d / "cuni.model", device="cpu"),
+     InputError, "frame 1: the structure contains element(s) Fe (Z=26)"),
+    ("batch-evaluator-zero-edges", lambda d: __import__("mace_accel").BatchEvaluator(
+        d / "cuni.model", device="cpu", max_edges=0),
+     ConfigError, "max_edges must be a positive number of edges"),
+    ("mace-mp-unknown-name", lambda d: __import__("mace_accel").mace_mp("huge", device="cpu"),
+     InputError, "unknown MACE-MP model 'huge'"),
+    ("mace-off-unknown-name", lambda d: __import__("mace_accel").mace_off("xl", device="cpu"),
+     InputError, "unknown MACE-OFF model 'xl'"),
+    ("run-a-built-config-with-overrides", lambda d: _run_built_config(d),
+     ConfigError, "overrides apply to a run file"),
+    ("run-file-override-typo", lambda d: _run_tasks().run(
+        Path(__file__).resolve().parents[1] / "configs" / "md_nve.yaml", {"md.stepz": 1}),
+     ConfigError, "unknown key(s) 'stepz' in section 'md'"),
+]
+
+
+def _energy(calc, atoms: Atoms) -> float:
+    atoms.calc = calc
+    return atoms.get_potential_energy()
+
+
+def _run_tasks():
+    from mace_accel.runs import tasks
+
+    return tasks
+
+
+def _run_built_config(folder: Path):
+    tasks = _run_tasks()
+    config = Path(__file__).resolve().parents[1] / "configs" / "md_nve.yaml"
+    return tasks.run(tasks.load_run_config(config), {"md.steps": 1})
+
+
+@pytest.mark.parametrize("call, error, fragment", [c[1:] for c in API_CASES],
+                         ids=[c[0] for c in API_CASES])
+def test_python_api_mistakes(inputs, call, error, fragment):
+    from mace_accel.errors import MaceAccelError
+
+    with pytest.raises(error) as info:
+        call(inputs)
+    assert isinstance(info.value, MaceAccelError)
+    message = str(info.value)
+    assert fragment in message and "\n" not in message, message

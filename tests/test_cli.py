@@ -97,7 +97,7 @@ def test_convert_prints_the_report(plain_model, tmp_path, capsys):
     out = tmp_path / "fast.model"
     code, stdout, _ = run_cli(capsys, "convert", plain_model[0], out, *CPU, "--no-verify")
     assert code == 0
-    assert "modules patched" in stdout and f"saved the accelerated model to {out}" in stdout
+    assert "block groups patched" in stdout and f"saved the accelerated model to {out}" in stdout
     assert stdout.count("conv                   fused: TPSpec(") == 2
     assert "verified" not in stdout  # --no-verify
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fast.model"]  # no temp files left
@@ -254,17 +254,26 @@ def test_info_json_and_does_not_modify(plain_model, tmp_path, capsys):
     assert plan["parameters"] == sum(p.numel() for p in model.parameters())
     interactions = [b for b in plan["blocks"] if b["kind"] == "interaction_block"]
     assert len(interactions) == 2
+    assert plan["accelerated"] is False
     for block, spec in zip(interactions, _expected_blocks(model)):
         assert block["tensor_product"] == spec.describe() and block["skipped"] is None
+        # a plain model: nothing is patched or fused now (before, "patched": true); would_*
+        # says what accelerate does
+        assert block["patched"] is False and block["would_patch"] is True
         conv = next(p for p in block["parts"] if p["part"] == "conv")
-        assert conv == {"part": "conv", "fused": True,
+        assert conv == {"part": "conv", "fused": False, "would_fuse": True,
                         "detail": spec.describe() + "; the radial MLP's last layer folded in"}
+    assert not any(b["patched"] or any(p["fused"] for p in b["parts"]) for b in plan["blocks"])
 
 
 def test_info_accelerated_and_skipped_blocks(fast_model, tmp_path, capsys):
     code, out, _ = run_cli(capsys, "info", fast_model)
     assert code == 0 and "accelerated: yes" in out
     assert out.count("conv                   fused: TPSpec(") == 2
+    plan = json.loads(run_cli(capsys, "info", fast_model, "--json")[1])
+    interactions = [b for b in plan["blocks"] if b["kind"] == "interaction_block"]
+    assert plan["accelerated"] is True and len(interactions) == 2
+    assert all(b["patched"] and b["would_patch"] for b in interactions)
 
     # a block already fused by another backend is reported with the reason it would be left
     model = small_test_model(BLOCK, elements=(28, 29), seed=3)
@@ -274,7 +283,8 @@ def test_info_accelerated_and_skipped_blocks(fast_model, tmp_path, capsys):
     plan = json.loads(run_cli(capsys, "info", odd, "--json")[1])
     convs = [next(p for p in b["parts"] if p["part"] == "conv") for b in plan["blocks"]
              if b["kind"] == "interaction_block"]
-    assert [c["fused"] for c in convs] == [False, True]
+    assert [c["would_fuse"] for c in convs] == [False, True]
+    assert [c["fused"] for c in convs] == [False, False]  # the model is not accelerated
     assert "already fused by another backend" in convs[0]["detail"]
 
 
@@ -284,7 +294,7 @@ def test_info_missing_file(tmp_path, capsys):
 
 
 def _run_file(tmp_path: Path, **md) -> Path:
-    (tmp_path / "s.xyz").write_text("1\n\nCu 0 0 0\n")
+    (tmp_path / "s.xyz").write_text("2\n\nCu 0 0 0\nCu 2.5 0 0\n")
     path = tmp_path / "nve.yaml"
     path.write_text(yaml.safe_dump({"task": "md", "struct": "s.xyz", "md": md}))
     return path
@@ -297,7 +307,7 @@ def test_run_dry_run_writes_nothing(tmp_path, capsys):
     assert code == 0
     shown = yaml.safe_load(out)
     assert shown["md"]["steps"] == 3 and shown["device"] == "cpu"
-    assert "1 frame(s) (Cu)" in out
+    assert "1 frame(s) (Cu2)" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nve.yaml", "s.xyz"]
 
 
@@ -364,7 +374,11 @@ def test_convert_output_path_problems_are_found_before_loading(plain_model, tmp_
     folder = tmp_path / "folder"
     folder.mkdir()
     code, _, err = run_cli(capsys, "convert", src, folder, *CPU)
-    assert_user_error(code, err, "is a folder", str(folder / src.name))
+    assert_user_error(code, err, "is a folder", str(folder / "tiny-accel.model"))
+    # into the input's own folder: the path offered is not the input file's (before, it was)
+    code, _, err = run_cli(capsys, "convert", src, src.parent, *CPU)
+    assert_user_error(code, err, "is a folder", str(src.parent / "tiny-accel.model"))
+    assert repr(str(src)) not in err
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     code, _, err = run_cli(capsys, "convert", src, a_file / "fast.model", *CPU)
@@ -512,15 +526,29 @@ def test_os_errors_on_a_path_are_one_error_line(capsys, monkeypatch, tmp_path):
 
     monkeypatch.setattr(cli, "cmd_info", denied)
     code, _, err = run_cli(capsys, "info", tmp_path / "x")
-    assert_user_error(code, err, str(tmp_path / "x"), "Permission denied")
+    assert_user_error(code, err, str(tmp_path / "x"), "permission denied")
     assert len(err.strip().splitlines()) == 1
 
-    def disk_full(args):
-        raise OSError(28, "No space left on device", str(tmp_path / "x"))
+    def failing(errno_, text):
+        def command(args):
+            raise OSError(errno_, text, str(tmp_path / "x"))
+        return command
 
-    monkeypatch.setattr(cli, "cmd_info", disk_full)
+    # a full disk is the user's to fix (free space): exit 2, said as such
+    monkeypatch.setattr(cli, "cmd_info", failing(28, "No space left on device"))
+    code, _, err = run_cli(capsys, "info", tmp_path / "x")
+    assert_user_error(code, err, "the disk is full", "free space")
+    assert len(err.strip().splitlines()) == 1
+    # a read-only filesystem is named as such, not as a permissions problem
+    monkeypatch.setattr(cli, "cmd_info", failing(30, "Read-only file system"))
+    code, _, err = run_cli(capsys, "info", tmp_path / "x")
+    assert_user_error(code, err, "the filesystem is read-only", "writable filesystem")
+    assert "permission" not in err
+    # a failing disk is not the user's mistake: exit 1, still one line
+    monkeypatch.setattr(cli, "cmd_info", failing(5, "Input/output error"))
     code, _, err = run_cli(capsys, "info", tmp_path / "x")
     assert code == 1 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert "input/output error" in err
 
 
 def test_ctrl_c_is_one_line_and_exit_130(plain_model, capsys, monkeypatch, tmp_path):

@@ -90,6 +90,9 @@ def test_unknown_keys_list_the_valid_keys(run_dir, raw, section):
     ({"md": {"ensemble": "nph"}}, "md.ensemble"),
     ({"md": {"stats_every": 0}}, "md.stats_every"),
     ({"md": {"timestep": float("nan")}}, "md.timestep"),
+    ({"md": {"seed": -1}}, "md.seed must be >= 0"),  # was a numpy traceback at run time
+    ({"md": {"seed": 2**32}}, "md.seed must be <= 4294967295"),
+    ({"md": {"seed": 1.5}}, "md.seed must be an integer"),
     ({"md": [1, 2]}, "md"),
     ({"device": "gpu"}, "device"),
     ({"dtype": "float16"}, "dtype"),

@@ -297,7 +297,7 @@ def test_outputs_without_write_permission_is_one_error_line(model_file, tmp_path
 
 def test_os_error_while_writing_is_one_error_line(model_file, tmp_path, capsys, monkeypatch):
     """An OS error the checks could not foresee (here: EACCES creating run.log) is still one
-    ``error:`` line naming the path, exit 2."""
+    ``error:`` line naming the file, what was kept and the fix, exit 2."""
     run_file = write_run(tmp_path, model_file, "singlepoint")
 
     def denied(self, path):
@@ -305,7 +305,8 @@ def test_os_error_while_writing_is_one_error_line(model_file, tmp_path, capsys, 
 
     monkeypatch.setattr(runs.RunLog, "__init__", denied)
     code, _, err = run_cli(capsys, "run", run_file)
-    assert_user_error(code, err, "cannot use", "run.log", "Permission denied")
+    assert_user_error(code, err, "cannot write run.log", "permission denied",
+                      "kept in", "config.yaml", "fix the folder's permissions")
     assert len(err.strip().splitlines()) <= 3 and "Errno" not in err
 
 
@@ -431,7 +432,7 @@ def test_ctrl_c_during_the_run_says_where_the_files_are(model_file, tmp_path, ca
     def interrupted(self):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runs._StatsWriter, "__call__", interrupted)
+    monkeypatch.setattr(runs.StatsWriter, "__call__", interrupted)
     run_file = write_run(tmp_path, model_file, "md")
     code, _, err = run_cli(capsys, "run", run_file)
     assert code == 130

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 
 import ase.io
@@ -17,7 +18,7 @@ from mace_accel.models.architectures import small_test_model
 from mace_accel.models.batch import atoms_to_batch, model_info
 from mace_accel.runs import tasks as runs
 from mace_accel.runs.config import load_run_config
-from mace_accel.runs.progress import progress_bar
+from mace_accel.runs.progress import ProgressLines, progress_bar, ticker
 from mace_accel.surgery import evaluate
 from mace_accel.tolerances import rel_norm_error
 
@@ -194,14 +195,14 @@ def test_md_starts_from_stored_momenta(tiny_model, tmp_path):
 
 
 def test_interrupted_md_keeps_what_it_did(tiny_model, tmp_path, monkeypatch):
-    real_row = runs._StatsWriter.__call__
+    real_row = runs.StatsWriter.__call__
 
     def interrupt_after_4_rows(self):
         real_row(self)
-        if self.step_offset() >= 3:
+        if self.step() >= 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(runs._StatsWriter, "__call__", interrupt_after_4_rows)
+    monkeypatch.setattr(runs.StatsWriter, "__call__", interrupt_after_4_rows)
     with pytest.raises(KeyboardInterrupt) as info:
         run_example("md_nve", tmp_path, tiny_model[0],
                     **{"md.steps": 50, "md.stats_every": 1, "md.traj_every": 1})
@@ -259,18 +260,73 @@ def test_progress_bar_draws_on_a_terminal():
     assert "md nve" in text and "10/10" in text and text.endswith("\n")
 
 
-def test_progress_bar_is_silent_off_a_terminal_or_when_off():
+def test_progress_off_a_terminal_is_whole_lines():
+    """A batch job's log (stderr not a terminal) gets progress lines, never a bar: one per
+    interval and one at the end (before, it got nothing at all)."""
     stream = io.StringIO()  # not a TTY
-    with progress_bar(10, stream=stream) as bar:
+    with progress_bar(10, desc="md nve", stream=stream, interval=0.0) as bar:
         for _ in range(10):
             bar.update()
-    assert stream.getvalue() == ""
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue() and len(lines) == 10  # 9 on the way, 1 at the end
+    assert lines[0].startswith("md nve: 1/10 steps (10%)") and "left" in lines[0]
+    assert lines[-1].startswith("md nve: 10/10 steps (100%)")
+
+
+def test_progress_lines_come_every_interval_and_say_where_a_run_stopped():
+    now = [0.0]
+    stream = io.StringIO()
+    with pytest.raises(RuntimeError):
+        with ProgressLines(100, "md nvt", stream, interval=10.0, clock=lambda: now[0]) as lines:
+            for _ in range(30):
+                now[0] += 1.0  # a step a second: a line every 10 steps
+                lines.update()
+            raise RuntimeError("diverged")
+    text = stream.getvalue().splitlines()
+    assert [line.split(" steps")[0] for line in text] == ["md nvt: 10/100", "md nvt: 20/100",
+                                                          "md nvt: 30/100", "md nvt: 30/100"]
+    assert "(1.00step/s)" in text[0] and "01:30 left" in text[0]
+    assert text[-1].endswith("; stopped")
+
+
+def test_progress_is_silent_when_off_or_empty():
     terminal = FakeTerminal()
     with progress_bar(10, stream=terminal, enabled=False) as bar:  # progress: false
         bar.update(10)
     with progress_bar(0, stream=terminal) as bar:  # nothing to do: no bar
         pass
-    assert terminal.getvalue() == ""
+    log = io.StringIO()
+    with progress_bar(10, stream=log, enabled=False) as bar:
+        bar.update(10)
+    with progress_bar(0, stream=log) as bar:
+        pass
+    assert terminal.getvalue() == "" and log.getvalue() == ""
+
+
+def test_ticker_reports_a_long_start_up():
+    stream = io.StringIO()
+    with ticker("loading the model", stream, interval=0.05):
+        time.sleep(0.3)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "mace-accel: loading the model ..."
+    assert any(line.startswith("mace-accel: still loading the model (") for line in lines[1:-1])
+    assert lines[-1].startswith("mace-accel: loading the model: done in ")
+    quiet = io.StringIO()
+    with ticker("loading the model", quiet, enabled=False, interval=0.01):
+        time.sleep(0.05)
+    assert quiet.getvalue() == ""
+
+
+def test_a_run_reports_its_start_up_and_steps_off_a_terminal(tiny_model, tmp_path):
+    log = io.StringIO()
+    runs.run(CONFIGS / "md_nve.yaml", {"device": "cpu", "backend": "reference",
+                                       "model": str(tiny_model[0]), "md.steps": 3,
+                                       "outputs": str(tmp_path / "a")}, progress_stream=log)
+    lines = log.getvalue().splitlines()
+    assert lines[0].startswith("mace-accel: loading, accelerating and verifying the model")
+    assert lines[1].startswith("mace-accel: loading, accelerating and verifying the model")
+    assert "done in" in lines[1]
+    assert lines[-1].startswith("md nve: 3/3 steps (100%)")
 
 
 def test_progress_false_in_a_run_draws_nothing_on_a_terminal(tiny_model, tmp_path):

@@ -30,10 +30,14 @@ def validate_atoms(atoms, info: ModelInfo, min_distance: Optional[float] = 0.5) 
             (None or 0 disables the check).
 
     Raises:
-        InputError: empty structure; element not in the model; NaN/inf positions or cell;
-            a periodic direction with a zero-length or linearly dependent cell vector; two atoms
-            (or an atom and a periodic image) closer than ``min_distance``.
+        InputError: ``min_distance`` negative; empty structure; element not in the model; NaN/inf
+            positions or cell; a periodic direction with a zero-length or linearly dependent
+            cell vector; two atoms (or an atom and a periodic image) closer than
+            ``min_distance``.
     """
+    if min_distance is not None and not (np.isfinite(min_distance) and min_distance >= 0):
+        raise InputError(f"min_distance must be a distance >= 0 Å (0 or None: no overlap check), "
+                         f"got {min_distance}")
     n_atoms = len(atoms)
     if n_atoms == 0:
         raise InputError("the structure is empty (0 atoms); there is nothing to evaluate")
@@ -73,7 +77,8 @@ def validate_head(head: Optional[str], info: ModelInfo) -> str:
         raise InputError(f"the model has several heads {heads} and none is called 'default'; "
                          "choose one with head=...")
     if head not in heads:
-        raise InputError(f"unknown head {head!r}; the model's heads are {heads}")
+        raise InputError(f"unknown head {head!r}; the model's heads are {heads}: choose one "
+                         "with head=...")
     return head
 
 

@@ -36,10 +36,12 @@ from mace_accel.options import DEVICE_CHOICES_HELP, check_device_name
 TASKS = ("singlepoint", "geomopt", "md")
 SINGLEPOINT_PROPERTIES = ("energy", "free_energy", "forces", "stress", "energies")
 PATH_KEYS = ("struct", "model", "outputs")  # resolved against the run file's directory
+SEED_MAX = 2**32 - 1  # numpy's seeds are non-negative; 32 bits is what every seed API takes
+STEPS_MAX = 2**63 - 1  # step counters are int64 (ASE, numpy); 1e99 steps is a typo
 
 
 def _opt(default: Any, doc: str, **checks: Any) -> Any:
-    """A dataclass field with a default, a one-line doc and range checks (gt, ge)."""
+    """A dataclass field with a default, a one-line doc and range checks (gt, ge, le)."""
     return dataclasses.field(default=default, metadata={"doc": doc, **checks})
 
 
@@ -73,6 +75,8 @@ class _Section:
                     raise ConfigError(f"{where} must be > {bound}, got {value}")
                 if check == "ge" and not value >= bound:
                     raise ConfigError(f"{where} must be >= {bound}, got {value}")
+                if check == "le" and not value <= bound:
+                    raise ConfigError(f"{where} must be <= {_show(bound)}, got {_show(value)}")
             object.__setattr__(self, f.name, value)
         self._check()
 
@@ -119,6 +123,13 @@ class _Section:
                 v = list(v)
             out[f.name] = v
         return out
+
+
+def _show(number: Any) -> str:
+    """A number for a message: huge integers (a typed ``1e99``) in exponent form."""
+    if isinstance(number, int) and abs(number) >= 10**15:
+        return f"{float(number):.3g}"
+    return str(number)
 
 
 def _coerce(where: str, hint: Any, value: Any) -> Any:
@@ -217,7 +228,7 @@ class GeomOptOptions(_Section):
 
     SECTION: ClassVar[str] = "geomopt"
     fmax: float = _opt(0.05, "force convergence threshold, eV/Å", gt=0)
-    steps: int = _opt(1000, "maximum optimizer steps", ge=0)
+    steps: int = _opt(1000, "maximum optimizer steps", ge=0, le=STEPS_MAX)
     optimizer: Literal["FIRE", "BFGS", "LBFGS"] = _opt("FIRE", "ASE optimizer")
     relax_cell: bool = _opt(False, "also relax the cell (FrechetCellFilter / ExpCellFilter)")
     traj_every: int = _opt(1, "write a trajectory frame every N steps (0: none)", ge=0)
@@ -229,7 +240,7 @@ class MDOptions(_Section):
 
     SECTION: ClassVar[str] = "md"
     ensemble: Literal["nve", "nvt", "npt"] = _opt("nve", "nve | nvt (Langevin) | npt (Melchionna)")
-    steps: int = _opt(1000, "number of MD steps", ge=0)
+    steps: int = _opt(1000, "number of MD steps", ge=0, le=STEPS_MAX)
     timestep: float = _opt(1.0, "fs", gt=0)
     temperature: float = _opt(300.0, "K: target (nvt/npt) and initial velocities", ge=0)
     friction: float = _opt(0.01, "Langevin friction, 1/fs", ge=0)
@@ -239,7 +250,8 @@ class MDOptions(_Section):
     bulk_modulus: float = _opt(100.0, "npt: bulk modulus estimate, GPa (barostat mass)", gt=0)
     traj_every: int = _opt(10, "write a trajectory frame every N steps (0: none)", ge=0)
     stats_every: int = _opt(1, "write a stats row every N steps", gt=0)
-    seed: int = _opt(0, "seed of the initial velocities and the Langevin noise")
+    seed: int = _opt(0, f"seed of the initial velocities and the Langevin noise, 0..{SEED_MAX}",
+                     ge=0, le=SEED_MAX)
 
     def _check(self) -> None:
         if self.ensemble == "nvt" and not self.friction > 0:
@@ -345,8 +357,17 @@ def parse_override(text: str) -> Tuple[str, Any]:
     try:
         parsed = yaml.safe_load(value) if value.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"bad value in override {text!r}: {exc}") from None
+        raise ConfigError(f"bad value in override {text!r}: {yaml_problem(exc)}; quote a text "
+                          "value (--set 'key=\"...\"')") from None
     return key.strip(), parsed
+
+
+def yaml_problem(exc: Exception) -> str:
+    """A YAML parser's error on one line: where (line, column) and what."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
 
 
 def config_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".",
@@ -416,7 +437,7 @@ def load_run_config(path: Path | str, overrides: Optional[Mapping[str, Any]] = N
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"{path} is not valid YAML: {yaml_problem(exc)}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not a text file; give a YAML run file") from None
     except OSError as exc:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import List, Optional, Union
 
 from mace_accel.errors import OutputError
+from mace_accel.files import os_error_reason, read_only_filesystem
 
 try:
     import fcntl
@@ -63,6 +64,10 @@ def check_output_dir(path: Union[str, Path], what: str = "outputs folder",
     if not existing.is_dir():
         raise OutputError(f"cannot create the {what} {str(path)!r}: {str(existing)!r} is a "
                           f"file, not a folder; {fix}")
+    if read_only_filesystem(existing):  # os.access says "no" too: name the real reason
+        where = "" if existing == path else f" ({str(existing)!r}, where it would be created)"
+        raise OutputError(f"cannot write to the {what} {str(path)!r}: it is on a read-only "
+                          f"filesystem{where}; {fix}, on a writable filesystem")
     if not os.access(existing, os.W_OK | os.X_OK):
         where = "in it" if existing == path else f"in {str(existing)!r} to create it"
         raise OutputError(f"no permission to write to the {what} {str(path)!r} ({where}); "
@@ -183,7 +188,7 @@ class RunFolder:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as exc:
             raise OutputError(f"cannot create the outputs folder {str(self.path)!r}: "
-                              f"{exc.strerror or exc}; {_OTHER_FOLDER}") from None
+                              f"{os_error_reason(exc)}; {_OTHER_FOLDER}") from None
         try:
             if fcntl is not None:
                 self._lock_or_raise(fd)

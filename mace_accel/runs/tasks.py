@@ -15,32 +15,46 @@ cleared of an earlier run's files with ``overwrite``) and writes into it:
 =====================  ===================================================================
 
 A run that fails a check writes nothing. Frames carry energy / forces / stress through ASE's
-``SinglePointCalculator``, so ``ase.io.read`` hands them back. Files written as the run goes are
-flushed after each record, so an interrupted run keeps what it did, readable record by record;
-files written whole (``config.yaml``, ``final.extxyz``) are written atomically with the umask's
-file mode (:func:`mace_accel.files.atomic_write`).
+``SinglePointCalculator``, so ``ase.io.read`` hands them back. Files written as the run goes get
+each record (log line, stats row, frame) whole or not at all (:mod:`mace_accel.runs.writers`), so
+a run that is interrupted, diverges or fills the disk keeps what it did, readable; its error says
+what was kept. Files written whole (``config.yaml``, ``final.extxyz``) are written atomically with
+the umask's file mode (:func:`mace_accel.files.atomic_write`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
+import errno
 import os
 import sys
+import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, TextIO
+from typing import Any, Dict, List, Mapping, Optional, TextIO
 
 import numpy as np
 
-from mace_accel.errors import BackendUnavailableError, ConfigError, InputError, Interrupted
-from mace_accel.files import atomic_write, atomic_write_text
+from mace_accel.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    InputError,
+    Interrupted,
+    OutputWriteError,
+    SimulationError,
+)
+from mace_accel.files import NO_ROOM_ERRNOS, atomic_write_text, os_error_reason
 from mace_accel.runs.config import RunConfig, load_run_config
 from mace_accel.runs.outputs import RunFolder
-from mace_accel.runs.progress import progress_bar
-
-STATS_COLUMNS = ("step", "time_fs", "epot_eV", "ekin_eV", "etot_eV", "temperature_K")
-NPT_STATS_COLUMNS = ("volume_A3", "pressure_bar")
+from mace_accel.runs.phrasing import run_file_terms
+from mace_accel.runs.progress import progress_bar, ticker
+from mace_accel.runs.writers import (  # noqa: F401  (STATS_COLUMNS: the stats.dat layout)
+    NPT_STATS_COLUMNS,
+    STATS_COLUMNS,
+    RunFiles,
+    RunLog,
+    StatsWriter,
+    render_frame,
+)
 
 
 @dataclasses.dataclass
@@ -53,6 +67,8 @@ class RunResult:
         files: ``{role: path}`` of the files written (log, config, results / trajectory, ...).
         backend: the mace-accel backend the calculator ran with.
         summary: task-specific numbers (frames, steps, converged, final max force, ...).
+        warnings: what the user must know although the run finished (an optimisation that did
+            not converge); :func:`run` also issues each as a ``RuntimeWarning``.
     """
 
     task: str
@@ -60,6 +76,12 @@ class RunResult:
     files: Dict[str, Path]
     backend: Optional[str]
     summary: Dict[str, Any]
+    warnings: List[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """The run reached its goal (False: a geometry optimisation that did not converge)."""
+        return not self.warnings
 
     def __str__(self) -> str:
         lines = [f"{self.task} finished (backend {self.backend!r}); outputs in {self.outputs}"]
@@ -99,7 +121,7 @@ class Structures:
 
 def run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] = None, *,
         overrides_base: Optional[Path | str] = None, overwrite: bool = False,
-        progress_stream: Optional[TextIO] = None) -> RunResult:
+        progress_stream: Optional[TextIO] = None, warn: bool = True) -> RunResult:
     """Run a YAML run file (or a :class:`RunConfig`) to the end.
 
     Args:
@@ -110,7 +132,10 @@ def run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] =
             run file's directory, like the paths in the file).
         overwrite: if the output folder holds an earlier run's files, delete them first
             (default: refuse the folder). Files a run does not write are never deleted.
-        progress_stream: where the progress bar draws (default stderr, only if a terminal).
+        progress_stream: where progress goes (default stderr: a bar on a terminal, a line
+            every 10 s elsewhere; also the lines while the model is loaded and verified).
+        warn: issue each of ``result.warnings`` as a ``RuntimeWarning`` (the command line
+            prints them itself, whatever the warning filters).
 
     Returns:
         a :class:`RunResult`; the files are in ``result.outputs``.
@@ -118,6 +143,10 @@ def run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] =
     Raises:
         ConfigError, InputError, CheckpointError, OutputError, BackendUnavailableError,
         VerificationError: a check failed; nothing was written.
+        SimulationError: the MD run diverged or the optimiser broke the structure part-way;
+            the message names the step and the files kept.
+        OutputWriteError: an output could not be written part-way (a full disk); every file
+            ends with its last whole record, and the message says what was kept.
         Interrupted: Ctrl-C while the run was writing (its ``note`` says where the files are).
     """
     cfg = _as_config(config, overrides, overrides_base)
@@ -127,47 +156,114 @@ def run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] =
     check_task_inputs(cfg, structures)
     folder = RunFolder(cfg.outputs, overwrite=overwrite)
     folder.check()  # before loading the model: a refused folder fails fast
-    calc = make_calculator(cfg, compute_stress=_needs_stress(cfg, structures.frames))
+    with ticker(f"loading, accelerating and verifying the model ({cfg.model_path.name}, "
+                f"{cfg.dtype}, {cfg.device})", progress_stream, enabled=cfg.progress):
+        calc = make_calculator(cfg, compute_stress=_needs_stress(cfg, structures.frames))
     validate_structures(structures, calc.info, cfg)
     with folder:  # everything is checked: from here on the run writes
         try:
-            return _run_in(folder.path, cfg, structures, calc, progress_stream)
+            result = _run_in(folder.path, cfg, structures, calc, progress_stream)
         except KeyboardInterrupt:
             raise Interrupted(f"the files written so far are in {folder.path} (see run.log)") \
                 from None
+    for text in result.warnings if warn else ():
+        warnings.warn(text, RuntimeWarning, stacklevel=2)
+    return result
 
 
 def _run_in(out: Path, cfg: RunConfig, structures: Structures, calc,
             progress_stream: Optional[TextIO]) -> RunResult:
-    frames = structures.frames
+    """Write the run into the claimed folder ``out``; a failure part-way says what was kept."""
     files = {"log": out / "run.log", "config": out / "config.yaml"}
-    atomic_write_text(files["config"], _yaml_dump(cfg.to_dict()))
-    with RunLog(files["log"]) as log:
-        used = (f"{len(frames)} frame(s)" if len(frames) > 1 else
-                f"frame {structures.indices[0]} of {structures.total}")
-        log.write(f"mace-accel {_version()}: task {cfg.task}, structure {cfg.struct} "
-                  f"({used}), model {cfg.model_path}")
-        log.write(f"device {cfg.device}, dtype {cfg.dtype}, backend {cfg.backend}, "
-                  f"deterministic {cfg.deterministic}, head {cfg.head or '(default)'}; "
-                  f"pid {os.getpid()}")
-        backend = getattr(calc, "backend", None)
-        report = getattr(calc, "report", None)
-        log.write(f"active backend: {backend}")
-        if report is not None:
-            log.write(str(report))
-        task = {"singlepoint": run_singlepoint, "geomopt": run_geomopt, "md": run_md}[cfg.task]
+    try:
+        atomic_write_text(files["config"], _yaml_dump(cfg.to_dict()))
+    except OSError as exc:
+        raise _write_failure(exc, out, "nothing was kept") from None
+    try:
+        log = RunLog(files["log"])
+    except OSError as exc:
+        raise _write_failure(exc, out, f"kept in {out}: config.yaml") from None
+    outputs = RunFiles(out, log)
+    outputs.written_whole(files["config"])
+    with log:
         try:
-            summary, task_files = task(cfg, frames, calc, log, progress_stream)
-        except KeyboardInterrupt:
-            log.write("interrupted by the user; the files written so far are kept")
-            raise
-        except Exception as exc:
-            log.write(f"stopped by an error ({type(exc).__name__}: {exc}); the files written "
-                      "so far are kept")
-            raise
-        files.update(task_files)
-        log.write("finished: " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
-    return RunResult(cfg.task, out, files, getattr(calc, "backend", None), summary)
+            return _run_task(outputs, cfg, structures, calc, progress_stream, files)
+        except OSError as exc:
+            if not _in_folder(exc, out):
+                raise
+            raise _write_failure(exc, out, outputs.kept(), outputs.resume_hint()) from None
+        except SimulationError as exc:
+            raise SimulationError(f"{exc}; {outputs.kept()}; rerun with --overwrite to replace "
+                                  "them") from None
+        finally:
+            outputs.close()
+
+
+def _in_folder(exc: OSError, folder: Path) -> bool:
+    """Whether ``exc`` was raised writing a file of the outputs ``folder``."""
+    return exc.filename is not None and Path(exc.filename).absolute().parent == folder
+
+
+def _write_failure(exc: OSError, folder: Path, kept: str,
+                   resume: Optional[str] = None) -> OutputWriteError:
+    """The one-line error of an output that could not be written part-way."""
+    name = Path(exc.filename).name if exc.filename else "an output"
+    elsewhere = "with `outputs:` in the run file (or --set outputs=DIR)"
+    if exc.errno in NO_ROOM_ERRNOS:
+        fix = f"free space on that disk and rerun with --overwrite, or choose a folder on " \
+              f"another disk {elsewhere}"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        fix = f"fix the folder's permissions, or choose another folder {elsewhere}"
+    else:
+        fix = f"check that disk, or choose a folder on another one {elsewhere}"
+    text = f"cannot write {name} in {folder}: {os_error_reason(exc)}; {kept}; {fix}"
+    return OutputWriteError(text + (f"; {resume}" if resume else ""))
+
+
+def _run_task(outputs: RunFiles, cfg: RunConfig, structures: Structures, calc,
+              progress_stream: Optional[TextIO], files: Dict[str, Path]) -> RunResult:
+    """Log the run's header, run its task, log how it ended."""
+    frames, log, out = structures.frames, outputs.log, outputs.folder
+    used = (f"{len(frames)} frame(s)" if len(frames) > 1 else
+            f"frame {structures.indices[0]} of {structures.total}")
+    log.write(f"mace-accel {_version()}: task {cfg.task}, structure {cfg.struct} "
+              f"({used}), model {cfg.model_path}")
+    log.write(f"device {cfg.device}, dtype {cfg.dtype}, backend {cfg.backend}, "
+              f"deterministic {cfg.deterministic}, head {cfg.head or '(default)'}; "
+              f"pid {os.getpid()}")
+    backend = getattr(calc, "backend", None)
+    report = getattr(calc, "report", None)
+    log.write(f"active backend: {backend}")
+    if report is not None:
+        log.write(str(report))
+    task = {"singlepoint": run_singlepoint, "geomopt": run_geomopt, "md": run_md}[cfg.task]
+    try:
+        summary, task_files = task(cfg, frames, calc, outputs, progress_stream)
+    except KeyboardInterrupt:
+        log.try_write("interrupted by the user; the files written so far are kept")
+        raise
+    except Exception as exc:
+        log.try_write(f"stopped by an error ({type(exc).__name__}: {exc}); the files "
+                      "written so far are kept")
+        raise
+    files.update(task_files)
+    notes = _task_warnings(cfg, summary, out)
+    for text in notes:
+        log.write(f"warning: {text}")
+    log.write("finished: " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
+    return RunResult(cfg.task, out, files, getattr(calc, "backend", None), summary, notes)
+
+
+def _task_warnings(cfg: RunConfig, summary: Mapping[str, Any], out: Path) -> List[str]:
+    """What a finished run must tell its user: a geometry optimisation that did not converge."""
+    if cfg.task != "geomopt" or summary.get("converged", True):
+        return []
+    opts = cfg.geomopt
+    return [f"geomopt did not converge: the largest force is {summary['final_fmax']:.4g} eV/Å "
+            f"after {summary['steps']} steps (geomopt.fmax is {opts.fmax:g}); "
+            f"{out / 'final.extxyz'} holds the last structure. Allow more steps with "
+            f"--set geomopt.steps=N (now {opts.steps}), or continue from it with "
+            f"--set struct={out / 'final.extxyz'} --set outputs=NEW_DIR"]
 
 
 def dry_run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] = None,
@@ -192,7 +288,8 @@ def dry_run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any
     RunFolder(cfg.outputs, overwrite=overwrite).check()
     model = load_model(_model_file(cfg), device="cpu")
     info = model_info(model)
-    validate_head(cfg.head, info)
+    with run_file_terms():
+        validate_head(cfg.head, info)
     validate_structures(structures, info, cfg)
     frames = structures.frames
     formulas = sorted({a.get_chemical_formula() for a in frames})
@@ -271,8 +368,10 @@ def read_structures(cfg: RunConfig) -> Structures:
     try:
         frames = ase.io.read(str(path), index=":")
     except Exception as exc:  # ase raises many types for unreadable files
-        raise InputError(f"could not read structure file {str(path)!r} with ase.io.read: "
-                         f"{type(exc).__name__}: {exc}") from None
+        raise InputError(f"could not read structure file {str(path)!r} with ase.io.read "
+                         f"({type(exc).__name__}: {' '.join(str(exc).split())}); give a "
+                         "structure file ASE reads (extxyz, xyz, cif, POSCAR, ...: ASE guesses "
+                         "the format from the name)") from None
     frames = frames if isinstance(frames, list) else [frames]
     n = len(frames)
     if n == 0:
@@ -304,10 +403,10 @@ def validate_structures(structures: Structures, info, cfg: RunConfig) -> None:
 
     for i, atoms in enumerate(structures.frames):
         try:
-            validate_atoms(atoms, info, min_distance=cfg.min_distance or None)
+            with run_file_terms():
+                validate_atoms(atoms, info, min_distance=cfg.min_distance or None)
         except InputError as exc:
-            text = str(exc).replace("lower min_distance", "lower `min_distance:` in the run file")
-            raise InputError(f"{structures.where(i)}: {text}") from None
+            raise InputError(f"{structures.where(i)}: {exc}") from None
 
 
 def check_task_inputs(cfg: RunConfig, structures: Structures) -> None:
@@ -320,6 +419,11 @@ def check_task_inputs(cfg: RunConfig, structures: Structures) -> None:
                              f"({structures.where(0)} has pbc={atoms.pbc.tolist()}); set "
                              "relax_cell: false or give the structure a cell and pbc")
         _cell_filter_class()
+    if cfg.task == "md" and len(atoms) < 2:
+        raise InputError(f"md needs at least 2 atoms ({structures.where(0)} has 1): the run "
+                         "holds the centre of mass at rest, which leaves a single atom nothing to "
+                         "move; repeat the cell (atoms.repeat((2, 2, 2)) in ASE) or run "
+                         "`task: singlepoint` for its energy")
     if cfg.task == "md" and cfg.md.ensemble == "npt":
         _check_npt_cell(atoms, structures.where(0))
         _npt_class()
@@ -338,7 +442,12 @@ def _model_file(cfg: RunConfig) -> Path:
 def make_calculator(cfg: RunConfig, compute_stress: bool):
     """What evaluates the run's model (loads it, patches it, verifies it): a
     :class:`~mace_accel.batched.BatchEvaluator` for singlepoint (many frames per model call),
-    the ASE calculator for geomopt and md."""
+    the ASE calculator for geomopt and md. Errors say their fix in run-file terms."""
+    with run_file_terms():
+        return _make_calculator(cfg, compute_stress)
+
+
+def _make_calculator(cfg: RunConfig, compute_stress: bool):
     if cfg.task == "singlepoint":
         from mace_accel.batched import BatchEvaluator
 
@@ -382,29 +491,6 @@ def _periodic(atoms) -> bool:
 # output helpers
 
 
-class RunLog:
-    """Timestamped lines in ``run.log``, flushed after each write."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.file: TextIO = open(self.path, "w")
-
-    def write(self, text: str) -> None:
-        stamp = datetime.datetime.now().isoformat(timespec="seconds")
-        for line in str(text).splitlines() or [""]:
-            self.file.write(f"{stamp}  {line}\n")
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-    def __enter__(self) -> "RunLog":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 def snapshot(atoms, properties: Optional[List[str]] = None):
     """A copy of ``atoms`` holding its calculator's results in a ``SinglePointCalculator``.
 
@@ -423,18 +509,12 @@ def snapshot(atoms, properties: Optional[List[str]] = None):
     return copy
 
 
-def write_frame(handle: TextIO, atoms) -> None:
-    """Append one extxyz frame and flush it to disk."""
-    import ase.io
-
-    ase.io.write(handle, atoms, format="extxyz")
-    handle.flush()
-
-
-def _atomic_write_frames(path: Path, frames: List[Any]) -> None:
-    with atomic_write(path, "w") as f:
-        for atoms in frames:
-            write_frame(f, atoms)
+def _write_final(outputs: RunFiles, atoms) -> Path:
+    """``final.extxyz``: the last structure with its results, written atomically."""
+    path = outputs.folder / "final.extxyz"
+    atomic_write_text(path, render_frame(snapshot(atoms)))
+    outputs.written_whole(path)
+    return path
 
 
 def _yaml_dump(data: Mapping[str, Any]) -> str:
@@ -449,8 +529,10 @@ def _version() -> str:
     return __version__
 
 
-def _progress(cfg: RunConfig, total: int, desc: str, stream: Optional[TextIO]):
-    return progress_bar(total, desc=desc, stream=stream, enabled=None if cfg.progress else False)
+def _progress(cfg: RunConfig, total: int, desc: str, stream: Optional[TextIO],
+              unit: str = "steps"):
+    return progress_bar(total, desc=desc, stream=stream, enabled=None if cfg.progress else False,
+                        unit=unit)
 
 
 def _max_force(atoms) -> float:
@@ -462,27 +544,31 @@ def _max_force(atoms) -> float:
 # tasks: each returns (summary, {role: path})
 
 
-def run_singlepoint(cfg: RunConfig, frames: List[Any], evaluator, log: RunLog,
+def run_singlepoint(cfg: RunConfig, frames: List[Any], evaluator, outputs: RunFiles,
                     progress_stream: Optional[TextIO] = None):
     """Evaluate ``singlepoint.properties`` on every frame, many frames per model call
-    (:class:`~mace_accel.batched.BatchEvaluator`); write ``results.extxyz`` in input order."""
+    (:class:`~mace_accel.batched.BatchEvaluator`); write ``results.extxyz`` in input order
+    (``results.extxyz.partial`` while it grows, renamed when every frame is in)."""
     from ase.calculators.singlepoint import SinglePointCalculator
 
-    out = Path(cfg.outputs) / "results.extxyz"
-    partial = out.with_name(out.name + ".partial")
+    log = outputs.log
+    out = outputs.folder / "results.extxyz"
+    partial = outputs.frames("results", out.name + ".partial")
     wanted = list(cfg.singlepoint.properties)
     skipped_stress = 0
-    with open(partial, "w") as handle, _progress(cfg, len(frames), "singlepoint",
-                                                 progress_stream) as bar:
+    with _progress(cfg, len(frames), "singlepoint", progress_stream, "frames") as bar:
         results = evaluator.iter_results(frames, progress=bar.update)
         for i, (atoms, result) in enumerate(zip(frames, results)):
             props = [p for p in wanted if p != "stress" or "stress" in result]
             skipped_stress += len(props) < len(wanted)
             frame = atoms.copy()
             frame.calc = SinglePointCalculator(frame, **{p: result[p] for p in props})
-            write_frame(handle, frame)
+            partial.write(frame, step=i)
             log.write(f"frame {i}: {len(atoms)} atoms, energy {result['energy']:.8f} eV")
-    os.replace(partial, out)
+    partial.close()
+    os.replace(partial.path, out)
+    outputs.open.pop("results")
+    outputs.written_whole(out)
     ranks = getattr(evaluator, "n_ranks", 1)
     log.write(f"{len(frames)} frame(s) in {evaluator.n_calls} batched model call(s)"
               + (f" over {ranks} processes (torch.distributed; budget of rank 0: "
@@ -529,39 +615,47 @@ def _cell_filter(atoms):
     return _cell_filter_class()(atoms)
 
 
-def run_geomopt(cfg: RunConfig, frames: List[Any], calc, log: RunLog,
+def run_geomopt(cfg: RunConfig, frames: List[Any], calc, outputs: RunFiles,
                 progress_stream: Optional[TextIO] = None):
     """Relax one frame with an ASE optimizer; trajectory as it goes, final frame atomically."""
     opts = cfg.geomopt
+    log = outputs.log
     atoms = frames[0]
     atoms.calc = calc
     if opts.relax_cell and not _periodic(atoms):
         raise InputError("geomopt.relax_cell needs a structure with a 3D periodic cell; set "
                          "relax_cell: false or give the structure a cell and pbc")
-    out = Path(cfg.outputs)
-    files: Dict[str, Path] = {"final": out / "final.extxyz"}
+    files: Dict[str, Path] = {}
     fmax0 = _max_force(atoms)
     log.write(f"geomopt: {opts.optimizer}, fmax {opts.fmax} eV/Å, at most {opts.steps} steps, "
               f"relax_cell {opts.relax_cell}; initial max force {fmax0:.6g} eV/Å")
     target = _cell_filter(atoms) if opts.relax_cell else atoms
-    with contextlib.ExitStack() as stack:
-        traj = None
-        if opts.traj_every:
-            files["trajectory"] = out / "trajectory.extxyz"
-            traj = stack.enter_context(open(files["trajectory"], "w"))
-        bar = stack.enter_context(_progress(cfg, opts.steps, "geomopt", progress_stream))
-        opt = _make_optimizer(opts.optimizer)(target, logfile=log.file)
-        if traj is not None:
-            opt.attach(lambda: write_frame(traj, snapshot(atoms)), interval=opts.traj_every)
+    opt = _make_optimizer(opts.optimizer)(target, logfile=log.stream())
+    if opts.traj_every:
+        traj = outputs.frames("trajectory", "trajectory.extxyz")
+        files["trajectory"] = traj.path
+        opt.attach(lambda: traj.write(snapshot(atoms), step=opt.nsteps),
+                   interval=opts.traj_every)
+    with _progress(cfg, opts.steps, "geomopt", progress_stream) as bar:
         opt.attach(lambda: bar.update() if opt.nsteps else None, interval=1)
-        converged = bool(opt.run(fmax=opts.fmax, steps=opts.steps))
+        try:
+            converged = bool(opt.run(fmax=opts.fmax, steps=opts.steps))
+        except InputError as exc:  # the start was checked: the optimiser broke the structure
+            raise SimulationError(
+                f"geomopt stopped at step {opt.nsteps + 1}: {_fact(exc)}; the optimiser moved "
+                "the atoms into an invalid structure (the model may have no minimum near the "
+                f"start: try `geomopt.optimizer` BFGS or FIRE, or check the structure)") from None
     fmax1 = _max_force(atoms)
-    _atomic_write_frames(files["final"], [snapshot(atoms)])
-    if not converged:
-        log.write(f"warning: not converged to fmax {opts.fmax} in {opts.steps} steps")
+    files["final"] = _write_final(outputs, atoms)
     summary = {"converged": converged, "steps": int(opt.nsteps), "initial_fmax": fmax0,
                "final_fmax": fmax1, "energy": float(atoms.get_potential_energy())}
     return summary, files
+
+
+def _fact(exc: Exception) -> str:
+    """The statement of a structure check's error without its advice (the first clause):
+    advice about the input structure is wrong for a structure a simulation produced."""
+    return str(exc).split(";")[0].strip()
 
 
 def _npt_class():
@@ -632,60 +726,49 @@ def _init_velocities(atoms, temperature: float, seed: int, rng: np.random.Genera
     log.write(f"md: Maxwell-Boltzmann velocities at {temperature} K (seed {seed})")
 
 
-class _StatsWriter:
-    """Rows of ``stats.dat`` (whitespace columns, ``#`` header), flushed after each row."""
-
-    def __init__(self, handle: TextIO, atoms, npt: bool, step_offset: Callable[[], int],
-                 timestep_fs: float) -> None:
-        self.handle, self.atoms, self.npt = handle, atoms, npt
-        self.step_offset, self.timestep_fs = step_offset, timestep_fs
-        columns = STATS_COLUMNS + (NPT_STATS_COLUMNS if npt else ())
-        # "#" + names right-aligned over the 16-character value columns below them
-        handle.write("#" + " ".join([f"{columns[0]:>15}"] + [f"{c:>16}" for c in columns[1:]])
-                     + "\n")
-        handle.flush()
-
-    def __call__(self) -> None:
-        from ase import units
-
-        a = self.atoms
-        step = self.step_offset()
-        epot, ekin = a.get_potential_energy(), a.get_kinetic_energy()
-        row = [f"{step:16d}", f"{step * self.timestep_fs:16.6f}", f"{epot:16.8f}",
-               f"{ekin:16.8f}", f"{epot + ekin:16.8f}", f"{a.get_temperature():16.6f}"]
-        if self.npt:
-            pressure = -np.trace(a.get_stress(voigt=False, include_ideal_gas=True)) / 3.0
-            row += [f"{a.get_volume():16.6f}", f"{pressure / units.bar:16.6f}"]
-        self.handle.write(" ".join(row) + "\n")
-        self.handle.flush()
+_USUAL_TIMESTEP_FS = 2.0  # above this, a diverging MD run is first the timestep's fault
 
 
-def run_md(cfg: RunConfig, frames: List[Any], calc, log: RunLog,
+def run_md(cfg: RunConfig, frames: List[Any], calc, outputs: RunFiles,
            progress_stream: Optional[TextIO] = None):
     """Molecular dynamics of one frame; trajectory and stats as it goes, final frame atomically."""
     md = cfg.md
+    log = outputs.log
     atoms = frames[0]
     atoms.calc = calc
     rng = np.random.default_rng(md.seed)
     _init_velocities(atoms, md.temperature, md.seed, rng, log)
     dyn = _make_dynamics(cfg, atoms, rng)
-    out = Path(cfg.outputs)
-    files: Dict[str, Path] = {"stats": out / "stats.dat", "final": out / "final.extxyz"}
     log.write(f"md: {md.ensemble}, {md.steps} steps of {md.timestep} fs, {md.temperature} K"
               + (f", {md.pressure} bar" if md.ensemble == "npt" else ""))
-    with contextlib.ExitStack() as stack:
-        stats = stack.enter_context(open(files["stats"], "w"))
-        dyn.attach(_StatsWriter(stats, atoms, md.ensemble == "npt", lambda: dyn.nsteps,
-                                md.timestep), interval=md.stats_every)
-        if md.traj_every:
-            files["trajectory"] = out / "trajectory.extxyz"
-            traj = stack.enter_context(open(files["trajectory"], "w"))
-            dyn.attach(lambda: write_frame(traj, snapshot(atoms)), interval=md.traj_every)
-        bar = stack.enter_context(_progress(cfg, md.steps, f"md {md.ensemble}", progress_stream))
+    stats = outputs.stats(atoms, md.ensemble == "npt", lambda: dyn.nsteps, md.timestep)
+    files: Dict[str, Path] = {"stats": stats.path}
+    dyn.attach(stats, interval=md.stats_every)
+    if md.traj_every:
+        traj = outputs.frames("trajectory", "trajectory.extxyz")
+        files["trajectory"] = traj.path
+        dyn.attach(lambda: traj.write(snapshot(atoms), step=dyn.nsteps), interval=md.traj_every)
+    with _progress(cfg, md.steps, f"md {md.ensemble}", progress_stream) as bar:
         dyn.attach(lambda: bar.update() if dyn.nsteps else None, interval=1)
-        dyn.run(md.steps)
-    _atomic_write_frames(files["final"], [snapshot(atoms)])
+        try:
+            dyn.run(md.steps)
+        except InputError as exc:  # the start was checked: the dynamics made it invalid
+            raise SimulationError(_divergence(md, dyn.nsteps + 1, exc)) from None
+    files["final"] = _write_final(outputs, atoms)
     summary = {"steps": int(dyn.nsteps), "time_fs": dyn.nsteps * md.timestep,
                "final_temperature_K": float(atoms.get_temperature()),
                "final_epot": float(atoms.get_potential_energy())}
     return summary, files
+
+
+def _divergence(md, step: int, exc: Exception) -> str:
+    """An MD run that diverged, said as such: the step, what broke, the likely cause."""
+    text = f"md diverged at step {step} of {md.steps}: {_fact(exc)}. "
+    if md.timestep > _USUAL_TIMESTEP_FS:
+        return text + (f"The timestep ({md.timestep:g} fs) is likely too large for "
+                       f"{md.temperature:g} K: lower it with `md.timestep:` (--set "
+                       "md.timestep=...; 1-2 fs suits most solids, 0.5 fs with hydrogen)")
+    return text + (f"At a {md.timestep:g} fs timestep the model itself may be unstable here (far "
+                   f"from its training data) or {md.temperature:g} K too hot: try a smaller "
+                   "`md.timestep:` (--set md.timestep=0.5), a lower `md.temperature:`, or "
+                   "another model")
