@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple, Union
 
@@ -20,13 +21,15 @@ import torch
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from mace_accel.capture import unpack
-from mace_accel.errors import ConfigError
+from mace_accel.capture import CaptureError, unpack
+from mace_accel.errors import ConfigError, InputError
 from mace_accel.models.atoms_state import changed_properties
+from mace_accel.models.batch import model_info
 from mace_accel.models.outputs import evaluate as evaluate_model
 from mace_accel.models.prepared import prepare_model
 from mace_accel.models.resident import ResidentBatch, skin_is_exact
-from mace_accel.models.validation import validate_atoms, validate_geometry, validate_positions
+from mace_accel.models.validation import (validate_atoms, validate_geometry, validate_head,
+                                          validate_positions)
 from mace_accel.options import AccelOptions, make_options
 from mace_accel.surgery import PatchReport
 
@@ -92,7 +95,7 @@ class MACEAccelCalculator(Calculator):
         requested = make_options(options, backend=backend, verify=verify, fallback=fallback,
                                  deterministic=deterministic)
         prepared = prepare_model(model, device, default_dtype, head, requested)
-        self.model, self.info, self.head = prepared.model, prepared.info, prepared.head
+        self.model, self.info, self._head = prepared.model, prepared.info, prepared.head
         self.device, self.dtype = prepared.device, prepared.dtype
         self.report: PatchReport = prepared.report
         self.options = self.report.options
@@ -100,20 +103,74 @@ class MACEAccelCalculator(Calculator):
         self.compute_stress = bool(compute_stress)
         self.min_distance = min_distance
         self.timings = CallTimings()
-        self._resident = ResidentBatch(self.info, self.head, self.info.dtype, self.device,
-                                       skin=_check_skin(skin),
-                                       exact_skin=skin_is_exact(self.model))
+        self._skin = _check_skin(skin)
         self.graphs = _resolve_graphs(graphs, self.device)
         self._graphed = None
         self._host: Optional[torch.Tensor] = None  # pinned buffer the packed results land in
-        self._cell_key: Optional[Tuple[bytes, bytes]] = None  # cell and pbc last validated
-        self._stress_ok = False
         if self.graphs:
             from mace_accel.capture import GraphedCall
 
             self._graphed = GraphedCall(self.model, self.info.r_max)
+        self._new_structure_state()
         log.info("mace-accel: whole-call CUDA graphs %s; neighbour list skin %.2f Å",
                  "on" if self.graphs else "off", self._resident.skin)
+
+    def _new_structure_state(self) -> None:
+        """The per-structure state for the model as it is now: the resident batch (in the
+        model's dtype, for the head), the validated cell, the parameter the model is followed
+        by (:meth:`_follow_model`)."""
+        self._resident = ResidentBatch(self.info, self._head, self.info.dtype, self.device,
+                                       skin=self._skin, exact_skin=skin_is_exact(self.model))
+        self._cell_key: Optional[Tuple[bytes, bytes]] = None  # cell and pbc last validated
+        self._stress_ok = False
+        self._followed = next(self.model.parameters(), None)
+
+    # -- following the model ----------------------------------------------------------------------
+    @property
+    def head(self) -> str:
+        """The head evaluated; set it to evaluate another of the model's heads."""
+        return self._head
+
+    @head.setter
+    def head(self, head: str) -> None:
+        chosen = validate_head(head, self.info)
+        if chosen != self._head:
+            self._head = chosen
+            self._reset_model_state()
+
+    def reset(self) -> None:
+        """Clear the results (ASE's ``reset``) and everything derived from the model: its
+        captured CUDA graphs and the structure's batch; the model's dtype, device and heads are
+        read again. Call it after changing ``calc.model`` (weights in place are followed
+        without it; new modules, heads or parameter objects need it)."""
+        Calculator.reset(self)
+        if "_resident" in self.__dict__:  # ASE's __init__ resets before ours has run
+            self._reset_model_state()
+
+    def _reset_model_state(self) -> None:
+        self._check_device()
+        self.info = model_info(self.model)
+        self.dtype = self.info.dtype
+        self._head = validate_head(self._head if self._head in self.info.heads else None,
+                                   self.info)
+        if self._graphed is not None:
+            self._graphed.drop("the calculator was reset")
+        self._new_structure_state()
+
+    def _follow_model(self) -> None:
+        """Before a call: a model cast to another dtype since the last call is followed (new
+        batch, new graphs); one moved to another device is refused (:meth:`_check_device`)."""
+        p = self._followed
+        if p is not None and (p.dtype != self.dtype or p.device != self.device):
+            self._reset_model_state()
+
+    def _check_device(self) -> None:
+        p = next(self.model.parameters(), None)
+        if p is not None and p.device != self.device:
+            raise InputError(
+                f"the calculator's model is on {p.device} now but the calculator runs on "
+                f"{self.device}; move the model back (calc.model.to('{self.device}')) or make a "
+                "new MACEAccelCalculator(model=calc.model, device=...)")
 
     # -- ASE interface ----------------------------------------------------------------------------
     def check_state(self, atoms, tol: float = 1e-15) -> list:
@@ -130,6 +187,7 @@ class MACEAccelCalculator(Calculator):
         ``stress [6]`` (Voigt xx, yy, zz, yz, xz, xy; eV/Å^3; ASE's sign: positive = tensile).
         """
         t_start = time.perf_counter()
+        self._follow_model()
         Calculator.calculate(self, atoms, properties, system_changes)
         atoms = self.atoms
         new_topology = (self._resident.topology(atoms) != self._resident._topology
@@ -174,10 +232,19 @@ class MACEAccelCalculator(Calculator):
             ``(ASE results, shortest distance in Å)``.
         """
         if self._graphed is not None:
-            out = self._graphed(batch, compute_stress=want_stress)
-            packed, shortest = unpack(self._fetch(out["packed"]), n_atoms, out["n_pad"],
-                                      want_stress)
-            return _ase_results(packed, want_stress), shortest
+            try:
+                out = self._graphed(batch, compute_stress=want_stress)
+            except CaptureError as exc:
+                warnings.warn(f"mace-accel: this model's call cannot be captured in a CUDA "
+                              f"graph ({exc}); the calculator runs it without graphs (slower "
+                              "for small systems)", RuntimeWarning, stacklevel=4)
+                self._graphed = None
+                self.graphs = False
+                torch.cuda.synchronize(self.device)
+            else:
+                packed, shortest = unpack(self._fetch(out["packed"]), n_atoms, out["n_pad"],
+                                          want_stress)
+                return _ase_results(packed, want_stress), shortest
         out = evaluate_model(self.model, batch, want_stress)
         results, values = _results(out, n_atoms, want_stress,
                                    [self._resident.shortest_distance(batch)])

@@ -34,6 +34,7 @@ import torch
 
 from mace_accel.models.outputs import evaluate as evaluate_model
 from mace_accel.ops.graph import ConvGraph, cached_graph, forget_cached_graph
+from mace_accel.state import StateWatch, cover_inputs
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,7 @@ class GraphedCall:
         self.max_graphs = int(max_graphs)
         self._graphs: "collections.OrderedDict[Tuple, _Captured]" = collections.OrderedDict()
         self._pool = None
+        self._watch: Optional[StateWatch] = None  # what the kept graphs were captured from
         self.n_captures = 0
 
     # -- public ---------------------------------------------------------------------------------
@@ -176,11 +178,15 @@ class GraphedCall:
         key = (*padded_shape(n_atoms, n_edges), bool(compute_stress),
                batch["positions"].dtype, batch["positions"].device)
         entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._capture(key, batch, compute_stress)
-        else:
+        if entry is not None:
             self._graphs.move_to_end(key)
             self._fill(entry, batch)
+            cover_inputs(self.model, entry.inputs["node_attrs"])
+            if self._watch is None or self._watch.changed():
+                self.drop("the model changed since its call was captured")
+                entry = None
+        if entry is None:
+            entry = self._capture(key, batch, compute_stress)
         entry.graph.replay()
         out = {"energy": entry.outputs["energy"][:1],
                "forces": entry.outputs["forces"][:n_atoms],
@@ -189,6 +195,14 @@ class GraphedCall:
         if compute_stress:
             out["stress"] = entry.outputs["stress"][:1]
         return out
+
+    def drop(self, why: str = "") -> None:
+        """Forget every captured graph (the next call of each bucket captures afresh)."""
+        if self._graphs:
+            log.info("mace-accel: dropped %d captured CUDA graph(s)%s", len(self._graphs),
+                     f": {why}" if why else "")
+        self._graphs.clear()
+        self._watch = None
 
     @property
     def buckets(self) -> Tuple[Tuple[int, int, bool], ...]:
@@ -309,23 +323,39 @@ class GraphedCall:
         entry.edge_keys = tuple(entry.edges._derived) if entry.edges is not None else ()
         if entry.edges is None:  # nothing to keep (no fused op built them): built in the graph
             forget_cached_graph()
-        with torch.cuda.graph(entry.graph, pool=self._pool):
-            # the shortest-distance check needs no result of the model: beside it, not after
-            main = torch.cuda.current_stream()
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                shortest = shortest_edge(entry.inputs)
-            entry.outputs = self._run(entry.inputs, compute_stress)
-            main.wait_stream(side)
-            entry.packed = pack(entry.inputs, entry.outputs, compute_stress, shortest)
+        try:
+            with torch.cuda.graph(entry.graph, pool=self._pool):
+                # the shortest-distance check needs no result of the model: beside it
+                main = torch.cuda.current_stream()
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    shortest = shortest_edge(entry.inputs)
+                entry.outputs = self._run(entry.inputs, compute_stress)
+                main.wait_stream(side)
+                entry.packed = pack(entry.inputs, entry.outputs, compute_stress, shortest)
+        except Exception as exc:  # anything the model does that a graph cannot hold
+            forget_cached_graph()
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise CaptureError(f"{type(exc).__name__}: {first}") from exc
         # orderings first asked for inside the capture live in the graph's pool (rebuilt by
         # every replay): no eager call may reuse this graph object
         forget_cached_graph()
+        watch = StateWatch(self.model)
+        if self._watch is None or watch.key != self._watch.key:
+            # the weights or the radial pairs changed since the other graphs were captured
+            # (this capture's warm-up may have rebuilt derived tensors they point to)
+            self.drop("the model changed since their calls were captured")
+            self._watch = watch
         self._graphs[key] = entry
         self.n_captures += 1
         log.debug("mace-accel: captured a CUDA graph for %d atoms / %d edges (bucket %s)",
                   entry.n_atoms, entry.n_edges, key[:3])
         return entry
+
+
+class CaptureError(RuntimeError):
+    """The model's call could not be captured in a CUDA graph (it copies from the host,
+    synchronises, or leaves work on a stream it does not join); run it eagerly."""
 
 
 def graphs_unavailable_reason(device: torch.device) -> Optional[str]:

@@ -27,7 +27,7 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 # the parts of a MACE model that surgery can replace by fused ops (PatchRecord.parts keys)
 PARTS: Tuple[str, ...] = ("conv", "radial_mlp", "symmetric_contraction", "linears",
-                          "skip", "edge_features")
+                          "skip", "edge_features", "pair_repulsion")
 
 
 def check_choice(name: str, value: Any, choices: Tuple[str, ...]) -> str:
@@ -88,6 +88,8 @@ def resolve_device(device: Union[str, "torch.device", None] = "auto") -> "torch.
             raise BackendUnavailableError(
                 f"device {str(device)!r} requested but only {count} CUDA GPU(s) are visible "
                 f"(cuda:0..cuda:{count - 1})")
+        if dev.index is None:  # "cuda": the current device, named (tensors report cuda:N)
+            dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type != "cpu":
         raise InputError(f"device {str(device)!r} is not supported; use {DEVICE_CHOICES_HELP}")
     return dev
@@ -146,12 +148,11 @@ class AccelOptions:
             table in the edge length (:mod:`mace_accel.ops.radial_table`) where its input is the
             model's fused radial embedding of the lengths: a Hermite spline built on first use
             in float64 from the block's own embedding and MLP, with cells doubled until it is
-            within tolerance between the nodes: float32 cubic, 1e-7 of the largest weight and
-            5e-7 of the largest slope (the 3xTF32 MLP kernels are ~1e-6 off float64); float64
-            quintic, 1e-13 and 2e-12. Forces are the spline's exact gradient. At 539k edges on
-            an H200 the float32 lookups take 0.45x (forward, sort included) and 0.42x
-            (backward) the MLP kernels' time. ``False`` runs the MLP kernels. Training and
-            weights the conv recomputes run the MLP either way.
+            within the tolerances of :data:`mace_accel.ops.radial_table.table.SPECS` between
+            the nodes (float32 cubic, float64 quintic); one table per pair of elements where
+            the weights depend on the pair (a distance transform, the non-linear blocks).
+            Forces are the spline's exact gradient. ``False`` runs the MLP kernels. Training
+            and weights the conv recomputes run the MLP either way.
         overlap_radial: on CUDA, start the later interaction blocks' radial MLPs on a side
             stream right after the first block's, so they run beside the earlier blocks' work
             (calls up to 131,072 edges; same results bit for bit). ``False`` runs every kernel

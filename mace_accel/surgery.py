@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from mace_accel.errors import BackendUnavailableError, UnsupportedModelError, VerificationError
+from mace_accel import coverage, state
 from mace_accel.models import energy_head
 from mace_accel.options import AccelOptions, cuda_unavailable_reason, make_options
 from mace_accel.patches import PatchRecord, find_blocks, link_across_blocks
@@ -35,6 +36,8 @@ class PatchReport:
         verification: ``{quantity: relative error}`` of patched vs unpatched, if verified.
         tolerance: the model-level tolerance the verification used.
         notes: what applies across blocks (the radial MLPs' overlap).
+        mace_built: the modules that run as mace built them, and why
+            (:func:`mace_accel.coverage.mace_built`).
     """
 
     backend: str
@@ -44,6 +47,7 @@ class PatchReport:
     verification: Dict[str, float] = dataclasses.field(default_factory=dict)
     tolerance: Optional[float] = None
     notes: List[str] = dataclasses.field(default_factory=list)
+    mace_built: List[Any] = dataclasses.field(default_factory=list)
 
     @property
     def patched(self) -> List[PatchRecord]:
@@ -62,12 +66,14 @@ class PatchReport:
             "verification": self.verification,
             "tolerance": self.tolerance,
             "notes": list(self.notes),
+            "mace_built": [m.to_dict() for m in self.mace_built],
         }
 
     def __str__(self) -> str:
         lines = [f"mace-accel: backend {self.backend!r} (deterministic="
                  f"{self.options.deterministic}), {len(self.patched)} of {len(self.records)} "
-                 "modules patched"]
+                 f"block groups patched, {len(self.mace_built)} module(s) run as mace built "
+                 "them (listed last)"]
         for r in self.records:
             if r.skipped_reason is not None:
                 lines.append(f"  {r.path or '(model)':<16} {r.block:<46} left: {r.skipped_reason}")
@@ -76,6 +82,10 @@ class PatchReport:
             for p in r.parts:
                 lines.append(f"    {p.part:<22} {'fused' if p.fused else 'left'}: {p.detail}")
         lines.extend(f"  {note}" for note in self.notes)
+        if self.mace_built:
+            lines.append("  runs as mace built it:")
+            lines.extend(f"    {m.path or '(model)':<28} {m.block}: {m.why}"
+                         for m in self.mace_built)
         if self.verification:
             errs = ", ".join(f"{k} {v:.1e}" for k, v in self.verification.items())
             lines.append(f"  verified against the unpatched model: {errs} (tolerance "
@@ -174,10 +184,12 @@ def accelerate(model: torch.nn.Module, backend: Optional[str] = None,
     if not records:
         raise UnsupportedModelError(
             f"found no MACE interaction blocks in {type(model).__name__}; is this a MACE model?")
+    state.bump_epoch(model)
     report = PatchReport(backend=opts.backend, requested_backend=requested, records=records,
                          options=opts)
     report.notes.extend(link_across_blocks(model, opts))
     report.notes.append(energy_head.describe(model, opts))
+    report.mace_built = coverage.mace_built(model)
     if opts.verify and report.patched:
         verify_or_revert(model, report)
     return report
@@ -235,6 +247,8 @@ def revert(model: torch.nn.Module) -> int:
         if patch.is_applied(module):
             patch.revert(module)
             n += 1
+    if n:
+        state.bump_epoch(model)
     return n
 
 
@@ -321,4 +335,5 @@ def describe_model(model: Any) -> Dict[str, Any]:
         "heads": list(info.heads), "dtype": dtype_name(info.dtype),
         "parameters": sum(p.numel() for p in model.parameters()),
         "accelerated": is_accelerated(model), "blocks": [r.to_dict() for r in records],
+        "mace_built": [m.to_dict() for m in coverage.mace_built(model)],
     }

@@ -17,10 +17,12 @@ from mace_accel.patches.registry import PartRecord, PatchKind, PatchRecord
 def all_patches() -> Tuple[PatchKind, ...]:
     from mace_accel.patches.edge_features import PATCHES as edge_features
     from mace_accel.patches.interaction_blocks import PATCHES as interaction
+    from mace_accel.patches.pair_repulsion import PATCHES as pair_repulsion
     from mace_accel.patches.product_blocks import PATCHES as product
     from mace_accel.patches.readout_blocks import PATCHES as readout
 
-    return tuple(interaction) + tuple(product) + tuple(edge_features) + tuple(readout)
+    return (tuple(interaction) + tuple(product) + tuple(edge_features) + tuple(pair_repulsion)
+            + tuple(readout))
 
 
 def find_blocks(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module, PatchKind]]:

@@ -6,15 +6,17 @@ Part ``edge_features``: the model's e3nn ``SphericalHarmonics`` becomes a
 original's call signature and return values; the edge vectors and lengths the model computes
 before them run as one op too (:mod:`mace_accel.patches.edge_vectors`: forward hooks on the
 model, CUDA backend). The model's ``forward`` code is not touched; the originals are kept inside
-(state dict unchanged, ``revert`` hands back the same objects and takes the hooks off). A module
-the kernels cannot compute (lmax > 4, a Gaussian or Chebyshev basis, a distance transform,
-trainable Bessel frequencies, ...) is left as it is, and the record says why.
+(state dict unchanged, ``revert`` hands back the same objects and takes the hooks off). mace's
+Agnesi and Soft distance transforms are fused with the embedding (as torch ops over the edges,
+see :class:`FusedRadialEmbedding`). A module the op cannot compute (lmax > 4, a Gaussian or
+Chebyshev basis, another transform, trainable Bessel frequencies, ...) is left as it is, and
+the record says why.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -27,7 +29,9 @@ from mace_accel.ops.edge_features.spec import (
     radial_spec_from_module,
     sh_spec_from_module,
 )
+from mace_accel.ops import species
 from mace_accel.ops.radial_table import order as radial_order
+from mace_accel.ops.species import PairSet
 from mace_accel.options import AccelOptions
 from mace_accel.patches import edge_vectors
 from mace_accel.patches.adopt import FusedModule
@@ -80,29 +84,49 @@ class FusedSphericalHarmonics(FusedModule):
 
 
 class FusedRadialEmbedding(FusedModule):
-    """mace's ``RadialEmbeddingBlock`` (Bessel basis x polynomial cutoff) as one fused op.
+    """mace's ``RadialEmbeddingBlock`` (Bessel basis x polynomial cutoff, with or without a
+    distance transform) as one fused op, and the elements of each call's edges for the radial
+    tables.
 
     The constants are read off the module's buffers when fused and again whenever one of them
     changes (``load_state_dict``, ``.to(dtype)``), so the op always computes what the
-    original would.
+    original would. With a distance transform (Agnesi, Soft: MACE-MPA-0 and later) the basis
+    takes ``x = T(r, r0)``, ``r0`` from the covalent radii of the edge's two elements; that
+    embedding runs as a few torch ops over the edges (no kernel of its own yet), one element
+    lookup a call shared with the tables.
+
+    Where the radial MLPs' weights depend on the edge's elements (a transform, the non-linear
+    blocks' element embeddings), :attr:`pair_kind` is set (by :func:`~mace_accel.patches.
+    radial_table.link`) and every call also gives each edge the slot of its pair's table
+    (:class:`~mace_accel.ops.species.PairSet` of the call's elements: another set of elements
+    gets tables of its own).
 
     Args:
         original: the model's ``RadialEmbeddingBlock``.
         spec: its :class:`~mace_accel.ops.edge_features.spec.RadialSpec`.
         options: backend etc.
+        atomic_numbers: the model's elements (a transform's covalent radii are theirs).
     """
 
     part = PART
 
     def __init__(self, original: torch.nn.Module, spec: RadialSpec,
-                 options: AccelOptions) -> None:
+                 options: AccelOptions, atomic_numbers: Tuple[int, ...] = ()) -> None:
         super().__init__(original, options)
         self.spec = spec
         self.out_dim = getattr(original, "out_dim", spec.num_basis)
+        self.atomic_numbers_seen = tuple(atomic_numbers)
+        self.pair_kind: Optional[str] = None
+        self.pairs: Optional[PairSet] = None
+        self.generation = 0  # bumped whenever the pairs change (the tables are then rebuilt)
         self._key = autograd.register_radial(spec)
 
     def describe(self) -> str:
-        return self.spec.describe()
+        text = self.spec.describe()
+        if self.spec.transform is not None:
+            text += (" (the transform and the basis as torch ops over the edges, the edges' "
+                     "elements looked up once a call)")
+        return text
 
     @property
     def apply_cutoff(self) -> bool:
@@ -116,9 +140,12 @@ class FusedRadialEmbedding(FusedModule):
     def _buffers_seen(self) -> Tuple[Any, ...]:
         """What the spec was read from: each buffer's identity and version (an in-place change
         bumps it, ``.to()`` makes a new tensor) and ``apply_cutoff``."""
+        transform = self._modules.get("distance_transform")
         values = (getattr(self.bessel_fn, "bessel_weights", None),
                   getattr(self.bessel_fn, "prefactor", None),
                   getattr(self.cutoff_fn, "r_max", None), getattr(self.cutoff_fn, "p", None))
+        if transform is not None:
+            values += tuple(transform._buffers.values()) + tuple(transform._parameters.values())
         return tuple((id(v), v._version) if isinstance(v, torch.Tensor) else v
                      for v in values) + (self.apply_cutoff,)
 
@@ -129,7 +156,8 @@ class FusedRadialEmbedding(FusedModule):
         if self._kernels.get("seen") != seen:  # first call, or the buffers changed
             if "seen" in self._kernels:
                 self.sync_original()
-                spec, reason = radial_spec_from_module(self.original)
+                spec, reason = radial_spec_from_module(self.original,
+                                                       self.atomic_numbers_seen or None)
                 if spec is None:
                     raise InputError(f"the radial embedding changed since it was fused and "
                                      f"cannot be fused any more: {reason}; revert the model")
@@ -145,50 +173,146 @@ class FusedRadialEmbedding(FusedModule):
 
         Args:
             edge_lengths: ``[n_edges, 1]`` (any leading shape ``[..., 1]``).
-            node_attrs, edge_index, atomic_numbers: mace's signature; unused (they only feed a
-                distance transform, which is never fused).
+            node_attrs, edge_index: the atoms' one-hot elements ``[N, n]`` and the edges
+                ``[2, E]`` (a distance transform and the pairs' tables need them).
+            atomic_numbers: mace's signature; the elements come from ``node_attrs``.
         """
         _check_floating("edge_lengths", edge_lengths, 1)
         key = self._current_key()
-        feats, cutoff = autograd.radial_embedding(key, edge_lengths.reshape(-1, 1), self.backend)
+        lengths = edge_lengths.reshape(-1, 1)
+        elements = None
+        if self.spec.transform is not None or self.pair_kind is not None:
+            if node_attrs is None or edge_index is None:
+                raise InputError("this radial embedding needs node_attrs and edge_index (its "
+                                 "weights depend on the edges' elements), as mace passes them")
+            elements = species.node_elements(node_attrs)
+        if self.spec.transform is not None:
+            r0 = edge_reference.pair_r0(self.spec.transform, self._constant("radii", lengths),
+                                        elements, edge_index)
+            feats, cutoff = edge_reference.radial_forward(
+                self.spec, lengths, r0, self._constant("frequencies", lengths))
+        else:
+            feats, cutoff = autograd.radial_embedding(key, lengths, self.backend)
+        slots = None if self.pair_kind is None else self._edge_slots(node_attrs, elements,
+                                                                     edge_index)
         lead = edge_lengths.shape[:-1]
         feats = feats.reshape(*lead, self.spec.num_basis)
-        # what the radial MLPs' tables look up (lengths_for): the features by identity, so no
+        # what the radial MLPs' tables look up (table_input): the features by identity, so no
         # tensor but this very output is taken for a function of these lengths
         self._kernels["last_call"] = (weakref.ref(feats), feats._version,
-                                      edge_lengths.reshape(-1))
+                                      TableInput(edge_lengths.reshape(-1), slots, self.pairs))
         return feats, (None if cutoff is None else cutoff.reshape(*lead, 1))
 
-    def lengths_for(self, feats: torch.Tensor) -> Optional[torch.Tensor]:
-        """The edge lengths ``[E]`` of the last call if ``feats`` is the very features it
-        returned, unmodified (the radial MLPs' tables then look the lengths up instead of
-        running the MLP on the features); else None."""
+    def _constant(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The spec's per-element ``radii`` or per-function ``frequencies`` as a tensor of
+        ``like``'s dtype on its device (made once per spec: nothing is copied to the device in
+        a call, so it can be captured in a CUDA graph)."""
+        values = self.spec.transform.radii if name == "radii" else self.spec.frequencies
+        return self._kernel_cache((name, self._key, like.dtype, like.device),
+                                  lambda: torch.tensor(values, dtype=like.dtype,
+                                                       device=like.device))
+
+    def _edge_slots(self, node_attrs: torch.Tensor, elements: torch.Tensor,
+                    edge_index: torch.Tensor) -> torch.Tensor:
+        """``[E]`` int32: the table slot of each edge's pair of elements, the pairs extended
+        first to every element of ``node_attrs`` (see :meth:`cover`)."""
+        self.cover(node_attrs)
+        slot_map = self._kernel_cache(("slot_map", self.pairs, node_attrs.device), lambda: (
+            torch.tensor(self.pairs.slot_map(), dtype=torch.int32, device=node_attrs.device)))
+        return species.edge_slots(elements, edge_index, slot_map, self.pairs.n_elements)
+
+    def cover(self, node_attrs: torch.Tensor) -> bool:
+        """Make the pairs those of the elements of ``node_attrs [N, n]`` (reading them waits
+        for the device: done once per attributes tensor and version, never while a CUDA graph
+        is captured, where the warm-up call has covered them); whether the pairs changed (the
+        tables are then built for the new ones, the old ones dropped)."""
+        if self.pair_kind is None or torch.compiler.is_compiling() or (
+                node_attrs.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return False
+        covered = self._kernels.get("covered")  # (the tensor, its version, the kind) checked
+        if covered is not None and covered[0]() is node_attrs \
+                and covered[1:] == (node_attrs._version, self.pair_kind):
+            return False
+        present = species.elements_present(node_attrs)
+        self._kernels["covered"] = (weakref.ref(node_attrs), node_attrs._version, self.pair_kind)
+        pairs = species.PairSet(self.pair_kind, present, int(node_attrs.shape[1]))
+        if pairs == self.pairs:
+            return False
+        self.pairs = pairs  # the elements of this call only: their tables are built for them
+        self.generation += 1
+        return True
+
+    def table_input(self, feats: torch.Tensor) -> Optional["TableInput"]:
+        """The lengths (and pairs' slots) of the last call if ``feats`` is the very features
+        it returned, unmodified (the radial MLPs' tables then look them up instead of running
+        the MLP on the features); else None."""
         last = self._kernels.get("last_call")
         if last is None or last[0]() is not feats or last[1] != feats._version:
             return None
         return last[2]
 
-    def length_order(self, lengths: torch.Tensor) -> torch.Tensor:
-        """``[E]`` int64: the edges sorted by ``lengths`` (from :meth:`lengths_for`; see
+    def lengths_for(self, feats: torch.Tensor) -> Optional[torch.Tensor]:
+        """The edge lengths ``[E]`` of :meth:`table_input` (None where it is None)."""
+        found = self.table_input(feats)
+        return None if found is None else found.lengths
+
+    def length_order(self, lengths: torch.Tensor,
+                     slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[E]`` int64: the edges sorted by table slot and ``lengths`` (see
         :func:`mace_accel.ops.radial_table.order.length_order`), made once per call for every
         table that looks them up."""
         cached = self._kernels.get("length_order")
-        if cached is None or cached[0] is not lengths:
-            order = radial_order.length_order(lengths, self.spec.r_max)
-            cached = self._kernels["length_order"] = (lengths, order)
-        return cached[1]
+        if cached is None or cached[0] is not lengths or cached[1] is not slots:
+            order = radial_order.length_order(lengths, self.spec.r_max, slots)
+            cached = self._kernels["length_order"] = (lengths, slots, order)
+        return cached[2]
 
-    def table_function(self) -> Any:
-        """``f(r [N]) -> [N, num_basis]``: this embedding's features (what the radial MLPs
-        take) as plain torch ops (any dtype, differentiable to any order: the quintic tables
-        take third derivatives), for tabulating."""
+    def table_function(self, pairs: Optional[List[Tuple[int, int]]] = None) -> Any:
+        """``f(r [N], which [N]) -> [N, num_basis]``: this embedding's features (what the radial
+        MLPs take), row ``i`` at ``r[i]`` for an edge between the elements ``pairs[which[i]]``
+        (indices into ``atomic_numbers``; without a transform the features do not depend on
+        them and ``pairs`` may be None), as plain torch ops (any dtype, differentiable to any
+        order: the quintic tables take third derivatives), for tabulating."""
         self._current_key()  # the spec as the buffers are now
         spec = self.spec
-        return lambda r: edge_reference.radial_forward(spec, r.reshape(-1, 1))[0]
+        if spec.transform is None:
+            return lambda r, which: edge_reference.radial_forward(spec, r.reshape(-1, 1))[0]
+        if not pairs:
+            raise ValueError("a transformed embedding is tabulated per pair of elements")
+        r0 = torch.tensor([spec.transform.r0(a, b) for a, b in pairs], dtype=torch.float64)
+        return lambda r, which: edge_reference.radial_forward(
+            spec, r.reshape(-1, 1), r0.to(r.device, r.dtype)[which].unsqueeze(-1))[0]
+
+    def table_cutoff(self) -> Any:
+        """``c(r [N]) -> [N, 1]``: the cutoff envelope as plain torch ops (the blocks that
+        multiply their weights by it themselves, ``apply_cutoff=False``)."""
+        spec = self.spec
+        return lambda r: edge_reference.radial_cutoff(spec, r.reshape(-1, 1))
 
     def __setstate__(self, state) -> None:
+        state.setdefault("atomic_numbers_seen", ())  # saved before transforms were fused
+        state.setdefault("pair_kind", None)
+        state.setdefault("pairs", None)
+        state.setdefault("generation", 0)
         super().__setstate__(state)
         self._key = autograd.register_radial(self.spec)
+
+
+class TableInput(NamedTuple):
+    """What a radial table looks up for a call: the edges' ``lengths [E]``, and where the
+    weights depend on the edges' elements, their table ``slots [E]`` (int32) of ``pairs``."""
+
+    lengths: torch.Tensor
+    slots: Optional[torch.Tensor]
+    pairs: Optional[PairSet]
+
+
+def model_numbers(model: torch.nn.Module) -> Optional[Tuple[int, ...]]:
+    """The model's ``atomic_numbers`` as a tuple (a buffer, tensor or list), or None."""
+    z = getattr(model, "atomic_numbers", None)
+    if z is None:
+        return None
+    return tuple(int(v) for v in (z.tolist() if torch.is_tensor(z) else z))
 
 
 class EdgeFeaturesPatch(SubmodulePatch):
@@ -211,7 +335,8 @@ class EdgeFeaturesPatch(SubmodulePatch):
             return [PartPlan(PART, reason="not asked for (options.parts)")]
         sh, radial = module.spherical_harmonics, module.radial_embedding
         sh_spec, sh_reason = sh_spec_from_module(sh)
-        radial_spec, radial_reason = radial_spec_from_module(radial)
+        numbers = model_numbers(module)
+        radial_spec, radial_reason = radial_spec_from_module(radial, numbers)
         children, fused, left = {}, [], []
         if sh_spec is not None:
             children["spherical_harmonics"] = lambda: FusedSphericalHarmonics(sh, sh_spec,
@@ -221,7 +346,7 @@ class EdgeFeaturesPatch(SubmodulePatch):
             left.append(f"spherical_harmonics left: {sh_reason}")
         if radial_spec is not None:
             children["radial_embedding"] = lambda: FusedRadialEmbedding(radial, radial_spec,
-                                                                        options)
+                                                                        options, numbers)
             fused.append(f"radial_embedding: {radial_spec.describe()}")
         else:
             left.append(f"radial_embedding left: {radial_reason}")

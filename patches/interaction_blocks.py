@@ -26,7 +26,11 @@ from mace_accel.patches.linears import FusedLinear, FusedSkip, linear_reason
 from mace_accel.patches.radial_mlp import PART as RADIAL
 from mace_accel.patches.radial_mlp import FusedRadialMLP
 from mace_accel.patches.radial_mlp import spec_or_reason as radial_spec_or_reason
+from mace_accel.patches import density_block, nonlinear_block
 from mace_accel.patches.registry import PartPlan, SubmodulePatch
+
+# the e3nn linears of the blocks (the non-linear block's residual and output linears too)
+LINEARS = ("linear_up", "linear", "linear_res", "linear_1", "linear_2")
 
 INTERACTION_BLOCK_CLASSES = (
     "RealAgnosticInteractionBlock",
@@ -55,9 +59,12 @@ class InteractionBlockPatch(SubmodulePatch):
 
     def plan_parts(self, module: torch.nn.Module, options: AccelOptions) -> List[PartPlan]:
         conv, radial = self._plan_conv(module, options), self._plan_radial(module, options)
-        if conv.reason is None and radial.reason is None:
+        layer_norm = nonlinear_block.plan_radial(module, options) is not None
+        if conv.reason is None and radial.reason is None and not layer_norm:
             _fold(module, options, conv, radial)
-        linears = plan_linears(module, ("linear_up", "linear"), options)
+        if not layer_norm:
+            _plan_density(module, radial, options)
+        linears = plan_linears(module, LINEARS, options)
         _plan_reshape(module, linears, options)
         return [conv, radial, linears, self._plan_skip(module, options)]
 
@@ -77,6 +84,9 @@ class InteractionBlockPatch(SubmodulePatch):
                         detail="skip_tp: " + skip_spec(skip).describe())
 
     def _plan_radial(self, module: torch.nn.Module, options: AccelOptions) -> PartPlan:
+        layer_norm = nonlinear_block.plan_radial(module, options)
+        if layer_norm is not None:
+            return layer_norm
         if not options.fuses(RADIAL):
             return PartPlan(RADIAL, reason="not asked for (options.parts)")
         net = getattr(module, "conv_tp_weights", None)
@@ -109,10 +119,14 @@ class InteractionBlockPatch(SubmodulePatch):
     def after_revert(self, module: torch.nn.Module) -> None:
         if "conv_fusion" in module.__dict__:
             del module.conv_fusion
+        nonlinear_block.remove(module)
+        density_block.remove(module)
 
     def after_reattach(self, module: torch.nn.Module) -> None:
         if isinstance(module.conv_tp, FusedConvTP):
             module.conv_fusion = True
+        nonlinear_block.install(module)
+        density_block.install(module)
 
 
 def _fold(module: torch.nn.Module, options: AccelOptions, conv: PartPlan,
@@ -140,6 +154,21 @@ def _fold(module: torch.nn.Module, options: AccelOptions, conv: PartPlan,
     radial.detail = radial_spec.describe(folded=True)
     conv.children = {"conv_tp": lambda: FusedConvTP(tp, conv_spec, options, radial=make_radial())}
     conv.detail += FOLD_NOTE
+
+
+def _plan_density(module: torch.nn.Module, radial: PartPlan, options: AccelOptions) -> None:
+    """The Density blocks' ``density_fn`` (an e3nn ``FullyConnectedNet`` of the radial features
+    to one number per edge) joins the ``radial_mlp`` part as a second fused radial MLP (so it
+    is looked up in its own table where the block's weights are); the detail says which."""
+    net = getattr(module, "density_fn", None)
+    if radial.reason is not None or not isinstance(net, torch.nn.Module):
+        return
+    spec, reason = radial_spec_or_reason(net)
+    if spec is None:
+        radial.detail += f"; density_fn left: {reason}"
+        return
+    radial.children["density_fn"] = lambda: FusedRadialMLP(net, spec, options)
+    radial.detail += f"; density_fn: MLP {'->'.join(map(str, spec.hs))}"
 
 
 def _plan_reshape(module: torch.nn.Module, linears: PartPlan, options: AccelOptions) -> None:

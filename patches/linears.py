@@ -46,10 +46,12 @@ class _FusedLinearBase(FusedModule):
         self._scales, self._z_inside = list(scales), z_inside
 
     def describe(self) -> str:
-        if gemm.runs_on(self.spec):
-            return (f"{self.spec.describe()}; float64 from {gemm.MIN_NODES_FLOAT64} nodes as "
-                    "cuBLAS GEMMs (tensor cores)")
-        return self.spec.describe()
+        if not gemm.runs_on(self.spec):
+            return self.spec.describe()
+        float32 = (f", float32 as 3xTF32 GEMMs from {gemm.MIN_NODES_FLOAT32} nodes"
+                   if self.spec.weight_numel >= gemm.MIN_WEIGHTS_FLOAT32 else "")
+        return (f"{self.spec.describe()}; on the tensor cores: float64 from "
+                f"{gemm.MIN_NODES_FLOAT64} nodes as cuBLAS GEMMs{float32}")
 
     def _weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """The op's effective weights and their transpose (what the backward applies)."""

@@ -148,9 +148,13 @@ class FusedRadialMLP(FusedModule):
         head = self.spec.describe(self.fold_last)
         if self.backend != "cuda":
             return head
-        table = radial_table.describe(self)
+        table = radial_table.describe(self, "mlp")
         return (head + self._float32_last() + self._float64_last()
                 + ("" if table is None else f"; at inference: {table}"))
+
+    def describe_radial(self) -> str:
+        """A few words naming this MLP (for warnings)."""
+        return f"the radial MLP {'->'.join(map(str, self.hs))}"
 
     def _float32_last(self) -> str:
         """The report's words on the float32 GEMMs."""
@@ -268,9 +272,13 @@ class FusedRadialMLP(FusedModule):
         """:meth:`forward` on the current stream, ``x`` checked already; ``sm_share``,
         ``backward_sm_share``: the share of the GPU's multiprocessors the whole-MLP forward and
         backward kernels may hold (a launch beside other work; None: all)."""
-        lengths = self._table_lengths(x)
-        if lengths is not None:
-            return radial_table.lookup(self, lengths)
+        found = self._table_input(x)
+        if found is not None:
+            tables = radial_table.tables_of(self, "mlp", self.raw_weights(),
+                                            lambda: radial_table.mlp_function(self),
+                                            found.pairs, x)
+            if tables is not None:
+                return radial_table.lookup(self, found, tables)
         if self.runs_whole(x):
             return radial_mlp.radial_mlp(
                 x, self._weights(x.dtype), tf32x3=True,
@@ -318,12 +326,12 @@ class FusedRadialMLP(FusedModule):
         return self.hs[-1] != self.hs[-2] and not folded.recompute_weights(
             self.options.recompute_tp_weights, int(x.shape[0]), self.hs[-1], x.dtype, x.device)
 
-    def _table_lengths(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The edge lengths ``[E]`` to look the TP weights up by (:mod:`.radial_table`), or None
-        where the MLP runs."""
+    def _table_input(self, x: torch.Tensor):
+        """What to look the TP weights up by (:func:`.radial_table.table_input`: the edge
+        lengths, and the edges' table slots), or None where the MLP runs."""
         if self.fold_last and not self._keeps_full_weights(x):
             return None
-        return radial_table.lengths_for(self, x)
+        return radial_table.table_input(self, x)
 
     def is_full_output(self, tp_weights: torch.Tensor) -> bool:
         """With ``fold_last``, whether ``tp_weights`` (this module's output) holds the full TP

@@ -34,12 +34,12 @@ Tensor = torch.Tensor
 OVERLAP_MAX_EDGES = 131072
 # the share of the GPU's multiprocessors a later block's MLP may hold while it runs beside the
 # earlier blocks' work (its kernel strides over the rest of the edges): the rest stays free for
-# the critical path (measured: docs/h100-2026-11-23-s7)
+# the critical path (measured: scripts/bench_graphs.py)
 LATER_SM_SHARE = 0.5
 # the same for their backward kernels (which autograd runs on the side stream too); None: all
 LATER_BACKWARD_SM_SHARE: Optional[float] = 0.5
 # above this many edges the later MLPs hold the whole GPU: the earlier blocks' kernels fill it
-# by themselves. Measured on an H100, MP-medium graphs (docs/h100-2026-11-24-s8): 19,968 edges
+# by themselves. Measured on an H100, MP-medium graphs (scripts/bench_graphs.py): 19,968 edges
 # 1.033 ms at half the GPU, 1.083 with all of it; 39,000 edges 1.672 / 1.598 ms; 67,392 edges
 # 2.368 / 2.325 ms
 SHARE_MAX_EDGES = 30_000
@@ -75,9 +75,10 @@ class RadialOverlap:
         self.__init__(state["members"])
 
     def describe(self) -> str:
-        return (f"the radial MLPs of blocks 2..{len(self.members)} start on a side CUDA stream "
-                f"after block 1's (with the lean energy head every block's, right after the "
-                f"edge features), beside the earlier blocks' work, blocks 2.. on at most "
+        return (f"the {len(self.members)} radial MLPs after the first block's start on a side "
+                f"CUDA stream when it is called (with the lean energy head all of them, right "
+                f"after the edge features), beside the earlier blocks' work, the later ones on "
+                f"at most "
                 f"{LATER_SM_SHARE:.0%} of the GPU where their kernel allows up to "
                 f"{SHARE_MAX_EDGES} edges (calls up to {OVERLAP_MAX_EDGES} edges; same results "
                 "bit for bit)")

@@ -3,25 +3,33 @@ patched model.
 
 An interaction block's radial MLP maps the radial embedding of each edge's length to its TP
 weights, so where its input is the model's fused radial embedding
-(:class:`~mace_accel.patches.edge_features.FusedRadialEmbedding`: a function of the lengths
-alone) its output is a function of the length. :func:`link` gives every fused radial MLP the
-model's embedding; at a call, :func:`lengths_for` finds the lengths behind the MLP's input (the
-embedding's last output, the very tensor); :func:`lookup` builds the table once per weights
-and dtype (in float64, from the embedding's spec as torch ops and the MLP's folded weights,
-checked between the nodes) and looks the weights up. Where the table cannot be built within its tolerance the MLP
-runs, and a warning says why once.
+(:class:`~mace_accel.patches.edge_features.FusedRadialEmbedding`) its output is a function of
+the length, and of the edge's two elements where the embedding has a distance transform (their
+covalent radii scale it: MACE-MPA-0 and later) or the block embeds the elements (the
+non-linear blocks of MACE-MH-1): then one table per pair of elements
+(:class:`~mace_accel.ops.species.PairSet`), laid end to end, each edge reading its pair's.
+
+:func:`link` gives every fused radial MLP the model's embedding and tells the embedding which
+pairs to tell apart; at a call, :func:`table_input` finds the lengths (and the edges' table
+slots) behind the MLP's input (the embedding's last output, the very tensor); :func:`tables_of`
+builds the tables once per weights, pairs and dtype (in float64, from the embedding's spec as
+torch ops and the MLP's weights, checked between the nodes) and :func:`lookup` looks the
+weights up. Where the tables cannot be built within their tolerance, or would take more than
+:data:`TABLE_MEMORY_FRACTION` of the GPU's memory, the MLP runs, and a warning says why once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from typing import Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 from mace_accel.ops import radial_mlp
 from mace_accel.ops.radial_table import autograd as table_ops
-from mace_accel.ops.radial_table.table import SPECS, RadialTable, TableError, build_table
+from mace_accel.ops.radial_table.table import SPECS, RadialTable, TableError, build_tables
+from mace_accel.ops.species import ORDERED, UNORDERED, PairSet
 
 Tensor = torch.Tensor
 # from this many edges the lookups walk the edges in order of length (one sort a call, shared
@@ -33,106 +41,177 @@ SORT_MIN_EDGES = 65536
 # cell's coefficient rows from memory (at 20k edges, a 126 MB float64 table of 1,280 weights:
 # 233 + 199 us forward + backward against 88 + 97 us sorted), so these sort from
 # SORT_MIN_EDGES_LARGE_TABLE edges (an estimate from those figures, not measured between 1k
-# and 20k edges). MACE-MP medium: float64 96 and 240 MB, float32 16 and 40 MB (the 256-atom
-# graphs: float64 1.317 -> 1.159 ms, float32 0.739 -> 0.733 ms)
+# and 20k edges)
 LARGE_TABLE_BYTES = 32 * 2 ** 20
 SORT_MIN_EDGES_LARGE_TABLE = 4096
+# the most of the GPU's memory one block's tables may take (all pairs of elements together);
+# beyond it (many elements in one structure) the block runs its MLP
+TABLE_MEMORY_FRACTION = 1 / 16
+
+# pairs (None: one table) -> f(r [N], which [N]): row i at r[i] of table which[i]
+PairFunction = Callable[[Optional[List[Tuple[int, int]]]], Callable[[Tensor, Tensor], Tensor]]
+
+
+def pair_kind(model: torch.nn.Module, embedding) -> Optional[str]:
+    """Which pairs of elements a model's radial weights tell apart: ``"ordered"`` where an
+    interaction block embeds the sender's and the receiver's elements (the non-linear blocks'
+    ``source_embedding`` / ``target_embedding``), ``"unordered"`` where only the embedding's
+    distance transform depends on them (symmetric in the two), else None."""
+    if any(hasattr(block, "source_embedding") for block in getattr(model, "interactions", ())):
+        return ORDERED
+    return UNORDERED if embedding.spec.transform is not None else None
 
 
 def link(model: torch.nn.Module, options) -> Optional[str]:
     """Give each fused radial MLP of ``model`` the model's fused radial embedding (None where
-    there is not exactly one); a line for the report when the tables may run."""
+    there is not exactly one) and the embedding the pairs to tell apart where tables may run;
+    a line for the report when they may."""
     from mace_accel.patches.edge_features import FusedRadialEmbedding
     from mace_accel.patches.radial_mlp import FusedRadialMLP
 
     embeddings = [m for m in model.modules() if isinstance(m, FusedRadialEmbedding)]
     mlps = [m for m in model.modules() if isinstance(m, FusedRadialMLP)]
+    users = [m for m in model.modules() if getattr(m, "uses_radial_tables", False)]
     embedding = embeddings[0] if len(embeddings) == 1 else None
-    for mlp in mlps:
+    for mlp in mlps + users:
         mlp.__dict__["embedding"] = embedding  # not a child: no second state-dict entry
-    if embedding is None or not mlps or not getattr(options, "radial_table", False) \
-            or options.backend != "cuda":
+    on = (embedding is not None and bool(mlps or users)
+          and getattr(options, "radial_table", False) and options.backend == "cuda")
+    if embedding is not None:
+        embedding.pair_kind = pair_kind(model, embedding) if on else None
+    if not on:
         return None
-    return (f"radial tables: the {len(mlps)} interaction blocks look their TP weights up in a "
-            "Hermite table of the edge length (CUDA inference; built in float64 from each "
-            "block's radial MLP on first use: float32 cubic, within 1e-7 of the largest "
-            "weight and 5e-7 of the largest slope between the nodes, float64 quintic, within "
-            "1e-13 and 2e-12; AccelOptions(radial_table=False) runs the MLP kernels)")
+    f32, f64 = SPECS[torch.float32], SPECS[torch.float64]
+    pairs = ("" if embedding.pair_kind is None else
+             f", one per {embedding.pair_kind} pair of the elements present")
+    return (f"radial tables: the interaction blocks look their radial weights up in Hermite "
+            f"tables of the edge length{pairs} (CUDA inference; built in float64 from each "
+            "block's radial MLP on first use: float32 cubic, within "
+            f"{f32.tolerance:.0e} of the largest weight and {f32.slope_tolerance:.0e} of the "
+            f"largest slope between the nodes, float64 quintic, within {f64.tolerance:.0e} "
+            f"and {f64.slope_tolerance:.0e}; AccelOptions(radial_table=False) runs the MLP "
+            "kernels)")
 
 
-def lengths_for(mlp, x: Tensor) -> Optional[Tensor]:
-    """The edge lengths ``[E]`` behind ``mlp``'s input ``x`` where its table may run: the
-    option on, CUDA float32 or float64, no weight gradient (inference), not under
-    ``torch.compile``, and ``x`` the linked embedding's last output; else None."""
-    embedding = mlp.__dict__.get("embedding")
-    if embedding is None or not getattr(mlp.options, "radial_table", False) \
-            or mlp.backend != "cuda" or not x.is_cuda or x.dtype not in SPECS \
-            or torch.compiler.is_compiling() or not mlp._no_weight_grads():
+def table_input(user, x: Tensor):
+    """The :class:`~mace_accel.patches.edge_features.TableInput` behind ``user``'s input ``x``
+    where its tables may run: the option on, CUDA float32 or float64, no weight gradient
+    (inference), not under ``torch.compile``, and ``x`` the linked embedding's last output;
+    else None."""
+    embedding = user.__dict__.get("embedding")
+    if embedding is None or not getattr(user.options, "radial_table", False) \
+            or user.backend != "cuda" or not x.is_cuda or x.dtype not in SPECS \
+            or torch.compiler.is_compiling() or not user._no_weight_grads():
         return None
-    lengths = embedding.lengths_for(x)
-    if lengths is None or lengths.dtype != x.dtype or table_of(mlp, x) is None:
+    found = embedding.table_input(x)
+    if found is None or found.lengths.dtype != x.dtype:
         return None
-    return lengths
+    return found
 
 
-def table_of(mlp, like: Tensor) -> Optional[Tuple[RadialTable, Tensor]]:
-    """``(table, its coefficients in like's dtype on like's device)`` of ``mlp`` with its
-    linked embedding (:data:`~mace_accel.ops.radial_table.table.SPECS`: cubic in float32,
-    quintic in float64), built on first use and again when the weights, the embedding or the
-    dtype change; None (and a warning, once) where it cannot be built within the tolerance."""
+def mlp_function(mlp) -> PairFunction:
+    """``pairs -> f(r, which)``: an e3nn ``FullyConnectedNet`` radial MLP
+    (:class:`~mace_accel.patches.radial_mlp.FusedRadialMLP`) of the linked embedding's
+    features, in float64 (pass ``lambda: mlp_function(mlp)`` to :func:`tables_of`)."""
     embedding = mlp.__dict__["embedding"]
-    key = embedding._current_key()
-    if ("table_failed", key, like.dtype) in mlp._kernels:
+    weights = [w.detach().to(torch.float64)
+               for w in radial_mlp.effective_weights(mlp.raw_weights(), mlp.spec.scales)]
+
+    def of_pairs(pairs):
+        features = embedding.table_function(pairs)
+        return lambda r, which: radial_mlp.reference(features(r, which), weights)
+
+    return of_pairs
+
+
+def tables_of(user, name: str, params: List[Tensor], make_function: Callable[[], PairFunction],
+              pairs: Optional[PairSet], like: Tensor) -> Optional[Tuple[RadialTable, Tensor]]:
+    """``(tables, their coefficients in like's dtype on like's device)`` of the function
+    ``make_function()`` gives (``pair -> f(r)``; one table per pair of ``pairs``, or one),
+    built on first use and again when ``params``, the embedding, the pairs or the dtype change
+    (``user._derived``; ``make_function`` is called only then); None (and a warning, once)
+    where they cannot be built within the tolerance or the memory allowed."""
+    embedding = user.__dict__["embedding"]
+    key = f"radial_table:{name}:{embedding._current_key()}:{pairs}"
+    if (key, like.dtype) in user._kernels:  # could not be built for these weights: the MLP
         return None
+    if key not in user._kernels:  # another set of elements: its tables replace the old ones
+        for old in [k for k in user._kernels if isinstance(k, str)
+                    and k.startswith(f"radial_table:{name}:") and k != key]:
+            del user._kernels[old]
 
     def build(dtype: torch.dtype):
-        weights = [w.to(like.device, torch.float64)
-                   for w in radial_mlp.effective_weights(mlp.raw_weights(), mlp.spec.scales)]
-        features = embedding.table_function()
+        spec = SPECS[dtype]
+        count = 1 if pairs is None else pairs.count
+        function = make_function()(None if pairs is None else pairs.pairs())
+        width = int(function(torch.ones(1, dtype=torch.float64, device=like.device),
+                             torch.zeros(1, dtype=torch.long, device=like.device)).shape[-1])
+        bytes_each = (spec.degree + 1) * width * torch.finfo(dtype).bits // 8
+        budget = _memory_budget(like.device)
+        # the most cells the budget allows (the tables of a finer grid are not built at all)
+        most = budget // max(1, count * bytes_each)
+        if most < spec.first_cells:
+            return TableError(f"{count} tables of {width} weights would take more than "
+                              f"{budget / 2 ** 30:.1f} GB ({TABLE_MEMORY_FRACTION:.3g} of the "
+                              "GPU's memory)")
+        limited = dataclasses.replace(spec, max_cells=min(spec.max_cells, int(most)))
         try:
-            table = build_table(lambda r: radial_mlp.reference(features(r), weights),
-                                embedding.spec.r_max, weights[0], SPECS[dtype], dtype)
+            table = build_tables(function, count, embedding.spec.r_max,
+                                 torch.zeros(1, dtype=torch.float64, device=like.device),
+                                 limited, dtype)
         except TableError as err:
+            if limited.max_cells < spec.max_cells:
+                return TableError(f"{err} ({count} tables of a finer grid would take more than "
+                                  f"{budget / 2 ** 30:.1f} GB, {TABLE_MEMORY_FRACTION:.3g} of "
+                                  "the GPU's memory)")
             return err
         return table, table.coeffs.to(dtype).contiguous()
 
-    got = mlp._derived(f"radial_table:{key}", mlp.raw_weights(), like.dtype, build)
+    got = user._derived(key, params, like.dtype, build)
     if isinstance(got, TableError):
-        mlp._kernels[("table_failed", key, like.dtype)] = str(got)
-        warnings.warn(f"mace-accel: the radial MLP {mlp.spec.describe()} runs as an MLP, not a "
-                      f"table: {got}", RuntimeWarning, stacklevel=3)
+        user._kernels[(key, like.dtype)] = str(got)
+        warnings.warn(f"mace-accel: {user.describe_radial()} runs as an MLP, not as tables: "
+                      f"{got}", RuntimeWarning, stacklevel=3)
         return None
     return got
 
 
-def lookup(mlp, lengths: Tensor) -> Tensor:
-    """``[E, h_L]``: ``mlp``'s TP weights of the edges of ``lengths`` (from
-    :func:`lengths_for`) looked up in its table."""
-    table, coeffs = table_of(mlp, lengths)
-    order = (mlp.__dict__["embedding"].length_order(lengths)
-             if walks_sorted(lengths.shape[0], coeffs) else None)
-    return table_ops.lookup(lengths, order, coeffs, table.inv_h)
+def _memory_budget(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 << 62
+    return int(torch.cuda.get_device_properties(device).total_memory * TABLE_MEMORY_FRACTION)
 
 
-def walks_sorted(edges: int, coeffs: Tensor) -> bool:
-    """Whether the lookups of ``edges`` edges in the table ``coeffs`` walk them in order of
-    length (see :data:`SORT_MIN_EDGES`, :data:`LARGE_TABLE_BYTES`)."""
+def lookup(user, found, tables: Tuple[RadialTable, Tensor]) -> Tensor:
+    """``[E, n]``: the weights of the edges of ``found`` (:func:`table_input`) looked up in
+    ``tables`` (:func:`tables_of`)."""
+    table, coeffs = tables
+    embedding = user.__dict__["embedding"]
+    order = (embedding.length_order(found.lengths, found.slots)
+             if walks_sorted(found.lengths.shape[0], coeffs, table.tables) else None)
+    return table_ops.lookup(found.lengths, order, coeffs, table.inv_h, found.slots,
+                            table.tables)
+
+
+def walks_sorted(edges: int, coeffs: Tensor, tables: int = 1) -> bool:
+    """Whether the lookups of ``edges`` edges in the tables ``coeffs`` walk them in order of
+    table and length (see :data:`SORT_MIN_EDGES`, :data:`LARGE_TABLE_BYTES`)."""
     large = coeffs.numel() * coeffs.element_size() > LARGE_TABLE_BYTES
     return edges >= (SORT_MIN_EDGES_LARGE_TABLE if large else SORT_MIN_EDGES)
 
 
-def describe(mlp) -> Optional[str]:
-    """The report's words on ``mlp``'s table where one was built (else None)."""
-    embedding = mlp.__dict__.get("embedding")
+def describe(user, name: str) -> Optional[str]:
+    """The report's words on ``user``'s tables ``name`` where they were built (else None)."""
+    embedding = user.__dict__.get("embedding")
     if embedding is None:
         return None
-    key = embedding._current_key()
-    failed = [v for k, v in mlp._kernels.items()
-              if isinstance(k, tuple) and k[:2] == ("table_failed", key)]
+    prefix = f"radial_table:{name}:{embedding._current_key()}:"
+    failed = [v for k, v in user._kernels.items()
+              if isinstance(k, tuple) and isinstance(k[0], str) and k[0].startswith(prefix)]
     if failed:
-        return f"the MLP runs, not its table: {failed[0]}"
-    cached = mlp._kernels.get(f"radial_table:{key}")
-    if cached is None or isinstance(cached[1], TableError):
+        return f"runs as an MLP, not as tables: {failed[0]}"
+    built = [v for k, v in user._kernels.items() if isinstance(k, str) and k.startswith(prefix)]
+    if not built or isinstance(built[-1][1], TableError):
         return None
-    table, coeffs = cached[1]
-    return f"looked up in a {table.describe(coeffs.dtype)}"
+    table, coeffs = built[-1][1]
+    return f"looked up in {table.describe(coeffs.dtype)}"

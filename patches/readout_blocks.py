@@ -6,12 +6,14 @@ Part ``linears``: each becomes a :class:`~mace_accel.patches.linears.FusedLinear
 small (one energy per node from 128 or 16 channels, the one-hot embedding), but e3nn runs each
 as a GEMM and a scaling forward and a GEMM, a scaling and a zero-filled slice gradient backward:
 in a small system's call every launch costs more than its work. Here each is one kernel per
-pass. The blocks' ``forward`` is not touched (the non-linear readout's gate stays e3nn's).
+pass. The non-linear readout's gate stays e3nn's; a multi-head one (MACE-MH-1) gets a forward
+of its own (:class:`HeadMaskedReadout`): mace's ``mask_head`` copies a host number into a
+device tensor, which a CUDA graph cannot capture.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -40,6 +42,37 @@ class ReadoutBlockPatch(_LinearsPatch):
     name = "readout_block"
     classes = ("LinearReadoutBlock", "NonLinearReadoutBlock")
     children = ("linear", "linear_1", "linear_2")
+
+    def after_reattach(self, module: torch.nn.Module) -> None:
+        if type(module).__name__ == "NonLinearReadoutBlock" \
+                and int(getattr(module, "num_heads", 1)) > 1:
+            module.__dict__["forward"] = HeadMaskedReadout(module)
+
+    def after_revert(self, module: torch.nn.Module) -> None:
+        if isinstance(module.__dict__.get("forward"), HeadMaskedReadout):
+            del module.__dict__["forward"]
+
+
+def mask_heads(x: torch.Tensor, heads: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """mace's ``mask_head``: of ``x [N, H * k]`` (head-major blocks of ``k`` columns) keep each
+    node's own head's block, zero the others (the same values), without a host copy."""
+    keep = torch.arange(num_heads, device=x.device) == heads.reshape(-1, 1)
+    return (x.view(x.shape[0], num_heads, -1) * keep.unsqueeze(-1).to(x.dtype)).view(x.shape)
+
+
+class HeadMaskedReadout:
+    """The forward of a multi-head ``NonLinearReadoutBlock`` (installed on the instance): mace's
+    steps, its head mask by :func:`mask_heads`."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        self.block = block
+
+    def __call__(self, x: torch.Tensor, heads: Optional[torch.Tensor] = None) -> torch.Tensor:
+        block = self.block
+        x = block.non_linearity(block.linear_1(x))
+        if block.num_heads > 1 and heads is not None:
+            x = mask_heads(x, heads, block.num_heads)
+        return block.linear_2(x)
 
 
 class NodeEmbeddingPatch(_LinearsPatch):

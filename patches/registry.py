@@ -129,6 +129,10 @@ class SubmodulePatch(PatchKind):
     Fused replacements derive from :class:`~mace_accel.patches.adopt.FusedModule`.
     """
 
+    # where the applied record is kept on the module (a kind that shares its module with another
+    # kind, as the model's pair repulsion and edge features do, names its own)
+    record_attr = RECORD_ATTR
+
     def plan_parts(self, module: torch.nn.Module, options: "AccelOptions") -> List["PartPlan"]:
         raise NotImplementedError
 
@@ -168,7 +172,7 @@ class SubmodulePatch(PatchKind):
         record.spec = self._spec(module)
         if record.patched:
             record.backend = options.backend
-            module.__dict__[RECORD_ATTR] = dataclasses.replace(record, path="")
+            module.__dict__[self.record_attr] = dataclasses.replace(record, path="")
         return record
 
     def revert(self, module: torch.nn.Module) -> dict:
@@ -178,7 +182,7 @@ class SubmodulePatch(PatchKind):
             setattr(module, name, child.sync_original())
             fused[name] = child
         if fused:
-            fused[RECORD_ATTR] = module.__dict__.pop(RECORD_ATTR, None)
+            fused[RECORD_ATTR] = module.__dict__.pop(self.record_attr, None)
             self.after_revert(module)
         return fused
 
@@ -188,7 +192,7 @@ class SubmodulePatch(PatchKind):
         for name, child in state.items():
             setattr(module, name, child)
         if record is not None:
-            module.__dict__[RECORD_ATTR] = record
+            module.__dict__[self.record_attr] = record
         if state:
             self.after_reattach(module)
 
@@ -201,7 +205,7 @@ class SubmodulePatch(PatchKind):
 
     def _record_applied(self, record: PatchRecord, module: torch.nn.Module) -> PatchRecord:
         """The record stored at apply time (parts fused and left), for this path."""
-        stored = module.__dict__.get(RECORD_ATTR)
+        stored = module.__dict__.get(self.record_attr)
         if stored is None:  # fused children without a stored record: list what is there
             for name in self.fused_children(module):
                 child = getattr(module, name)

@@ -147,7 +147,7 @@ def test_radial_spec_reasons():
     cases = {
         "GaussianBasis": mace_radial(radial_type="gaussian"),
         "ChebychevBasis": mace_radial(radial_type="chebyshev"),
-        "distance transform (AgnesiTransform)": mace_radial(distance_transform="Agnesi"),
+        "the model's elements": mace_radial(distance_transform="Agnesi"),  # no atomic numbers
     }
     trainable = mace_radial()
     trainable.bessel_fn.bessel_weights = torch.nn.Parameter(trainable.bessel_fn.bessel_weights)
@@ -157,6 +157,11 @@ def test_radial_spec_reasons():
         assert spec is None and expected in reason, reason
     spec, reason = radial_spec_from_module(torch.nn.Linear(1, 8))
     assert spec is None and "RadialEmbeddingBlock" in reason
+    for transform in ("Agnesi", "Soft"):  # fused with the model's elements' covalent radii
+        spec, reason = radial_spec_from_module(mace_radial(distance_transform=transform),
+                                               (1, 29))
+        assert reason is None and spec.transform.kind == transform
+        assert spec.transform.radii == (0.31, 1.32) and transform in spec.describe()
     assert "positive integer" in RadialSpec(2, (1.0, 2.0), 1.0, 5.0, 0).unsupported_reason()
 
 

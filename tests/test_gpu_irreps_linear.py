@@ -19,7 +19,8 @@ SPECS = CATALOG
 @pytest.mark.parametrize("name", sorted(SPECS))
 @pytest.mark.parametrize("n_nodes", [1, 13, 1000, 2500])
 def test_kernel_equals_reference(name, dtype, n_nodes):
-    """(float64 at 2,500 nodes: the cuBLAS path of the maps with shared weights.)"""
+    """(At 2,500 nodes: float64 maps with shared weights as cuBLAS GEMMs, float32 ones with
+    many weights as 3xTF32 GEMMs.)"""
     spec = SPECS[name]
     key = autograd.register_spec(spec)
     gen = torch.Generator().manual_seed(0)
@@ -39,5 +40,5 @@ def test_kernel_equals_reference(name, dtype, n_nodes):
     for a, b in zip(results["cuda"], results["reference"]):
         assert (a - b).norm() <= tol * b.norm()
     cuda = autograd._cuda(key, x.to("cuda", dtype))
-    assert cuda.runs_gemm(n_nodes) == (dtype == torch.float64 and not spec.indexed
-                                       and n_nodes >= gemm.MIN_NODES_FLOAT64)
+    assert cuda.runs_gemm(n_nodes) == gemm.takes(spec, dtype, n_nodes, gemm.MIN_NODES_FLOAT64)
+    assert not gemm.takes(spec, dtype, n_nodes, gemm.MIN_NODES_FLOAT64) or not spec.indexed

@@ -15,8 +15,9 @@ from mace_accel.models.architectures import small_test_model
 from mace_accel.ops.radial_table import codegen
 from mace_accel.ops.radial_table.order import ORDER_KEY_MAX
 from mace_accel.ops.radial_table.table import (SPECS, TOLERANCE, TableError, TableSpec,
-                                               build_table, derivatives, evaluate,
-                                               hermite_coefficients, values_and_slopes)
+                                               build_table, build_tables, derivatives,
+                                               evaluate, hermite_coefficients,
+                                               values_and_slopes)
 from mace_accel.options import AccelOptions
 from mace_accel.patches import radial_table as table_patch
 from mace_accel.patches.edge_features import FusedRadialEmbedding
@@ -210,7 +211,7 @@ def test_off_cuda_the_mlp_runs():
     embedding = next(m for m in model.modules() if isinstance(m, FusedRadialEmbedding))
     mlp = next(m for m in model.modules() if isinstance(m, FusedRadialMLP))
     feats, _ = embedding(torch.rand(5, 1, dtype=F64) + 1.0)
-    assert table_patch.lengths_for(mlp, feats) is None
+    assert table_patch.table_input(mlp, feats) is None
 
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 2e-7), (torch.float64, 1e-12)])
@@ -227,7 +228,8 @@ def test_a_blocks_table_is_its_mlp_of_its_embedding(interaction, dtype, bound):
         feats = embedding.original(r[:, None], None, None, None)
         feats = feats[0] if isinstance(feats, tuple) else feats
     for mlp in (m for m in model.modules() if isinstance(m, FusedRadialMLP)):
-        table, coeffs = table_patch.table_of(mlp, like)
+        table, coeffs = table_patch.tables_of(mlp, "mlp", mlp.raw_weights(),
+                                              lambda: table_patch.mlp_function(mlp), None, like)
         assert coeffs.dtype == dtype and table.max_error <= SPECS[dtype].tolerance
         with torch.no_grad():
             want = mlp.original(feats)
@@ -251,3 +253,101 @@ def test_bessel_like_embedding_needs_few_cells():
         return torch.nn.functional.silu(h @ ws[0]) @ ws[1]
 
     assert build_table(f, 6.0, torch.zeros(1, dtype=F64)).cells <= 1024
+
+
+# ----- tables per pair of elements (distance transforms, non-linear blocks) -------------------------
+def test_pair_sets_give_every_pair_one_slot():
+    from mace_accel.ops.species import ORDERED, UNORDERED, PairSet
+
+    unordered = PairSet(UNORDERED, (0, 2, 3), 4)
+    assert unordered.count == 6 and unordered.pairs()[:3] == [(0, 0), (0, 2), (0, 3)]
+    slots = unordered.slot_map()
+    assert len(slots) == 16 and sorted({slots[a * 4 + b] for a, b in unordered.pairs()}) \
+        == list(range(6))
+    assert all(slots[a * 4 + b] == slots[b * 4 + a] for a in (0, 2, 3) for b in (0, 2, 3))
+    ordered = PairSet(ORDERED, (1, 3), 4)
+    assert ordered.count == 4 and ordered.slot_map()[3 * 4 + 1] == 2
+    with pytest.raises(ValueError):
+        PairSet("sideways", (), 1)
+
+
+def test_tables_laid_end_to_end_are_read_by_slot():
+    fs = [lambda r, k=k: _curve(r) * (1.0 + k) for k in range(3)]
+    table = build_tables(lambda r, which: _curve(r) * (1.0 + which[:, None]), 3, 5.0,
+                         torch.zeros(1, dtype=F64))
+    assert table.tables == 3 and table.coeffs.shape[0] == 3 * table.cells
+    r = torch.rand(40, dtype=F64) * 4.5 + 0.3
+    slots = torch.randint(0, 3, (40,), dtype=torch.int32)
+    got = evaluate(table.coeffs, table.inv_h, r, slots, 3)
+    want = torch.stack([fs[int(k)](r[i:i + 1])[0] for i, k in enumerate(slots)])
+    assert float((got - want).abs().max()) < 1e-6
+    single = build_table(fs[2], 5.0, torch.zeros(1, dtype=F64))
+    assert single.cells <= table.cells  # one grid fits the worst of the functions
+
+
+def _transformed(interaction: str = "RealAgnosticDensityResidualInteractionBlock"):
+    """A small Agnesi-transformed Density model (MACE-MPA-0's kind), patched, its embedding
+    asked for the pairs of elements as on a GPU."""
+    from mace_accel.models.architectures import Architecture, build_model
+
+    arch = Architecture(hidden_irreps="8x0e+8x1o", r_max=4.0, elements=(1, 6, 8, 29),
+                        max_ell=2, correlation=2, num_bessel=4, radial_mlp=(16, 16),
+                        mlp_irreps="4x0e", interaction=interaction,
+                        interaction_first="RealAgnosticDensityInteractionBlock",
+                        avg_num_neighbors=8.0, distance_transform="Agnesi",
+                        pair_repulsion=True)
+    model = build_model(arch, dtype=F64)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    mace_accel.accelerate(model, backend="reference")
+    embedding = next(m for m in model.modules() if isinstance(m, FusedRadialEmbedding))
+    embedding.pair_kind = table_patch.pair_kind(model, embedding)
+    return model, embedding
+
+
+def test_embedding_covers_the_elements_of_each_call_and_names_each_edges_table():
+    model, embedding = _transformed()
+    assert embedding.pair_kind == "unordered" and embedding.pairs is None
+    attrs = torch.eye(4, dtype=F64)[[0, 0, 3, 3, 1]]
+    edge_index = torch.tensor([[0, 2, 3, 4, 1], [2, 0, 4, 3, 4]])
+    lengths = torch.rand(5, 1, dtype=F64) + 1.0
+    feats, _ = embedding(lengths, attrs, edge_index, None)
+    found = embedding.table_input(feats)
+    assert embedding.pairs.elements == (0, 1, 3) and embedding.generation == 1
+    pairs = embedding.pairs.pairs()
+    got = [pairs[int(k)] for k in found.slots]
+    want = [tuple(sorted(p)) for p in [(0, 3), (3, 0), (3, 1), (1, 3), (0, 1)]]
+    assert got == want and found.slots.dtype == torch.int32
+    embedding(lengths, attrs, edge_index, None)  # the same attributes: nothing new
+    assert embedding.generation == 1
+    other = torch.eye(4, dtype=F64)[[2, 2, 3, 3, 1]]  # another structure: its own pairs
+    embedding(lengths, other, edge_index, None)
+    assert embedding.pairs.elements == (1, 2, 3) and embedding.generation == 2
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 2e-7), (torch.float64, 2e-12)])
+def test_pair_tables_are_the_transformed_mlp_of_each_pair(dtype, bound):
+    """Per pair of elements, the table of a transformed model's block against mace's own
+    embedding (Agnesi with the pair's covalent radii) and MLP."""
+    from mace_accel.ops.species import PairSet
+
+    model, embedding = _transformed()
+    pairs = PairSet("unordered", (0, 3), 4)
+    numbers = model.atomic_numbers
+    mlps = [m for m in model.modules() if isinstance(m, FusedRadialMLP)]
+    assert len(mlps) == 4  # each block's TP weights and density_fn
+    r = torch.linspace(0.6, embedding.spec.r_max * 0.999, 301, dtype=F64)
+    for mlp in mlps:
+        table, coeffs = table_patch.tables_of(mlp, "mlp", mlp.raw_weights(),
+                                              lambda: table_patch.mlp_function(mlp), pairs,
+                                              torch.zeros(1, dtype=dtype))
+        assert table.tables == 3 and coeffs.dtype == dtype
+        for slot, (a, b) in enumerate(pairs.pairs()):
+            attrs = torch.eye(4, dtype=F64)[[a, b]]
+            edge_index = torch.tensor([[0] * len(r), [1] * len(r)])
+            with torch.no_grad():
+                feats, _ = embedding.original(r[:, None], attrs, edge_index, numbers)
+                want = mlp.original(feats)
+            got = evaluate(table.coeffs, table.inv_h, r,
+                           torch.full((len(r),), slot, dtype=torch.int32), table.tables)
+            assert float((got - want).abs().max() / want.abs().max()) < bound

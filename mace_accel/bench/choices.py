@@ -11,3 +11,5 @@ from mace_accel.options import DTYPE_NAMES
 BACKENDS = ("e3nn", "cueq", "oeq", "mace-accel")
 DTYPES = DTYPE_NAMES
 SYSTEM_KINDS = ("auto", "fcc", "molecular")
+# what ``mace_mp()`` gives today (MACE-MPA-0 medium's architecture): the default model
+DEFAULT_MODEL = "mpa0-medium"

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, List, Sequence
 
-from mace_accel.bench.choices import BACKENDS, DTYPES, SYSTEM_KINDS
+from mace_accel.bench.choices import BACKENDS, DEFAULT_MODEL, DTYPES, SYSTEM_KINDS
 from mace_accel.errors import Interrupted, MaceAccelError
 from mace_accel.runs.outputs import check_output_dir
 
@@ -33,7 +33,7 @@ unavailable, failed or out of memory are reported as such, never dropped."""
 
 EXAMPLES = """\
 examples:
-  mace-accel bench --models mp-medium,mp-large --dtypes float32,float64
+  mace-accel bench --models mpa0-medium,mh1,mp0-medium --dtypes float32,float64
   mace-accel bench --models my.model --sizes 512,4096 --backends e3nn,mace-accel --profile
   mace-accel bench --models mp-medium --max-size --backends cueq,mace-accel
   mace-accel bench --models off-medium --md --md-sizes 1000
@@ -74,10 +74,13 @@ def _default_device() -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``bench`` (shared by the subcommand and ``python -m``)."""
     what = parser.add_argument_group("what to run")
-    what.add_argument("--models", type=_csv(str), default=["mp-medium"],
-                      help="comma-separated architectures (mp-small, mp-medium, mp-large, "
-                           "off-small, off-medium, off-large: random weights) or model files "
-                           "(default: mp-medium)")
+    what.add_argument("--models", type=_csv(str), default=[DEFAULT_MODEL],
+                      help="comma-separated architectures of the released models with random "
+                           "weights (mp0-medium, mpa0-medium, omat0-small, mh1, off23-small, "
+                           "off23-medium, off23-large, off24-medium, omol-xl; also mp-small, "
+                           "mp-medium (= mp0-medium), mp-large, off-small, off-medium, "
+                           f"off-large) or model files (default: {DEFAULT_MODEL}, what "
+                           "mace_mp() gives)")
     what.add_argument("--dtypes", type=_choices(DTYPES), default=None,
                       help="default: float32,float64 (on the CPU: float32)")
     what.add_argument("--sizes", type=_csv(int), default=None,

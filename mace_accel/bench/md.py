@@ -83,7 +83,7 @@ def _mace_calculator(backend: str, model: torch.nn.Module, device: str, dtype: t
     return MACECalculator(models=copy.deepcopy(model), device=device,
                           default_dtype=DTYPE_NAMES[dtype],
                           enable_cueq=backend in ("cueq", "cueq-compile"),
-                          enable_oeq=backend == "oeq", **extra)
+                          enable_oeq=backend == "oeq", head=bench_head(model), **extra)
 
 
 def _accel_calculator(backend: str, model: torch.nn.Module, device: str, dtype: torch.dtype):
@@ -91,7 +91,15 @@ def _accel_calculator(backend: str, model: torch.nn.Module, device: str, dtype: 
 
     return MACEAccelCalculator(model=copy.deepcopy(model), device=device,
                                default_dtype=DTYPE_NAMES[dtype], backend=backend,
-                               fallback="error")  # a benchmark must not time a fallback
+                               fallback="error",  # a benchmark must not time a fallback
+                               head=bench_head(model))
+
+
+def bench_head(model: torch.nn.Module) -> str:
+    """The head every benchmark evaluates: the model's last (as a batch without a head does)."""
+    from mace_accel.models.batch import model_info
+
+    return model_info(model).heads[-1]
 
 
 def _thermalize(atoms, temperature_K: float, seed: int) -> None:

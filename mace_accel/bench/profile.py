@@ -29,9 +29,13 @@ from mace_accel.profiling import PART_RANGE, RADIAL_MLP, part_range
 
 HOOKED = {
     "conv_tp_weights": RADIAL_MLP,
+    "density_fn": RADIAL_MLP,
     "conv_tp": "conv TP",
     "linear": "linears",
     "linear_up": "linears",
+    "linear_res": "linears",
+    "linear_1": "linears",
+    "linear_2": "linears",
     "skip_tp": "linears",
     "products": "symmetric contraction",
 }
@@ -253,6 +257,9 @@ def time_host_graph(atoms, info: ModelInfo, dtype: torch.dtype,
     Returns:
         ``{"neighbour_list_ms": ..., "batch_build_ms": ...}``; the second excludes the first.
     """
+    from mace_accel._e3nn_compat import import_mace
+
+    import_mace()
     from mace.data.neighborhood import get_neighborhood
 
     from mace_accel.bench.systems import BenchSystem, make_batch

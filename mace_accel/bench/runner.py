@@ -49,7 +49,7 @@ SKIPPED_TIME = "skipped: time limit reached"
 class BenchConfig:
     """What to benchmark (the CLI's options; see ``mace-accel bench --help``)."""
 
-    models: Sequence[str] = ("mp-medium",)
+    models: Sequence[str] = (choices.DEFAULT_MODEL,)
     dtypes: Sequence[str] = ("float32", "float64")
     sizes: Sequence[int] = (256, 2048, 6912)
     backends: Sequence[str] = BACKENDS

@@ -2,9 +2,10 @@
 
 Two kinds:
 
-* ``fcc``: a rattled fcc Cu/Ni supercell (a = 3.61 Å) of n×n×n conventional cells, 4n³ atoms,
-  ~78 neighbours per atom within 6 Å: the system of shared/ANCHORS.md (256 = 4·4³,
-  2048 = 4·8³, 6912 = 4·12³). For MACE-MP-type models.
+* ``fcc``: a rattled fcc alloy of five elements (Cu, Ni, Fe, Co, Cr: several covalent radii,
+  so models whose radial weights depend on the pair of elements see 15 pairs) on the lattice
+  of Cu (a = 3.61 Å), n×n×n conventional cells, 4n³ atoms, ~78 neighbours per atom within 6 Å
+  (256 = 4·4³, 2048 = 4·8³, 6912 = 4·12³). For MACE-MP-type models.
 * ``molecular``: a periodic box of water, methanol and methylamine (H, C, N, O) at liquid
   density, ~55 neighbours per atom within 5 Å. For MACE-OFF-type models.
 
@@ -26,7 +27,7 @@ from mace_accel.errors import InputError
 from mace_accel.models.batch import ModelInfo, atoms_to_batch
 
 FCC_A = 3.61  # Å, fcc Cu
-FCC_ELEMENTS = (29, 28)  # Cu, Ni
+FCC_ELEMENTS = (29, 28, 26, 27, 24)  # Cu, Ni, Fe, Co, Cr
 FCC_RATTLE = 0.02  # Å, standard deviation of the random displacements
 
 # (ase g2 name, fraction of molecules); liquid-like mixture of H, C, N, O
@@ -95,9 +96,10 @@ def choose_kind(info: ModelInfo) -> str:
     return "molecular" if {1, 8} <= zs else "fcc"
 
 
-def fcc_supercell(n: int, numbers: Tuple[int, int] = FCC_ELEMENTS, a: float = FCC_A,
+def fcc_supercell(n: int, numbers: Tuple[int, ...] = FCC_ELEMENTS, a: float = FCC_A,
                   rattle: float = FCC_RATTLE, seed: int = 0):
-    """Rattled random binary fcc alloy of n×n×n conventional cells (4n³ atoms)."""
+    """Rattled random fcc alloy of ``numbers`` in equal shares, n×n×n conventional cells (4n³
+    atoms)."""
     from ase.build import bulk
 
     if n < 1:
@@ -213,7 +215,7 @@ def build_system(info: ModelInfo, target_atoms: int, kind: str = "auto",
     if kind == "fcc":
         mapping = substitute(FCC_ELEMENTS, info.atomic_numbers)
         n = cells_for_atoms(target_atoms)
-        atoms = fcc_supercell(n, numbers=(mapping[29], mapping[28]), seed=seed)
+        atoms = fcc_supercell(n, numbers=tuple(mapping[z] for z in FCC_ELEMENTS), seed=seed)
         text = f"rattled fcc {_formula(mapping, FCC_ELEMENTS)} {n}x{n}x{n} cells, a={FCC_A} Å"
         return BenchSystem(atoms, "fcc", n, _changed(mapping), text)
     mapping = substitute((1, 6, 7, 8), info.atomic_numbers)

@@ -8,7 +8,7 @@ current default dtype and then cast, so the global default dtype is never change
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -22,7 +22,13 @@ OFF_ELEMENTS = (1, 6, 7, 8, 9, 15, 16, 17, 35, 53)
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-    """Hyper-parameters of one MACE architecture (what ``mace_run_train`` would be given)."""
+    """Hyper-parameters of one MACE architecture (what ``mace_run_train`` would be given).
+
+    Attributes beyond mace's names: ``interaction`` / ``interaction_first`` are mace's
+    interaction-block class names; ``edge_irreps`` the irreps the non-linear blocks convolve
+    (None: the hidden irreps); ``embedding_specs`` mace's joint embedding of per-structure
+    features (OMOL's total charge and spin).
+    """
 
     hidden_irreps: str
     r_max: float
@@ -38,8 +44,47 @@ class Architecture:
     interaction_first: str = "RealAgnosticResidualInteractionBlock"
     avg_num_neighbors: float = 60.0
     heads: Sequence[str] = ("Default",)
+    distance_transform: str = "None"
+    pair_repulsion: bool = False
+    apply_cutoff: bool = True
+    edge_irreps: Optional[str] = None
+    use_edge_irreps_first: bool = False
+    use_agnostic_product: bool = False
+    embedding_specs: Optional[Tuple[Tuple[str, Tuple[Tuple[str, object], ...]], ...]] = None
+
+    @property
+    def transformed(self) -> bool:
+        """Whether the radial basis sees a distance transform of the length (Agnesi, Soft)."""
+        return self.distance_transform not in ("None", None)
 
 
+def _density(hidden: str, **more) -> Architecture:
+    """The Density-block materials models (MPA-0, MP-0b3, OMAT-0, MATPES, MH-0)."""
+    return Architecture(hidden, 6.0, MP_ELEMENTS,
+                        interaction="RealAgnosticDensityResidualInteractionBlock",
+                        interaction_first="RealAgnosticDensityInteractionBlock",
+                        distance_transform="Agnesi", pair_repulsion=True, **more)
+
+
+def _off(hidden: str, r_max: float = 5.0, **more) -> Architecture:
+    """The MACE-OFF organic force fields (10 elements, 8 Bessel functions)."""
+    return Architecture(hidden, r_max, OFF_ELEMENTS, num_bessel=8, avg_num_neighbors=25.0,
+                        interaction_first="RealAgnosticInteractionBlock", **more)
+
+
+NON_LINEAR = "RealAgnosticResidualNonLinearInteractionBlock"
+MH1_HEADS = ("matpes_r2scan", "mp_pbe_refit_add", "spice_wB97M", "oc20_usemppbe", "omol",
+             "omat_pbe")
+# OMOL's per-structure features (mace's GenericJointEmbedding): total spin 2S+1 and charge
+OMOL_EMBEDDINGS = (
+    ("total_spin", (("type", "categorical"), ("num_classes", 101), ("emb_dim", 64),
+                    ("per", "graph"))),
+    ("total_charge", (("type", "categorical"), ("num_classes", 201), ("emb_dim", 64),
+                      ("per", "graph"), ("offset", 100))),
+)
+
+# the architectures of the released foundation models (random weights, exact shapes); the
+# names of the first six are kept from earlier releases (``mp-medium`` is ``mp0-medium``)
 ARCHITECTURES = {
     "mp-small": Architecture("128x0e", 6.0, MP_ELEMENTS),
     "mp-medium": Architecture("128x0e+128x1o", 6.0, MP_ELEMENTS),
@@ -50,6 +95,23 @@ ARCHITECTURES = {
                                interaction_first="RealAgnosticInteractionBlock"),
     "off-large": Architecture("192x0e+192x1o+192x2e", 5.0, OFF_ELEMENTS, avg_num_neighbors=25.0,
                               interaction_first="RealAgnosticInteractionBlock"),
+    "mp0-medium": Architecture("128x0e+128x1o", 6.0, MP_ELEMENTS),
+    "mpa0-medium": _density("128x0e+128x1o"),
+    "omat0-small": _density("128x0e"),
+    "mh1": Architecture("512x0e+512x1o", 6.0, MP_ELEMENTS, interaction=NON_LINEAR,
+                        interaction_first=NON_LINEAR, heads=MH1_HEADS,
+                        distance_transform="Agnesi", pair_repulsion=True, apply_cutoff=False,
+                        edge_irreps="128x0e+128x1o", use_edge_irreps_first=True,
+                        use_agnostic_product=True),
+    "off23-small": _off("96x0e"),
+    "off23-medium": _off("128x0e+128x1o"),
+    "off23-large": _off("224x0e+224x1o+224x2e"),
+    "off24-medium": _off("128x0e+128x1o", r_max=6.0),
+    "omol-xl": Architecture("1024x0e+1024x1o+1024x2e", 6.0, tuple(range(1, 84)), num_bessel=8,
+                            correlation=2, num_interactions=3, interaction=NON_LINEAR,
+                            interaction_first=NON_LINEAR, apply_cutoff=False,
+                            edge_irreps="128x0e+128x1o+128x2e", use_edge_irreps_first=True,
+                            use_agnostic_product=True, embedding_specs=OMOL_EMBEDDINGS),
 }
 
 
@@ -81,6 +143,19 @@ def build_model(arch: Architecture, dtype: torch.dtype = torch.float64, seed: in
         correlation=arch.correlation, gate=torch.nn.functional.silu,
         radial_MLP=list(arch.radial_mlp), heads=list(arch.heads),
     )
+    if arch.transformed:
+        kwargs["distance_transform"] = arch.distance_transform
+    if arch.pair_repulsion:
+        kwargs["pair_repulsion"] = True
+    if not arch.apply_cutoff:
+        kwargs["apply_cutoff"] = False
+    if arch.edge_irreps is not None:
+        kwargs["edge_irreps"] = o3().Irreps(arch.edge_irreps)
+        kwargs["use_edge_irreps_first"] = arch.use_edge_irreps_first
+    if arch.use_agnostic_product:
+        kwargs["use_agnostic_product"] = True
+    if arch.embedding_specs is not None:
+        kwargs["embedding_specs"] = {name: dict(spec) for name, spec in arch.embedding_specs}
     if scale_shift:
         n_heads = len(arch.heads)
         scale, shift = ([1.0] * n_heads, [0.0] * n_heads) if n_heads > 1 else (1.0, 0.0)
@@ -93,7 +168,7 @@ def build_model(arch: Architecture, dtype: torch.dtype = torch.float64, seed: in
 
 def build_architecture(name: str, dtype: torch.dtype = torch.float64, seed: int = 0,
                        device: str | torch.device = "cpu") -> torch.nn.Module:
-    """One of :data:`ARCHITECTURES` (``mp-small|medium|large``, ``off-small|medium|large``)."""
+    """One of :data:`ARCHITECTURES` by name (``mpa0-medium``, ``mh1``, ``off23-medium``, ...)."""
     if name not in ARCHITECTURES:
         raise ConfigError(f"unknown architecture {name!r}; choose one of {sorted(ARCHITECTURES)}")
     return build_model(ARCHITECTURES[name], dtype=dtype, seed=seed, device=device)

@@ -70,6 +70,9 @@ def atoms_to_batch(atoms, info: ModelInfo, head: Optional[str] = None,
         ``node_attrs [N, n_elements]``, ``cell [3,3]``, ``batch [N]``, ``ptr [2]``, ``head [1]``, ...)
         on ``device``.
     """
+    from mace_accel._e3nn_compat import import_mace
+
+    import_mace()  # the one place mace is first imported (its notices stay off stdout)
     from mace import data as mace_data
     from mace.tools import torch_geometric, utils
 

@@ -281,6 +281,7 @@ def forward(model: torch.nn.Module, plan: HeadPlan, data: Dict[str, Tensor]) -> 
     if marked:
         edge_vectors.enter_call(model, ())
     try:
+        # (mace is imported: the model is one of its classes)
         from mace.modules import utils as mace_utils  # its function: wrapped once installed
 
         vectors, lengths = mace_utils.get_edge_vectors_and_lengths(

@@ -30,15 +30,31 @@ SKIN_EXACT_BLOCKS = frozenset({
 def skin_is_exact(model: torch.nn.Module) -> bool:
     """True if the model may be given the Verlet list's extra pairs (beyond the cutoff) as they
     are: every interaction block is one of :data:`SKIN_EXACT_BLOCKS`, or the model applies the
-    cutoff to the final weights (``apply_cutoff=False``), and it has no ZBL pair repulsion
-    (whose own cutoff is longer). Otherwise the calculator keeps only the edges within the
-    cutoff every step."""
-    if getattr(model, "pair_repulsion", False):
+    cutoff to the final weights (``apply_cutoff=False``), and any ZBL pair repulsion ends
+    within the cutoff for every pair of the model's elements (:func:`repulsion_within_cutoff`).
+    Otherwise the calculator keeps only the edges within the cutoff every step."""
+    if getattr(model, "pair_repulsion", False) and not repulsion_within_cutoff(model):
         return False
     if not getattr(getattr(model, "radial_embedding", None), "apply_cutoff", True):
         return True
     return all(type(block).__name__ in SKIN_EXACT_BLOCKS
                for block in getattr(model, "interactions", ()))
+
+
+def repulsion_within_cutoff(model: torch.nn.Module) -> bool:
+    """Whether the model's ZBL pair repulsion is zero beyond its cutoff for every pair of its
+    elements: mace's ZBL ends at the sum of the pair's covalent radii (its envelope times
+    ``r < r_u + r_v``), at most twice the largest radius of the model's elements (4.88 Å for
+    the 89 elements of MACE-MP, under its 6 Å cutoff)."""
+    zbl = getattr(model, "pair_repulsion_fn", None)
+    radii = getattr(zbl, "covalent_radii", None)
+    numbers = getattr(model, "atomic_numbers", None)
+    r_max = getattr(model, "r_max", None)
+    if not isinstance(radii, torch.Tensor) or numbers is None or r_max is None:
+        return False
+    numbers = numbers.tolist() if isinstance(numbers, torch.Tensor) else list(numbers)
+    largest = max(float(radii[int(z)]) for z in numbers)
+    return 2.0 * largest <= float(r_max)
 
 
 class ResidentBatch:

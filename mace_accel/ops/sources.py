@@ -32,6 +32,7 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     from mace_accel.ops.edge_features import codegen as edge_features_codegen
     from mace_accel.ops.edge_vectors import codegen as edge_vectors
     from mace_accel.ops.irreps_linear import catalog as irreps_linear
+    from mace_accel.ops.pair_repulsion import codegen as pair_repulsion
     from mace_accel.ops.radial_table import codegen as radial_table
     from mace_accel.ops.radial_tc import codegen as radial_tc
     from mace_accel.ops.silu_mlp import codegen as silu_mlp
@@ -45,6 +46,7 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     yield from edge_features_codegen.catalog_sources(limits)
     yield from edge_vectors.catalog_sources(limits)
     yield from irreps_linear.catalog_sources(limits)
+    yield from pair_repulsion.catalog_sources(limits)
     yield from radial_table.catalog_sources(limits)
     yield from radial_tc.catalog_sources(limits)
     yield from silu_mlp.catalog_sources(limits)

@@ -137,7 +137,7 @@ def _fwd_lines(seg: SegmentPlan, w_value: Optional[Callable[[PathPlan], str]] = 
 # written, the messages read back by the per-sender sum) are touched once each and are far
 # larger than the L2 at scale: they are loaded and stored with the evict-first hints, so the
 # lines the kernels reuse (the gathered node features, the node's output gradient) stay. On
-# an H100 at 539k edges (MACE-MP-medium layer 2, docs/h100-2026-11-25-s12): fwd+bwd 5.48-5.51
+# an H100 at 539k edges (MACE-MP-medium layer 2, scripts/bench_conv_kernel.py): fwd+bwd 5.48-5.51
 # -> 5.35-5.39 ms in float32, 10.04-10.18 -> 9.75-9.77 ms in float64; the same bits.
 def _stream_load(address: str) -> str:
     return f"__ldcs({address})"

@@ -229,6 +229,9 @@ def make_e3nn_conv_tp(irreps_in1: str, irreps_in2: str, irreps_target: str) -> A
     from mace_accel._e3nn_compat import o3 as e3nn_o3
 
     o3 = e3nn_o3()
+    from mace_accel._e3nn_compat import import_mace
+
+    import_mace()
     from mace.modules.irreps_tools import tp_out_irreps_with_instructions
 
     irreps_mid, instructions = tp_out_irreps_with_instructions(

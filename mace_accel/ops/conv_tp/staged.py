@@ -59,7 +59,7 @@ class Staging(NamedTuple):
 
 # How each direction's kernels stage their rows, by dtype; None: the plain kernels, which load
 # each edge's rows into registers one edge ahead. Chosen on the H200 at 539k edges
-# (MACE-MP-medium layer 2, docs/h200-2026-11-26-s15): float32 fwd + bwd 4.36 -> 3.35 ms,
+# (MACE-MP-medium layer 2, scripts/bench_conv_staged.py): float32 fwd + bwd 4.36 -> 3.35 ms,
 # float64 8.18 -> 6.61 ms (its forward staged was slower than plain).
 DEFAULT_STAGING: Dict[str, Dict[str, Optional[Staging]]] = {
     "float32": {"forward": Staging(8, 2, by_segment=True), "backward": Staging(4, 2)},

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 FAMILY = "dmma_gemm"
 # ``g W^T`` on the DMMA kernel rather than cuBLAS: off. At 539k edges on an H100 the kernel's
 # best geometry took 2.34 ms (64 -> 1280) and 0.98 ms (64 -> 512) against cuBLAS's 2.12 and
-# 0.89 ms (docs/h100-2026-11-25-s11 call 2); the forward kernel wins (2.33 vs 2.86 ms, 0.99 vs
+# 0.89 ms (scripts/bench_dmma_gemm.py); the forward kernel wins (2.33 vs 2.86 ms, 0.99 vs
 # 1.29 ms). The kernel stays tested and benchmarked (scripts/bench_dmma_gemm.py).
 KERNEL_BACKWARD = False
 Tensor = torch.Tensor

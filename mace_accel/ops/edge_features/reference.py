@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from mace_accel.ops.edge_features.spec import RadialSpec, SHSpec
+from mace_accel.ops.edge_features.spec import DistanceTransform, RadialSpec, SHSpec
 
 Tensor = torch.Tensor
 
@@ -90,15 +90,39 @@ def _const(value, like: Tensor) -> Tensor:
     return torch.tensor(value, dtype=like.dtype, device=like.device)
 
 
-def radial_basis(spec: RadialSpec, lengths: Tensor) -> Tensor:
-    """``[E, num_basis]``: mace's ``BesselBasis``, ``prefactor * (sin(w r) / r)``."""
-    w = _const(spec.frequencies, lengths)
-    return _const(spec.prefactor, lengths) * (torch.sin(w * lengths) / lengths)
+def radial_basis(spec: RadialSpec, lengths: Tensor,
+                 frequencies: Optional[Tensor] = None) -> Tensor:
+    """``[E, num_basis]``: mace's ``BesselBasis``, ``prefactor * (sin(w r) / r)``;
+    ``frequencies``: ``w`` as a tensor on ``lengths``' device (else made from the spec)."""
+    w = _const(spec.frequencies, lengths) if frequencies is None else frequencies
+    return spec.prefactor * (torch.sin(w * lengths) / lengths)
+
+
+def distance_transform(transform: DistanceTransform, lengths: Tensor, r0: Tensor) -> Tensor:
+    """``x [E, 1]``: mace's ``AgnesiTransform`` / ``SoftTransform`` of ``lengths [E, 1]`` with
+    each edge's ``r0 [E, 1]`` (:meth:`DistanceTransform.r0`), in mace's order of operations."""
+    if transform.kind == "Agnesi":
+        q, p, a = transform.params
+        ratio = lengths / r0
+        return (1 + (a * torch.pow(ratio, q) / (1 + torch.pow(ratio, q - p)))).reciprocal()
+    (alpha,) = transform.params
+    p0, p1 = (3 / 4) * r0, (4 / 3) * r0
+    m = 0.5 * (p0 + p1)
+    s = 0.5 * (1.0 + torch.tanh(alpha / (p1 - p0) * (lengths - m)))
+    return p0 + (lengths - p0) * s
+
+
+def pair_r0(transform: DistanceTransform, radii: Tensor, elements: Tensor,
+            edge_index: Tensor) -> Tensor:
+    """``[E, 1]``: the transform's ``r0`` of each edge from the radii of the model's elements
+    ``radii [n]`` and the atoms' element indices ``elements [N]`` (mace's arithmetic)."""
+    total = radii[elements[edge_index[0]]] + radii[elements[edge_index[1]]]
+    return (0.5 * total if transform.kind == "Agnesi" else total).unsqueeze(-1)
 
 
 def radial_cutoff(spec: RadialSpec, lengths: Tensor) -> Tensor:
     """``[E, 1]``: mace's ``PolynomialCutoff`` (envelope times the mask ``r < r_max``)."""
-    r_max = _const(spec.r_max, lengths)
+    r_max = spec.r_max  # a number, not a tensor: nothing is copied to the device (CUDA graphs)
     p = spec.p
     c1, c2, c3 = spec.envelope_coefficients()
     r_over_r_max = lengths / r_max
@@ -107,10 +131,18 @@ def radial_cutoff(spec: RadialSpec, lengths: Tensor) -> Tensor:
     return envelope * (lengths < r_max)
 
 
-def radial_forward(spec: RadialSpec, lengths: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-    """``(radial * cutoff, None)`` if ``apply_cutoff``, else ``(radial, cutoff)``."""
+def radial_forward(spec: RadialSpec, lengths: Tensor, r0: Optional[Tensor] = None,
+                   frequencies: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(radial * cutoff, None)`` if ``apply_cutoff``, else ``(radial, cutoff)``; with a
+    distance transform the basis takes ``x = T(lengths, r0)`` (``r0 [E, 1]``, or a number: one
+    pair of elements)."""
     cutoff = radial_cutoff(spec, lengths)
-    radial = radial_basis(spec, lengths)
+    x = lengths
+    if spec.transform is not None:
+        if r0 is None:
+            raise ValueError("a transformed radial embedding needs each edge's r0")
+        x = distance_transform(spec.transform, lengths, r0)
+    radial = radial_basis(spec, x, frequencies)
     if not spec.apply_cutoff:
         return radial, cutoff
     return radial * cutoff, None

@@ -11,6 +11,10 @@
                    s = r / r_max
     returns (radial * cutoff, None) if apply_cutoff else (radial, cutoff)
 
+With a distance transform (mace's ``AgnesiTransform`` or ``SoftTransform``) the Bessel functions
+take ``x = T(r, r0)`` instead of ``r`` (the cutoff still takes ``r``), where ``r0`` depends on
+the edge's two elements through their covalent radii (:class:`DistanceTransform`).
+
 Constants are read off the module's own buffers (so a float32-built model gets its float32
 values) and kept as float64 Python floats. Reading a spec needs the module, nothing else:
 no torch import happens here beyond what the module already brought.
@@ -68,6 +72,43 @@ class SHSpec:
         return None
 
 
+TRANSFORMS = ("Agnesi", "Soft")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistanceTransform:
+    """mace's distance transform of the edge length, as the radial basis sees it.
+
+    ``Agnesi`` (``params = (q, p, a)``, ``r0 = (R_u + R_v) / 2``)::
+
+        x = 1 / (1 + a (r / r0)^q / (1 + (r / r0)^(q - p)))
+
+    ``Soft`` (``params = (alpha,)``, ``r0 = R_u + R_v``, ``p0 = 3 r0 / 4``, ``p1 = 4 r0 / 3``)::
+
+        x = p0 + (r - p0) (1 + tanh(alpha / (p1 - p0) (r - (p0 + p1) / 2))) / 2
+
+    Attributes:
+        kind: ``"Agnesi"`` or ``"Soft"``.
+        params: the module's constants (float64 values of its buffers).
+        radii: the covalent radius ``R`` of each of the model's elements, in the order of its
+            ``atomic_numbers`` (the module's ``covalent_radii`` buffer read at them).
+    """
+
+    kind: str
+    params: Tuple[float, ...]
+    radii: Tuple[float, ...]
+
+    def r0(self, a: int, b: int) -> float:
+        """The transform's length scale for an edge between the model's elements ``a`` and
+        ``b`` (indices into ``atomic_numbers``)."""
+        total = self.radii[a] + self.radii[b]
+        return 0.5 * total if self.kind == "Agnesi" else total
+
+    def describe(self) -> str:
+        names = {"Agnesi": ("q", "p", "a"), "Soft": ("alpha",)}[self.kind]
+        return f"{self.kind}({', '.join(f'{n}={v:.4g}' for n, v in zip(names, self.params))})"
+
+
 @dataclasses.dataclass(frozen=True)
 class RadialSpec:
     """mace's Bessel radial basis times its polynomial cutoff envelope.
@@ -81,6 +122,7 @@ class RadialSpec:
         p: the cutoff polynomial's exponent.
         apply_cutoff: return ``radial * cutoff`` (True, also for old checkpoints without the
             attribute) or ``radial`` and ``cutoff`` apart (False).
+        transform: the distance transform the Bessel functions see, or None.
     """
 
     num_basis: int
@@ -89,6 +131,7 @@ class RadialSpec:
     r_max: float
     p: int
     apply_cutoff: bool = True
+    transform: Optional[DistanceTransform] = None
 
     @property
     def dim(self) -> int:
@@ -104,8 +147,9 @@ class RadialSpec:
         return _digest(self)
 
     def describe(self) -> str:
+        transform = "" if self.transform is None else f", {self.transform.describe()}"
         return (f"RadialSpec({self.num_basis} Bessel, r_max={self.r_max:g}, p={self.p}, "
-                f"apply_cutoff={self.apply_cutoff})")
+                f"apply_cutoff={self.apply_cutoff}{transform})")
 
     def unsupported_reason(self) -> Optional[str]:
         """Why the fused kernels cannot compute this spec, or None."""
@@ -176,19 +220,22 @@ def _buffer_float(module: Any, name: str) -> Optional[float]:
     return float(value)
 
 
-def radial_spec_from_module(module: Any) -> Tuple[Optional[RadialSpec], Optional[str]]:
-    """Freeze a model's ``radial_embedding`` (mace ``RadialEmbeddingBlock``).
+def radial_spec_from_module(module: Any, atomic_numbers: Optional[Tuple[int, ...]] = None
+                            ) -> Tuple[Optional[RadialSpec], Optional[str]]:
+    """Freeze a model's ``radial_embedding`` (mace ``RadialEmbeddingBlock``); a distance
+    transform needs the model's ``atomic_numbers`` (its elements' covalent radii).
 
     Returns:
-        ``(spec, None)`` if the fused kernels compute exactly what ``module`` does, else
-        ``(None, reason)``: another basis (Gaussian, Chebyshev), a distance transform
-        (Agnesi, Soft), trainable Bessel frequencies, another cutoff, ...
+        ``(spec, None)`` if the fused op computes exactly what ``module`` does, else
+        ``(None, reason)``: another basis (Gaussian, Chebyshev), another distance transform,
+        trainable Bessel frequencies, another cutoff, ...
     """
     if type(module).__name__ != "RadialEmbeddingBlock":
         return None, f"{_qualname(module)} is not mace's RadialEmbeddingBlock"
-    if hasattr(module, "distance_transform"):
-        return None, (f"a distance transform ({type(module.distance_transform).__name__}) "
-                      "is not fused")
+    transform, reason = transform_from_module(getattr(module, "distance_transform", None),
+                                              atomic_numbers)
+    if reason is not None:
+        return None, reason
     basis = getattr(module, "bessel_fn", None)
     if basis is None or type(basis).__name__ != "BesselBasis":
         name = "none" if basis is None else type(basis).__name__
@@ -212,6 +259,30 @@ def radial_spec_from_module(module: Any) -> Tuple[Optional[RadialSpec], Optional
     frequencies = tuple(float(v) for v in weights.detach().to("cpu").double().tolist())
     spec = RadialSpec(num_basis=len(frequencies), frequencies=frequencies, prefactor=prefactor,
                       r_max=r_max, p=int(p),
-                      apply_cutoff=bool(getattr(module, "apply_cutoff", True)))
+                      apply_cutoff=bool(getattr(module, "apply_cutoff", True)),
+                      transform=transform)
     reason = spec.unsupported_reason()
     return (None, reason) if reason else (spec, None)
+
+
+def transform_from_module(module: Any, atomic_numbers: Optional[Tuple[int, ...]]
+                          ) -> Tuple[Optional[DistanceTransform], Optional[str]]:
+    """``(None, None)`` without a transform, ``(transform, None)`` for mace's Agnesi or Soft
+    transform with constant (not trainable) parameters, else ``(None, reason)``."""
+    if module is None:
+        return None, None
+    kind = type(module).__name__.replace("Transform", "")
+    if kind not in TRANSFORMS:
+        return None, f"distance transform {_qualname(module)} (Agnesi and Soft are fused)"
+    names = ("q", "p", "a") if kind == "Agnesi" else ("alpha",)
+    if any(getattr(getattr(module, n, None), "requires_grad", False) for n in names):
+        return None, "a trainable distance transform (its parameters require grad)"
+    params = tuple(_buffer_float(module, n) for n in names)
+    radii = getattr(module, "covalent_radii", None)
+    if any(v is None for v in params) or radii is None or atomic_numbers is None:
+        return None, f"a {kind} transform without its constants or the model's elements"
+    table = radii.detach().to("cpu").double()
+    if any(not 0 <= int(z) < table.numel() for z in atomic_numbers):
+        return None, f"an element beyond the {kind} transform's covalent radii"
+    return DistanceTransform(kind, params, tuple(float(table[int(z)]) for z in atomic_numbers)
+                             ), None

@@ -40,14 +40,14 @@ class CudaIrrepsLinear:
         check_tensor(name, t, shape, dtype, self.device, self.spec.describe())
 
     def runs_gemm(self, n: int) -> bool:
-        """Whether ``n`` nodes run as cuBLAS GEMMs (:mod:`.gemm`) rather than the kernel."""
-        return self.dtype == torch.float64 and n >= self.gemm_min_nodes \
-            and gemm.runs_on(self.spec)
+        """Whether ``n`` nodes run as GEMMs on the tensor cores (:mod:`.gemm`) rather than the
+        kernel."""
+        return gemm.takes(self.spec, self.dtype, n, self.gemm_min_nodes)
 
     def apply(self, x: Tensor, w: Tensor, elem: Tensor) -> Tensor:
         """``out [N, dim_out]`` of ``x [N, dim_in]``, effective weights ``w [weight_numel]`` and
-        ``elem [N]`` int32 (read only for element-indexed weights); float64 from
-        :data:`.gemm.MIN_NODES_FLOAT64` nodes as cuBLAS GEMMs where :func:`.gemm.runs_on`."""
+        ``elem [N]`` int32 (read only for element-indexed weights); as GEMMs on the tensor
+        cores where :func:`.gemm.takes` them."""
         s = self.spec
         n = int(x.shape[0]) if x.dim() == 2 else -1
         self._check("x", x, (n, s.dim_in), self.dtype)

@@ -1,6 +1,8 @@
-"""An equivariant linear map as cuBLAS GEMMs through torch, for float64 on many nodes: the
-generated kernel runs its multiply-adds on the FMA units, cuBLAS runs float64 GEMMs on the
-tensor cores (DMMA, twice the FMA units' peak on an H100).
+"""An equivariant linear map as GEMMs on the tensor cores, for many nodes: the generated
+kernel runs its multiply-adds on the FMA units. float64 runs cuBLAS's GEMMs (DMMA, twice the
+FMA units' peak on an H100); float32 maps with many weights (MACE-MH-1's 512-channel linears)
+run the 3xTF32 kernels of :mod:`mace_accel.ops.tf32x3_gemm` (float32's accuracy on the TF32
+tensor cores).
 
 Per output block, the input blocks that feed it (all of one irrep dimension ``d``) are put side
 by side along the channels, ``[N, d, U]`` (one copy: e3nn's layout keeps the channel outside the
@@ -11,7 +13,9 @@ element-indexed weights (the skip connection), which the generated kernel keeps.
 
 from __future__ import annotations
 
-from typing import Dict, List
+import collections
+import weakref
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -19,7 +23,7 @@ from mace_accel.ops.irreps_linear.spec import LinearInstruction, LinearSpec, wei
 
 Tensor = torch.Tensor
 # float64 maps with shared weights run here from this many nodes. Measured on an H100
-# (scripts/bench_irreps_linear.py, docs/h100-2026-11-25-s11 call 6): the MP message map with the
+# (scripts/bench_irreps_linear.py): the MP message map with the
 # generated kernel / cuBLAS 41.3 / 55.6 us at 700 nodes, 83.2 / 72.4 us at 1,200, 125.7 / 102.4
 # us at 2,048; its transpose ties at 1,200 (74.7 / 74.9 us); the 256-wide map is faster on
 # cuBLAS from 700 nodes (27.5 vs 29.3 us), the readout (a few us) stays faster on the kernel.
@@ -27,6 +31,11 @@ Tensor = torch.Tensor
 # takes 3-5 launches per output block, so small cells (the 256-atom graph: 280 nodes) keep the
 # kernel's one.
 MIN_NODES_FLOAT64 = 1024
+# float32 maps run as 3xTF32 GEMMs from this many nodes and weights: a 512-channel map of
+# MACE-MH-1 (2.6e5 to 1e6 weights, 5-8 MFLOP a node) is bound by the FMA units in the kernel;
+# MACE-MP's 128-channel maps (at most 6.6e4 weights) keep it
+MIN_NODES_FLOAT32 = 1024
+MIN_WEIGHTS_FLOAT32 = 1 << 18
 
 
 def runs_on(spec: LinearSpec) -> bool:
@@ -34,17 +43,82 @@ def runs_on(spec: LinearSpec) -> bool:
     return not spec.indexed
 
 
-def apply(spec: LinearSpec, x: Tensor, w: Tensor) -> Tensor:
-    """``[N, dim_out]`` of ``x [N, dim_in]`` and the effective weights ``w [weight_numel]``
-    (differentiable torch ops)."""
-    n = int(x.shape[0])
-    out = x.new_empty((n, spec.dim_out))
+def takes(spec: LinearSpec, dtype: torch.dtype, n_nodes: int, min_nodes_float64: int) -> bool:
+    """Whether ``n_nodes`` nodes of ``spec`` in ``dtype`` run here rather than in the kernel."""
+    if not runs_on(spec):
+        return False
+    if dtype == torch.float64:
+        return n_nodes >= min_nodes_float64
+    return dtype == torch.float32 and n_nodes >= MIN_NODES_FLOAT32 \
+        and spec.weight_numel >= MIN_WEIGHTS_FLOAT32
+
+
+# id(weights) -> (a weak reference to them, (spec, version), per output block); the last few
+_PREPARED: "collections.OrderedDict[int, Tuple]" = collections.OrderedDict()
+_PREPARED_KEPT = 64
+Prepared = List[Tuple[List[LinearInstruction], Optional[Tuple[bool, Tensor]]]]
+
+
+def _prepared(spec: LinearSpec, w: Tensor) -> Prepared:
+    """Per output block: the instructions that feed it and their stacked weights as
+    :func:`_layout` makes them; made once per weights tensor and version (the module's
+    effective weights, cached while the parameters are unchanged, come back as the same
+    tensor)."""
+    hit = _PREPARED.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == (spec, w._version):
+        _PREPARED.move_to_end(id(w))
+        return hit[2]
     feeds: Dict[int, List[LinearInstruction]] = {}
     for ins in spec.instructions:
         feeds.setdefault(ins.i_out, []).append(ins)
-    for i_out, b in enumerate(spec.out_blocks):
+    out = []
+    with torch.no_grad():
+        for i_out in range(len(spec.out_blocks)):
+            group = feeds.get(i_out, [])
+            if not group:
+                out.append((group, None))
+                continue
+            weights = [weight_block(spec, ins, w)[0] for ins in group]
+            wcat = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0]  # [U, V]
+            out.append((group, _layout(wcat)))
+    _PREPARED[id(w)] = (weakref.ref(w), (spec, w._version), out)
+    while len(_PREPARED) > _PREPARED_KEPT:
+        _PREPARED.popitem(last=False)
+    return out
+
+
+def _layout(wcat: Tensor) -> Tuple[bool, Tensor]:
+    """``(on the 3xTF32 kernels, weights)``: ``wcat [U, V]`` as :func:`_mm` takes it,
+    transposed to a contiguous ``[V, U]`` for the kernels (float32, widths in multiples of
+    4), else as it is for cuBLAS."""
+    if _tf32x3_takes(wcat):
+        return True, wcat.t().contiguous()
+    return False, wcat.contiguous()
+
+
+def _tf32x3_takes(wcat: Tensor) -> bool:
+    from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
+
+    return tf32x3.runs_on(wcat, int(wcat.shape[0]), int(wcat.shape[1]))
+
+
+def _mm(a: Tensor, weights: Tuple[bool, Tensor]) -> Tensor:
+    """``a [M, U]`` times a block's weights as :func:`_layout` made them."""
+    on_kernels, w = weights
+    if on_kernels:
+        from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
+
+        return tf32x3.mm_nk(a, w)
+    return torch.mm(a, w)
+
+
+def apply(spec: LinearSpec, x: Tensor, w: Tensor) -> Tensor:
+    """``[N, dim_out]`` of ``x [N, dim_in]`` and the effective weights ``w [weight_numel]``
+    (inside the op's forward: no autograd)."""
+    n = int(x.shape[0])
+    out = x.new_empty((n, spec.dim_out))
+    for b, (group, weights) in zip(spec.out_blocks, _prepared(spec, w)):
         target = out[:, b.offset:b.offset + b.size].view(n, b.mul, b.d)
-        group = feeds.get(i_out)
         if not group:
             target.zero_()
             continue
@@ -53,8 +127,6 @@ def apply(spec: LinearSpec, x: Tensor, w: Tensor) -> Tensor:
             a = spec.in_blocks[ins.i_in]
             xs.append(x[:, a.offset:a.offset + a.size].view(n, a.mul, a.d).transpose(1, 2))
         stacked = torch.cat(xs, dim=2) if len(xs) > 1 else xs[0].contiguous()  # [N, d, U]
-        weights = [weight_block(spec, ins, w)[0] for ins in group]
-        wcat = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0]  # [U, V]
-        y = torch.mm(stacked.view(n * b.d, -1), wcat).view(n, b.d, b.mul)
+        y = _mm(stacked.view(n * b.d, -1), weights).view(n, b.d, b.mul)
         target.copy_(y.transpose(1, 2))
     return out

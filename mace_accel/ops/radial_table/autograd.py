@@ -1,5 +1,5 @@
-"""The table lookup as a differentiable op: ``lookup(lengths, order, coeffs, inv_h)`` gives the
-per-edge weights; its backward ``d lengths`` runs the backward kernel, or, under ``create_graph``
+"""The table lookup as a differentiable op: ``lookup(lengths, order, coeffs, inv_h, slots,
+tables)`` gives the per-edge weights; its backward ``d lengths`` runs the backward kernel, or, under ``create_graph``
 (double backward: training on forces, Hessians), the gradient of the table's torch evaluation
 (:func:`~mace_accel.ops.radial_table.table.evaluate`), differentiable again."""
 
@@ -27,28 +27,32 @@ def _kernels(coeffs: Tensor):
 class _Lookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lengths: Tensor, order: Optional[Tensor], coeffs: Tensor,
-                inv_h: float) -> Tensor:
+                inv_h: float, slots: Optional[Tensor], tables: int) -> Tensor:
         ctx.save_for_backward(lengths, coeffs)
-        ctx.order = order  # int64, never differentiated
-        ctx.inv_h = inv_h
-        return _kernels(coeffs).forward(lengths, order, coeffs, inv_h)
+        ctx.order, ctx.slots = order, slots  # integers, never differentiated
+        ctx.inv_h, ctx.tables = inv_h, tables
+        return _kernels(coeffs).forward(lengths, order, coeffs, inv_h, slots, tables)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         lengths, coeffs = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None, None
         if torch.is_grad_enabled():  # create_graph: the table's own torch ops, differentiated
-            (d,) = torch.autograd.grad(evaluate(coeffs, ctx.inv_h, lengths), lengths, grad,
-                                       create_graph=True)
-            return d, None, None, None
-        d = _kernels(coeffs).backward(grad.contiguous(), lengths, ctx.order, coeffs, ctx.inv_h)
-        return d, None, None, None
+            (d,) = torch.autograd.grad(
+                evaluate(coeffs, ctx.inv_h, lengths, ctx.slots, ctx.tables), lengths, grad,
+                create_graph=True)
+            return d, None, None, None, None, None
+        d = _kernels(coeffs).backward(grad.contiguous(), lengths, ctx.order, coeffs, ctx.inv_h,
+                                      ctx.slots, ctx.tables)
+        return d, None, None, None, None, None
 
 
-def lookup(lengths: Tensor, order: Optional[Tensor], coeffs: Tensor, inv_h: float) -> Tensor:
-    """``w [E, n]`` of ``lengths [E]`` (CUDA) from the table ``coeffs [cells, degree + 1, n]``
-    of the same dtype (:class:`~mace_accel.ops.radial_table.table.RadialTable` rounded),
-    differentiable in ``lengths``; ``order [E]`` (int64): the edges sorted by length (faster),
-    or None."""
-    return _Lookup.apply(lengths, order, coeffs, inv_h)
+def lookup(lengths: Tensor, order: Optional[Tensor], coeffs: Tensor, inv_h: float,
+           slots: Optional[Tensor] = None, tables: int = 1) -> Tensor:
+    """``w [E, n]`` of ``lengths [E]`` (CUDA) from the table ``coeffs [tables * cells,
+    degree + 1, n]`` of the same dtype (:class:`~mace_accel.ops.radial_table.table.RadialTable`
+    rounded), differentiable in ``lengths``; ``slots [E]`` (int32): the table of each edge
+    (None: the one table); ``order [E]`` (int64): the edges sorted by table and length
+    (faster), or None."""
+    return _Lookup.apply(lengths, order, coeffs, inv_h, slots, tables)

@@ -43,50 +43,59 @@ class CudaRadialTable:
     def _real(self, v: float):
         return np.float32(v) if self.dtype == torch.float32 else np.float64(v)
 
-    def _check(self, lengths: Tensor, order: Optional[Tensor], coeffs: Tensor) -> int:
+    def _check(self, lengths: Tensor, order: Optional[Tensor], slots: Optional[Tensor],
+               coeffs: Tensor, tables: int) -> Tuple[int, int]:
+        """``(E, cells per table)`` after checking every argument."""
         e = int(lengths.shape[0]) if lengths.dim() == 1 else -1
         check_tensor("lengths", lengths, (e,), self.dtype, self.device, WHAT)
         if order is not None:
             check_tensor("order", order, (e,), torch.int64, self.device, WHAT)
-        cells = int(coeffs.shape[0]) if coeffs.dim() == 3 else -1
-        check_tensor("table", coeffs, (cells, self.degree + 1, self.n_out), self.dtype,
+        if slots is not None:
+            check_tensor("slots", slots, (e,), torch.int32, self.device, WHAT)
+        rows = int(coeffs.shape[0]) if coeffs.dim() == 3 else -1
+        check_tensor("table", coeffs, (rows, self.degree + 1, self.n_out), self.dtype,
                      self.device, WHAT)
-        if cells < 1:
-            raise KernelError(f"{WHAT}: the table has no cells")
+        if tables < 1 or rows < tables or rows % tables:
+            raise KernelError(f"{WHAT}: {rows} table rows do not make {tables} tables of "
+                              "whole cells")
+        if tables > 1 and slots is None:
+            raise KernelError(f"{WHAT}: {tables} tables need each edge's slot")
         check_aligned("table", coeffs, WHAT)
         check_rows(e, TABLE_EDGES, WHAT)
-        return e
+        return e, rows // tables
 
     def forward(self, lengths: Tensor, order: Optional[Tensor], coeffs: Tensor,
-                inv_h: float) -> Tensor:
-        """``w [E, n_out]`` of ``lengths [E]`` from the table ``coeffs [cells, degree + 1,
-        n_out]`` (``inv_h`` cells per unit of length); ``order [E]`` (int64) lists the edges by
-        length (any permutation gives the same result, this one the speed; None: the edges as
-        they come). ``order`` is not range-checked: the caller sorts ``lengths`` for it."""
-        e = self._check(lengths, order, coeffs)
+                inv_h: float, slots: Optional[Tensor] = None, tables: int = 1) -> Tensor:
+        """``w [E, n_out]`` of ``lengths [E]`` from the table ``coeffs [tables * cells,
+        degree + 1, n_out]`` (``inv_h`` cells per unit of length; ``tables`` tables laid end to
+        end, edge ``e`` reading table ``slots[e]`` (int32; None: the one table)); ``order [E]``
+        (int64) lists the edges by table and length (any permutation gives the same result,
+        this one the speed; None: the edges as they come). ``order`` and ``slots`` are not
+        range-checked (that would synchronise): the caller makes them."""
+        e, cells = self._check(lengths, order, slots, coeffs, tables)
         w = torch.empty((e, self.n_out), dtype=self.dtype, device=self.device)
         if e:
             kernel, plan = self._kernel("forward")
             kernel.launch(
                 grid(plan, e, self.sms), plan.threads,
-                (ptr(lengths), ptr(order), ptr(coeffs), ptr(w), self._real(inv_h),
-                 i32(coeffs.shape[0]), i32(e)))
+                (ptr(lengths), ptr(order), ptr(slots), ptr(coeffs), ptr(w), self._real(inv_h),
+                 i32(cells), i32(e)))
         return w
 
     def backward(self, grad: Tensor, lengths: Tensor, order: Optional[Tensor], coeffs: Tensor,
-                 inv_h: float) -> Tensor:
+                 inv_h: float, slots: Optional[Tensor] = None, tables: int = 1) -> Tensor:
         """``d lengths [E]`` of ``<grad, w>`` (``grad [E, n_out]``: d w), as :meth:`forward`
         takes its arguments. With ``order`` the kernel walks the edges by length, keeping each
         cell's coefficients in registers; without, it reads them per edge. Each is
         deterministic (the same bits on a repeat); the two differ in the last bits (their sums
         run in different orders)."""
-        e = self._check(lengths, order, coeffs)
+        e, cells = self._check(lengths, order, slots, coeffs, tables)
         check_tensor("d w", grad, (e, self.n_out), self.dtype, self.device, WHAT)
         check_aligned("d w", grad, WHAT)
         dr = torch.empty((e,), dtype=self.dtype, device=self.device)
         if e:
             kernel, plan = self._kernel("backward" if order is None else "sorted_backward")
             kernel.launch(grid(plan, e, self.sms), plan.threads,
-                          (ptr(lengths), ptr(order), ptr(coeffs), ptr(grad), ptr(dr),
-                           self._real(inv_h), i32(coeffs.shape[0]), i32(e)))
+                          (ptr(lengths), ptr(order), ptr(slots), ptr(coeffs), ptr(grad),
+                           ptr(dr), self._real(inv_h), i32(cells), i32(e)))
         return dr

@@ -20,10 +20,10 @@ the hidden pre-activations written), another design:
 
 The ``mma.sync`` kernel splits every operand fragment again for every tile it meets and reads
 the weights as float32; measured on an H100 it ran at ~28% of the TF32 peak, bound by issue and
-latency (``docs/h100-2026-11-23-radial-tc``). This one, same H100, MACE-MP's 64 -> 1280 last
+latency (``scripts/bench_radial_tc.py``). This one, same H100, MACE-MP's 64 -> 1280 last
 layer: 0.90x its time at 20k edges, 0.81-0.86x at 539k, where Nsight Compute puts it at 81% of
 the L2's throughput (every block streams both TF32 parts of the last layer's weights from L2;
-``docs/h100-2026-11-23-s7``). Tried and slower: one accumulator over all tiles unrolled
+``scripts/bench_radial_tc.py``). Tried and slower: one accumulator over all tiles unrolled
 (instruction-cache misses), a loop with two accumulators across iterations or computed stage
 addresses (ptxas serializes the wgmmas, C7514), three stages of 64 columns or two warpgroups
 per block (one block per SM).
@@ -170,7 +170,7 @@ def default_variant(spec: RadialSpec) -> Tuple[int, int, int, int]:
     """``(wg, stages, bn, splits)`` for ``spec``: one warpgroup, :data:`STAGES` stages, and the
     tile width of :data:`BN_CHOICES` that pads the last layer least (ties: the wider).
     Measured on an H100 (``scripts/bench_radial_tc.py --kernels``, MACE-MP's 10-64-64-64-1280
-    net, docs/h100-2026-11-23-s7/9_kslice_fix): 40 columns 102.6 us at 20k edges and 1.96 ms
+    net, scripts/bench_radial_tc.py): 40 columns 102.6 us at 20k edges and 1.96 ms
     at 539k, 32 columns 118.9 us / 1.85 ms; the mma.sync kernel 113.5 us / 2.28 ms. The 20k
     case (a 256-atom call, latency-bound) decides: 40."""
     def padded_columns(bn: int) -> int:

@@ -24,7 +24,7 @@ is written: ``g W_L^T`` (``[E, 64]``) and the hidden layers' gradients stay in r
   load latency was the largest stall in Nsight Compute's samples: 37% of them).
 
 Measured on an H100 against the 3xTF32 layer kernels it replaces (``scripts/bench_radial_tc.py
---backward``, MACE-MP's 10-64-64-64 nets, docs/h100-2026-11-24-s8): 512 outputs 51.0 vs 79.4 us
+--backward``, MACE-MP's 10-64-64-64 nets): 512 outputs 51.0 vs 79.4 us
 at 20k edges, 0.90 vs 1.37 ms at 539k; 1280 outputs 92.0 vs 128.8 us, 1.69 vs 2.42 ms. Still
 latency-bound (Nsight Compute, two warpgroups a block: no eligible warp in 80% of the cycles at
 20k edges). Tried and slower: ``g`` read straight into registers one pair of chunks ahead (no
@@ -48,7 +48,7 @@ from mace_accel.ops.templates import render
 CK = 32  # last-layer rows per chunk: one K slice of 4 k8 steps
 G_PAD = 4  # floats of padding per row of g in shared memory (spreads a warp's reads over banks)
 # the default: one warpgroup, two pairs of chunks in flight, two blocks per SM (102 KB of shared
-# memory and 250 registers each with MACE-MP's nets). Measured on an H100 (docs/h100-2026-11-24-s8,
+# memory and 250 registers each with MACE-MP's nets). Measured on an H100 (scripts/bench_radial_tc.py,
 # 9_backward_variants): independent blocks beat two warpgroups sharing each chunk of weights
 # (0.64-0.71x the layer kernels against 0.69-0.88x), and deeper stages (six, eight) gained nothing
 WG, STAGES = 1, 4

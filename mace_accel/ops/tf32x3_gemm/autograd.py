@@ -92,6 +92,11 @@ def mm(a: Tensor, w: Tensor) -> Tensor:
     return _mm(a.contiguous(), w.t().contiguous(), True)
 
 
+def mm_nk(a: Tensor, wt: Tensor) -> Tensor:
+    """``a [M, k] @ wt^T`` (``wt [n, k]`` contiguous) on the kernel, no autograd."""
+    return _mm(a.contiguous(), wt, True)
+
+
 def mm_t(g: Tensor, w: Tensor) -> Tensor:
     """``g [M, n] @ w^T`` (``w [k, n]``) on the kernel, no autograd (inside other ops'
     backward)."""

@@ -1,0 +1,66 @@
+"""The CUDA side of the ZBL pair repulsion: its kernel for one spec, dtype and device, launched
+on torch's current stream (outputs from ``torch.empty``, every element written; nothing
+synchronises: the op can be captured in a CUDA graph)."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from mace_accel.ops.pair_repulsion import reference
+from mace_accel.ops.pair_repulsion.codegen import THREADS, kernel_name, render_kernel
+from mace_accel.ops.pair_repulsion.spec import ZBLSpec
+from mace_accel.ops.runtime import Kernel, check_tensor, device_limits, i32, kernel_device, ptr
+from mace_accel.options import dtype_name
+
+Tensor = torch.Tensor
+WHAT = "ZBL pair repulsion"
+
+
+class CudaZBL:
+    """The ZBL kernel of ``spec`` for ``dtype`` on ``device``, with its per-element tables."""
+
+    def __init__(self, spec: ZBLSpec, dtype: torch.dtype, device: torch.device) -> None:
+        self.spec, self.dtype = spec, dtype
+        self.device = kernel_device(dtype, device)
+        arch = device_limits(self.device).arch
+        name = dtype_name(dtype)
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.kernel = Kernel(render_kernel(spec, name), kernel_name(spec, name), self.device,
+                             arch)
+        numbers = torch.tensor(spec.numbers, dtype=dtype, device=self.device)
+        self.zpow = torch.pow(numbers, spec.a_exp)  # mace's Z^a_exp, in the model's dtype
+        self.radii = torch.tensor(spec.radii, dtype=dtype, device=self.device)
+        self._coulomb: Optional[Tuple[torch.dtype, Tensor]] = None
+
+    def _coulomb_factors(self) -> Tensor:
+        """mace's ``14.3996 Z_u Z_v`` per pair (rounded in torch's default dtype as its forward
+        rounds it: made again if the default dtype changed)."""
+        default = torch.get_default_dtype()
+        if self._coulomb is None or self._coulomb[0] != default:
+            factors = reference.coulomb_factors(self.spec).to(self.device, self.dtype)
+            self._coulomb = (default, factors.contiguous())
+        return self._coulomb[1]
+
+    def forward(self, lengths: Tensor, elements: Tensor, sender: Tensor, recv_ptr: Tensor,
+                recv_perm: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(energy [N], slope [E])`` of ``lengths [E]`` with the atoms' ``elements [N]``
+        (int64), the int32 ``sender [E]`` and receiver CSR (``recv_ptr [N + 1]``,
+        ``recv_perm [E]``). Indices are not range-checked here (that would synchronise): they
+        come from the model's own graph."""
+        n, e = int(elements.shape[0]), int(lengths.shape[0])
+        check_tensor("lengths", lengths, (e,), self.dtype, self.device, WHAT)
+        check_tensor("elements", elements, (n,), torch.int64, self.device, WHAT)
+        check_tensor("sender", sender, (e,), torch.int32, self.device, WHAT)
+        check_tensor("recv_ptr", recv_ptr, (n + 1,), torch.int32, self.device, WHAT)
+        check_tensor("recv_perm", recv_perm, (e,), torch.int32, self.device, WHAT)
+        energy = torch.empty((n,), dtype=self.dtype, device=self.device)
+        slope = torch.empty((e,), dtype=self.dtype, device=self.device)
+        if n:
+            grid = max(1, min(-(-n // THREADS), self.sms * 16))
+            self.kernel.launch(grid, THREADS, (
+                ptr(lengths), ptr(elements), ptr(sender), ptr(recv_ptr), ptr(recv_perm),
+                ptr(self.zpow), ptr(self.radii), ptr(self._coulomb_factors()), ptr(energy),
+                ptr(slope), i32(n), i32(len(self.spec.numbers))))
+        return energy, slope

@@ -1,0 +1,77 @@
+"""What a model's derived state was made from, checked cheaply before it is used again.
+
+An accelerated model keeps state derived from its weights: folded and packed weights, radial
+tables (:class:`~mace_accel.patches.adopt.FusedModule` caches them keyed by the parameters'
+storage and version, so an eager call rebuilds what changed), and, in the calculator, whole
+calls captured as CUDA graphs. A graph replays raw device pointers: the weights and every
+derived tensor as they were at capture. :class:`StateWatch` records what a capture depended on
+and tells, for a few microseconds a call, whether any of it changed since:
+
+* every parameter and buffer's version (bumped by in-place updates: optimizer steps,
+  ``load_state_dict``, ``copy_`` under ``no_grad``) and storage (``.to(dtype)``,
+  ``.to(device)``, ``param.data = ...``);
+* the surgery epoch (:func:`bump_epoch`: ``accelerate`` and ``revert``);
+* the radial embeddings' pair generations (new elements extend the radial tables' pairs, and
+  the tables are rebuilt for them).
+
+Replacing modules or parameter objects (``model.readouts[1] = ...``) is not watched: call the
+calculator's ``reset()`` (or make a new :class:`StateWatch`) after it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import List, Tuple
+
+import torch
+
+EPOCH_ATTR = "_mace_accel_epoch"
+
+
+def bump_epoch(model: torch.nn.Module) -> None:
+    """Record that surgery changed ``model`` (accelerated or reverted)."""
+    model.__dict__[EPOCH_ATTR] = model.__dict__.get(EPOCH_ATTR, 0) + 1
+
+
+def epoch(model: torch.nn.Module) -> int:
+    return model.__dict__.get(EPOCH_ATTR, 0)
+
+
+def radial_embeddings(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The model's fused radial embeddings (their pairs of elements change with the inputs)."""
+    from mace_accel.patches.edge_features import FusedRadialEmbedding
+
+    return [m for m in model.modules() if isinstance(m, FusedRadialEmbedding)]
+
+
+def cover_inputs(model: torch.nn.Module, node_attrs: torch.Tensor) -> bool:
+    """Extend the radial tables' pairs to the elements of ``node_attrs`` (a CUDA graph's inputs
+    refilled with a new structure); whether anything changed (the graphs are then stale)."""
+    changed = False
+    for embedding in radial_embeddings(model):
+        changed |= embedding.cover(node_attrs)
+    return changed
+
+
+class StateWatch:
+    """The weights, surgery and radial pairs of ``model`` as they are now, to compare later.
+
+    Args:
+        model: the model a CUDA graph (or any cache) was made from.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.tensors = list(itertools.chain(model.parameters(), model.buffers()))
+        self.embeddings = radial_embeddings(model)
+        self.key = self.current()
+
+    def current(self) -> Tuple:
+        """What the watched state is now (host-side reads only: no device work)."""
+        tensors = self.tensors
+        return (epoch(self.model), [e.generation for e in self.embeddings],
+                [t._version for t in tensors], [t.data_ptr() for t in tensors])
+
+    def changed(self) -> bool:
+        """Whether anything watched differs from when this watch was made."""
+        return self.current() != self.key

@@ -1,0 +1,160 @@
+"""The accelerated model is always the model (CPU, reference backend): after weights change in
+place, ``revert`` / ``accelerate``, a cast, a new head, pickling, the next result is the plain
+model's with the current weights, or one clear error; and the state watch a CUDA graph relies
+on sees every such change. (The CUDA side, graphs included: tests/test_gpu_modern_models.py.)"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import mace_accel
+from mace_accel import MACEAccelCalculator
+from mace_accel.models.architectures import small_test_model
+from mace_accel.models.batch import atoms_to_batch, model_info
+from mace_accel.state import StateWatch
+from mace_accel.surgery import accelerate, revert
+from mace_accel.tolerances import rel_norm_error
+
+F64 = torch.float64
+
+
+def _atoms(seed: int = 0):
+    from ase import Atoms
+
+    rng = np.random.default_rng(seed)
+    positions = rng.uniform(0.0, 4.5, (8, 3))
+    numbers = rng.choice([1, 6, 8, 29], 8)
+    atoms = Atoms(numbers=numbers, positions=positions, cell=np.eye(3) * 4.6, pbc=True)
+    return atoms
+
+
+def _model():
+    model = small_test_model("RealAgnosticResidualInteractionBlock", heads=("a", "b"))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _plain_forces(model, atoms, head="b"):
+    plain = copy.deepcopy(model)
+    if mace_accel.surgery.is_accelerated(plain):
+        revert(plain)
+    batch = atoms_to_batch(atoms, model_info(plain), head=head)
+    return plain(batch, training=False, compute_force=True)["forces"].detach()
+
+
+def _perturb(model, seed: int) -> dict:
+    """The state dict with new weights (the parameters; the buffers are the architecture's
+    constants: Clebsch-Gordan coefficients, Bessel frequencies, ... as a fine-tune keeps them)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {k for k, _ in model.named_parameters()}
+    return {k: (v + 0.1 * v.abs().mean() * torch.randn(v.shape, generator=g, dtype=v.dtype)
+                if k in weights else v)
+            for k, v in model.state_dict().items()}
+
+
+def _calculator(model):
+    return MACEAccelCalculator(model=model, device="cpu", default_dtype="float64",
+                               backend="reference", head="b", min_distance=None)
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_load_state_dict_under_a_live_calculator(reset):
+    base = _model()
+    calc = _calculator(copy.deepcopy(base))
+    atoms = _atoms()
+    atoms.calc = calc
+    atoms.get_forces()
+    new = _perturb(base, 1)
+    calc.model.load_state_dict(new)
+    if reset:
+        calc.reset()
+    else:
+        atoms.positions[0] += 0.05  # the atoms change: ASE calls the calculator again
+    plain = copy.deepcopy(base)
+    plain.load_state_dict(new)
+    forces = torch.from_numpy(atoms.get_forces())
+    assert rel_norm_error(forces, _plain_forces(plain, atoms)) < 1e-10
+
+
+def test_optimizer_steps_revert_accelerate_and_cast_under_a_live_calculator():
+    calc = _calculator(_model())
+    atoms = _atoms()
+    atoms.calc = calc
+    atoms.get_forces()
+    params = [p for p in calc.model.parameters() if p.is_floating_point()]
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    loss = sum((p ** 2).sum() for p in params)
+    loss.backward()
+    optimizer.step()  # in place, as a fine-tune does
+    for p in params:
+        p.requires_grad_(False)
+    calc.reset()
+    assert rel_norm_error(torch.from_numpy(atoms.get_forces()),
+                          _plain_forces(calc.model, atoms)) < 1e-10
+    revert(calc.model)
+    calc.reset()
+    assert rel_norm_error(torch.from_numpy(atoms.get_forces()),
+                          _plain_forces(calc.model, atoms)) < 1e-10
+    accelerate(calc.model, backend="reference")
+    calc.model.to(torch.float32)  # followed without reset: the next call is float32
+    atoms.positions[1] += 0.05
+    forces = torch.from_numpy(atoms.get_forces())
+    assert calc.dtype == torch.float32
+    assert rel_norm_error(forces, _plain_forces(calc.model, atoms).double()) < 1e-5
+
+
+def test_a_new_head_is_followed_and_an_unknown_one_refused():
+    calc = _calculator(_model())
+    atoms = _atoms()
+    atoms.calc = calc
+    fb = atoms.get_forces()
+    calc.head = "a"
+    calc.reset()
+    fa = atoms.get_forces()
+    assert rel_norm_error(torch.from_numpy(fa), _plain_forces(calc.model, atoms, "a")) < 1e-10
+    assert not np.allclose(fa, fb)
+    with pytest.raises(mace_accel.errors.InputError, match="unknown head"):
+        calc.head = "c"
+
+
+def test_pickled_and_loaded_model_equals_the_plain_model():
+    model = _model()
+    accelerate(model, backend="reference")
+    atoms = _atoms()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    calc = _calculator(loaded)
+    atoms.calc = calc
+    assert rel_norm_error(torch.from_numpy(atoms.get_forces()),
+                          _plain_forces(model, atoms)) < 1e-10
+
+
+def test_the_state_watch_sees_every_change_a_graph_depends_on():
+    model = _model()
+    accelerate(model, backend="reference")
+    watch = StateWatch(model)
+    assert not watch.changed()
+    with torch.no_grad():
+        next(model.parameters()).mul_(1.0)  # in place: a new version
+    assert watch.changed()
+    watch = StateWatch(model)
+    model.load_state_dict(model.state_dict())
+    assert watch.changed()
+    watch = StateWatch(model)
+    revert(model)
+    assert watch.changed()
+    watch = StateWatch(model)
+    model.float()  # a cast makes new storage
+    assert watch.changed()
+    watch = StateWatch(model)
+    assert not watch.changed()
