@@ -55,8 +55,9 @@ class MACEAccelCalculator(Calculator):
         compute_stress: compute the stress of every periodic structure in every call; if False
             (the default), only when stress is asked for (``get_stress``, NPT integrators,
             cell filters), so MD and relaxations of positions do not pay for it.
-        backend: ``"auto"`` (``"cuda"`` on a GPU, ``"reference"`` on CPU), ``"cuda"`` or
-            ``"reference"``.
+        backend: ``"auto"`` (``"cuda"`` on a GPU, ``"mace"`` on a CPU: the model as mace built
+            it, faster there than the reference backend), ``"cuda"``, ``"reference"`` or
+            ``"mace"``.
         verify: check the accelerated model against the unpatched one on a random structure.
         fallback: when the CUDA backend cannot run: ``"warn"`` (warn and use the reference
             backend) or ``"error"``.
@@ -75,7 +76,7 @@ class MACEAccelCalculator(Calculator):
         **kwargs: passed to ``ase.calculators.calculator.Calculator``.
 
     Attributes:
-        backend: the backend that runs (``"cuda"`` or ``"reference"``).
+        backend: the backend that runs (``"cuda"``, ``"reference"`` or ``"mace"``).
         report: the :class:`~mace_accel.surgery.PatchReport` of the surgery.
         options: the options in effect (backend resolved).
         model, info, device, dtype, head: what is evaluated, and how.

@@ -28,13 +28,13 @@ import collections
 import dataclasses
 import logging
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 
 from mace_accel.models.outputs import evaluate as evaluate_model
 from mace_accel.ops.graph import ConvGraph, cached_graph, forget_cached_graph
-from mace_accel.state import StateWatch, cover_inputs
+from mace_accel.state import StateWatch
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +180,8 @@ class GraphedCall:
         entry = self._graphs.get(key)
         if entry is not None:
             self._graphs.move_to_end(key)
-            self._fill(entry, batch)
-            cover_inputs(self.model, entry.inputs["node_attrs"])
+            if "node_attrs" in self._fill(entry, batch) and self._watch is not None:
+                self._watch.cover(entry.inputs["node_attrs"])  # new elements: new tables
             if self._watch is None or self._watch.changed():
                 self.drop("the model changed since its call was captured")
                 entry = None
@@ -235,14 +235,15 @@ class GraphedCall:
             inputs[name] = torch.zeros(shape, dtype=value.dtype, device=value.device)
         return inputs
 
-    def _fill(self, entry: _Captured, batch: Dict[str, Tensor]) -> None:
-        """Write ``batch`` (and the padding around it) into ``entry``'s static inputs."""
+    def _fill(self, entry: _Captured, batch: Dict[str, Tensor]) -> Set[str]:
+        """Write ``batch`` (and the padding around it) into ``entry``'s static inputs; the names
+        of the inputs written (those unchanged since the last fill are not)."""
         s = entry.inputs
         n, e = int(batch["positions"].shape[0]), int(batch["edge_index"].shape[1])
         n_pad = s["positions"].shape[0]
         pad = self.pad_length
         layout_changed = (n, e) != (entry.n_atoms, entry.n_edges)
-        edges_written = False
+        written: Set[str] = set()
         with torch.no_grad():
             for name, buf in s.items():
                 value = batch[name]
@@ -251,8 +252,8 @@ class GraphedCall:
                         and seen[1] == value._version:
                     continue
                 entry.sources[name] = (value, value._version)
+                written.add(name)
                 if name == "edge_index":
-                    edges_written = True
                     buf[:, :e].copy_(value)
                     # padding edges join padding atoms to themselves, spread over all of them
                     spread = torch.arange(buf.shape[1] - e, device=buf.device) % (n_pad - n)
@@ -276,9 +277,10 @@ class GraphedCall:
                     buf[n:].zero_()       # padding atoms: no element, no charge, at the origin
                 else:                     # per graph: the dummy graph copies the real one
                     buf.copy_(value.expand_as(buf))
-        if edges_written and entry.edges is not None:  # new neighbour list: new orderings
+        if "edge_index" in written and entry.edges is not None:  # new list: new orderings
             entry.edges.refresh(s["edge_index"], entry.edge_keys)
         entry.n_atoms, entry.n_edges = n, e
+        return written
 
     def padded_eager(self, batch: Dict[str, Tensor], compute_stress: bool) -> Dict[str, Tensor]:
         """The padded call run eagerly (no graph): what a replay computes. For tests, and on

@@ -172,6 +172,7 @@ def format_plan(plan: Dict[str, Any], source: str) -> str:
              f"dtype:       {plan['dtype']}",
              f"parameters:  {plan['parameters']:,}",
              f"accelerated: {'yes' if plan['accelerated'] else 'no'}",
+             f"runs here:   {plan['runs_here']}",
              f"modules ({len(plan['blocks'])}):"]
     verb = "fused" if plan["accelerated"] else "would be fused"
     for b in plan["blocks"]:

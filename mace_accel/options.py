@@ -17,8 +17,11 @@ if TYPE_CHECKING:
     import torch
 
 DTYPE_NAMES: Tuple[str, ...] = ("float32", "float64")
-BACKENDS: Tuple[str, ...] = ("cuda", "reference")
-BACKEND_CHOICES: Tuple[str, ...] = ("auto",) + BACKENDS
+BACKENDS: Tuple[str, ...] = ("cuda", "reference")  # the fused ones (what convert writes)
+# the model as mace built it, unpatched: what "auto" runs on a CPU, where mace's own modules are
+# faster than the reference backend's plain-torch ops (which exist to be the GPU's oracle)
+MACE_BACKEND = "mace"
+BACKEND_CHOICES: Tuple[str, ...] = ("auto",) + BACKENDS + (MACE_BACKEND,)
 FALLBACKS: Tuple[str, ...] = ("error", "warn")
 RECOMPUTE_CHOICES: Tuple[str, ...] = ("auto", "always", "never")
 FP32_GEMM_CHOICES: Tuple[str, ...] = ("tf32x3", "cublas")
@@ -114,7 +117,10 @@ class AccelOptions:
 
     Attributes:
         backend: ``"cuda"`` (generated kernels), ``"reference"`` (the same ops in plain torch,
-            any device) or ``"auto"`` (``cuda`` for a model on a GPU, else ``reference``).
+            any device: the oracle of the kernels, slower on a CPU than mace's own modules),
+            ``"mace"`` (nothing patched: the model runs as mace built it, behind mace-accel's
+            calculator, runs and batching) or ``"auto"`` (``cuda`` for a model on a GPU, else
+            ``mace``).
         fallback: when the CUDA backend cannot run: ``"error"`` raises
             :class:`BackendUnavailableError`, ``"warn"`` warns and uses ``"reference"``.
         verify: compare the accelerated model with the unpatched one on a random structure
@@ -200,13 +206,14 @@ class AccelOptions:
         return dataclasses.replace(self, **changes)
 
     def for_device(self, device: "torch.device") -> "AccelOptions":
-        """``backend="auto"`` resolved for a model on ``device``."""
+        """``backend="auto"`` resolved for a model on ``device``: ``cuda`` on a GPU, ``mace``
+        elsewhere."""
         if self.backend != "auto":
             return self
         import torch
 
         return self.replace(backend="cuda" if torch.device(device).type == "cuda"
-                            else "reference")
+                            else MACE_BACKEND)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

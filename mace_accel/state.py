@@ -8,14 +8,17 @@ derived tensor as they were at capture. :class:`StateWatch` records what a captu
 and tells, for a few microseconds a call, whether any of it changed since:
 
 * every parameter and buffer's version (bumped by in-place updates: optimizer steps,
-  ``load_state_dict``, ``copy_`` under ``no_grad``) and storage (``.to(dtype)``,
-  ``.to(device)``, ``param.data = ...``);
+  ``load_state_dict``, ``copy_`` under ``no_grad``) and the storage of the first and the last
+  (``.to(dtype)``, ``.to(device)`` give every tensor new storage);
 * the surgery epoch (:func:`bump_epoch`: ``accelerate`` and ``revert``);
-* the radial embeddings' pair generations (new elements extend the radial tables' pairs, and
-  the tables are rebuilt for them).
+* the radial embeddings' pair generations (a structure of other elements gets radial tables
+  of its own, and the old ones are freed).
 
-Replacing modules or parameter objects (``model.readouts[1] = ...``) is not watched: call the
-calculator's ``reset()`` (or make a new :class:`StateWatch`) after it.
+Replacing modules or parameter objects (``model.readouts[1] = ...``), or one tensor's storage
+(``param.data = ...``), is not watched: call the calculator's ``reset()`` (or make a new
+:class:`StateWatch`) after it. The check reads one integer per tensor: 10-16 us a call for
+MACE-MP-0 medium's 88 tensors, 26 us for MH-1's 159, timed in a loop on a busy 2-core host;
+MP-0's 256-atom call through the calculator takes 1.1-2.3 ms (of which this is 0.7-1.5%).
 """
 
 from __future__ import annotations
@@ -44,15 +47,6 @@ def radial_embeddings(model: torch.nn.Module) -> List[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, FusedRadialEmbedding)]
 
 
-def cover_inputs(model: torch.nn.Module, node_attrs: torch.Tensor) -> bool:
-    """Extend the radial tables' pairs to the elements of ``node_attrs`` (a CUDA graph's inputs
-    refilled with a new structure); whether anything changed (the graphs are then stale)."""
-    changed = False
-    for embedding in radial_embeddings(model):
-        changed |= embedding.cover(node_attrs)
-    return changed
-
-
 class StateWatch:
     """The weights, surgery and radial pairs of ``model`` as they are now, to compare later.
 
@@ -69,9 +63,17 @@ class StateWatch:
     def current(self) -> Tuple:
         """What the watched state is now (host-side reads only: no device work)."""
         tensors = self.tensors
+        ends = (tensors[0].data_ptr(), tensors[-1].data_ptr()) if tensors else ()
         return (epoch(self.model), [e.generation for e in self.embeddings],
-                [t._version for t in tensors], [t.data_ptr() for t in tensors])
+                [t._version for t in tensors], ends)
 
     def changed(self) -> bool:
         """Whether anything watched differs from when this watch was made."""
         return self.current() != self.key
+
+    def cover(self, node_attrs: torch.Tensor) -> None:
+        """Give the radial embeddings the elements of ``node_attrs`` (a CUDA graph's inputs
+        refilled with another structure): another set of elements changes their pairs' generation
+        (:meth:`changed` then says so)."""
+        for embedding in self.embeddings:
+            embedding.cover(node_attrs)

@@ -19,7 +19,7 @@ import torch
 from mace_accel.errors import BackendUnavailableError, UnsupportedModelError, VerificationError
 from mace_accel import coverage, state
 from mace_accel.models import energy_head
-from mace_accel.options import AccelOptions, cuda_unavailable_reason, make_options
+from mace_accel.options import MACE_BACKEND, AccelOptions, cuda_unavailable_reason, make_options
 from mace_accel.patches import PatchRecord, find_blocks, link_across_blocks
 from mace_accel.tolerances import energy_error, model_tolerance, rel_norm_error
 
@@ -70,6 +70,9 @@ class PatchReport:
         }
 
     def __str__(self) -> str:
+        if self.backend == MACE_BACKEND:
+            return "\n".join([f"mace-accel: backend {self.backend!r}, nothing patched"]
+                             + [f"  {note}" for note in self.notes])
         lines = [f"mace-accel: backend {self.backend!r} (deterministic="
                  f"{self.options.deterministic}), {len(self.patched)} of {len(self.records)} "
                  f"block groups patched, {len(self.mace_built)} module(s) run as mace built "
@@ -174,6 +177,8 @@ def accelerate(model: torch.nn.Module, backend: Optional[str] = None,
     _check_model(model)
     requested = opts.backend
     opts = resolve_backend(opts, model_device(model))
+    if opts.backend == MACE_BACKEND:
+        return _leave_as_mace_built(model, requested, opts)
     records: List[PatchRecord] = []
     try:
         for path, module, patch in list(find_blocks(model)):
@@ -195,6 +200,25 @@ def accelerate(model: torch.nn.Module, backend: Optional[str] = None,
     return report
 
 
+MACE_NOTE = ("backend 'mace': the model runs as mace built it (nothing patched); on a CPU "
+             "mace's own modules are faster than mace-accel's reference backend, which "
+             "backend='reference' runs")
+
+
+def _leave_as_mace_built(model: torch.nn.Module, requested: str,
+                         opts: AccelOptions) -> PatchReport:
+    """The report of ``backend="mace"``: an accelerated model is reverted, nothing patched."""
+    restored = revert(model)
+    report = PatchReport(backend=MACE_BACKEND, requested_backend=requested, records=[],
+                         options=opts, notes=[MACE_NOTE] + (
+                             [f"the model was accelerated: {restored} module(s) reverted"]
+                             if restored else []))
+    report.mace_built = coverage.mace_built(model)
+    if opts.verify:  # nothing to compare; a broken checkpoint is still said so at once
+        _check_finite(_plain_results(model, *_random_batch(model)))
+    return report
+
+
 def verify_or_revert(model: torch.nn.Module, report: PatchReport) -> PatchReport:
     """Fill ``report.verification``; on disagreement (or an error) revert ``model`` and raise.
 
@@ -212,13 +236,11 @@ def verify_or_revert(model: torch.nn.Module, report: PatchReport) -> PatchReport
         revert(model)
         raise
     report.tolerance = model_tolerance(model_dtype(model))
-    bad_plain = [k for k, v in plain.items() if not torch.isfinite(v).all()]
-    if bad_plain:
+    try:
+        _check_finite(plain)
+    except VerificationError:
         revert(model)
-        raise VerificationError(
-            f"the model itself (without mace-accel) gives non-finite {', '.join(bad_plain)} on a "
-            "small random structure of its elements; the checkpoint is broken (NaN/inf "
-            "weights?) and mace-accel left it unpatched")
+        raise
     report.verification = _errors(patched, plain)
     bad = {k: v for k, v in report.verification.items() if not v <= report.tolerance}
     if bad:
@@ -237,6 +259,8 @@ def plan(model: torch.nn.Module, options: Optional[AccelOptions] = None) -> List
             that runs where the model is).
     """
     opts = (options or AccelOptions()).for_device(model_device(model))
+    if opts.backend == MACE_BACKEND:  # nothing would be: say what a fused backend would do
+        opts = opts.replace(backend="reference")
     return [patch.describe(path, module, opts) for path, module, patch in find_blocks(model)]
 
 
@@ -283,23 +307,43 @@ def _kept(out: Dict[str, Any], compute_stress: bool,
     return {k: out[k].detach() for k in keep if out.get(k) is not None}
 
 
-def _evaluate_both(model: torch.nn.Module,
-                   seed: int = 0) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
-    """Patched and unpatched energy/forces/stress on a small random structure."""
+def _random_batch(model: torch.nn.Module, seed: int = 0) -> Tuple[Dict[str, torch.Tensor], bool]:
+    """``(batch, with stress)``: a small random structure of the model's elements."""
     from mace_accel.models.batch import atoms_to_batch, model_info, random_structure
 
     info = model_info(model)
     atoms = random_structure(info.atomic_numbers, n_atoms=8, r_max=info.r_max, seed=seed)
     batch = atoms_to_batch(atoms, info, device=model_device(model))
-    stress = type(model).__name__ in ("MACE", "ScaleShiftMACE")
+    return batch, type(model).__name__ in ("MACE", "ScaleShiftMACE")
+
+
+def _plain_results(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
+                   stress: bool) -> Dict[str, torch.Tensor]:
+    return _kept(model(dict(batch), training=False, compute_force=True, compute_stress=stress),
+                 stress, True)
+
+
+def _check_finite(plain: Dict[str, torch.Tensor]) -> None:
+    """Raise :class:`VerificationError` where the plain model's own results are not finite."""
+    bad = [k for k, v in plain.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise VerificationError(
+            f"the model itself (without mace-accel) gives non-finite {', '.join(bad)} on a "
+            "small random structure of its elements; the checkpoint is broken (NaN/inf "
+            "weights?) and mace-accel left it unpatched")
+
+
+def _evaluate_both(model: torch.nn.Module,
+                   seed: int = 0) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """Patched and unpatched energy/forces/stress on a small random structure."""
+    batch, stress = _random_batch(model, seed)
     # the accelerated model as the calculator, graphs and runs evaluate it (its lean energy
     # head, the stress from the edges) against the unpatched model's own forward
     from mace_accel.models.outputs import evaluate as evaluate_accelerated
 
     patched = _kept(evaluate_accelerated(model, dict(batch), stress), stress, True)
     with unpatched(model):
-        plain = _kept(model(dict(batch), training=False, compute_force=True,
-                            compute_stress=stress), stress, True)
+        plain = _plain_results(model, batch, stress)
     return patched, plain
 
 
@@ -336,4 +380,16 @@ def describe_model(model: Any) -> Dict[str, Any]:
         "parameters": sum(p.numel() for p in model.parameters()),
         "accelerated": is_accelerated(model), "blocks": [r.to_dict() for r in records],
         "mace_built": [m.to_dict() for m in coverage.mace_built(model)],
+        "runs_here": runs_here(),
     }
+
+
+def runs_here() -> str:
+    """What a calculator or run with ``backend="auto"`` evaluates on this machine."""
+    from mace_accel.options import resolve_device
+
+    backend = AccelOptions(backend="auto").for_device(resolve_device("auto")).backend
+    if backend == MACE_BACKEND:
+        return ("mace's own modules (no GPU here: backend 'auto' runs the model as mace built "
+                "it; backend='reference' runs mace-accel's plain-torch ops, slower on a CPU)")
+    return "mace-accel's CUDA kernels (backend 'auto' on this GPU)"

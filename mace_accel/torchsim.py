@@ -115,7 +115,8 @@ class AcceleratedMaceModel(ModelInterface):
         prepared: the :class:`~mace_accel.models.prepared.PreparedModel` (model, info, head,
             report, device, dtype).
         model: the accelerated MACE module.
-        backend: ``"cuda"`` (fused kernels) or ``"reference"`` (plain torch).
+        backend: ``"cuda"`` (fused kernels), ``"reference"`` (plain torch) or ``"mace"``
+            (the model as mace built it).
         neighbours: the :class:`BatchNeighbours` (``n_builds``: lists of single systems built).
         n_calls: number of model calls so far.
     """

@@ -5,7 +5,7 @@
 # Usage: bash scripts/gpu_suite.sh [--tests-only | --bench-only] [--quick] [--no-install]
 #   --tests-only   only `python -m pytest -m gpu -q`          (log: $OUT/gpu_tests.log)
 #   --bench-only   only the benchmark                          (JSON/PNG: $OUT/bench/)
-#   --quick        benchmark mp-medium float32 at 256,2048 atoms, 10 repeats
+#   --quick        benchmark mpa0-medium float32 at 256,2048 atoms, 10 repeats
 #   --no-install   skip `pip install -e .`
 # Environment: OUT (default ./out), TESTS_TIMEOUT (s, default 180),
 #   BENCH_TIME_LIMIT (s of measurements, default 220; the process gets 45 s more to finish).
@@ -104,10 +104,10 @@ fi
 bench_line="not run"
 if [ "$run_bench" = 1 ]; then
   if [ "$quick" = 1 ]; then
-    bench_args=(--models mp-medium --dtypes float32 --sizes 256,2048 --repeats 10 --warmup 3)
+    bench_args=(--models mpa0-medium --dtypes float32 --sizes 256,2048 --repeats 10 --warmup 3)
   else
-    bench_args=(--models mp-medium,mp-large --dtypes float32,float64 --sizes 256,2048,6912
-                --repeats 20 --warmup 5)
+    bench_args=(--models mpa0-medium,mh1,mp0-medium,off23-medium --dtypes float32,float64
+                --sizes 256,2048,6912 --repeats 20 --warmup 5)
   fi
   echo "== benchmark (measurements stop after ${BENCH_TIME_LIMIT}s, log $OUT/bench.log)"
   timeout --signal=INT --kill-after=15 "$((BENCH_TIME_LIMIT + 45))" \

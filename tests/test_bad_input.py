@@ -201,7 +201,7 @@ def test_accelerate_with_an_unknown_backend_is_a_config_error(tiny_model):
     from mace_accel.errors import MaceAccelError
 
     model = tiny_model()
-    with pytest.raises(ConfigError, match="backend must be one of auto, cuda, reference; got "
+    with pytest.raises(ConfigError, match="backend must be one of auto, cuda, reference, mace; got "
                                           "'bogus'") as err:
         accelerate(model, backend="bogus")
     assert isinstance(err.value, MaceAccelError) and not is_accelerated(model)

@@ -16,6 +16,9 @@ from mace_accel.errors import ConfigError, InputError
 from mace_accel.models.batch import atoms_to_batch
 from mace_accel.models.frames import FrameBatcher, host_frame, species_table
 
+# mace-accel's own (reference) ops on the CPU, where backend "auto" runs mace's modules
+REFERENCE = {"device": "cpu", "backend": "reference"}
+
 
 def _frames(n: int = 9):
     """Periodic Cu/Ni cells of three sizes and a few molecules-in-vacuum, rattled."""
@@ -34,12 +37,12 @@ def _frames(n: int = 9):
 
 @pytest.fixture(scope="module")
 def evaluator():
-    return BatchEvaluator(None, device="cpu", default_dtype="float64", max_edges=2500)
+    return BatchEvaluator(None, **REFERENCE, default_dtype="float64", max_edges=2500)
 
 
 @pytest.fixture(scope="module")
 def calculator():
-    return MACEAccelCalculator(None, device="cpu", default_dtype="float64")
+    return MACEAccelCalculator(None, **REFERENCE, default_dtype="float64")
 
 
 def _edge_set(batch):
@@ -106,9 +109,9 @@ def test_results_equal_calculator_in_input_order(evaluator, calculator):
 
 def test_one_chunk_equals_many_chunks():
     frames = _frames(6)
-    one = BatchEvaluator(None, device="cpu", default_dtype="float64", verify=False,
+    one = BatchEvaluator(None, **REFERENCE, default_dtype="float64", verify=False,
                          max_edges=10**7)
-    many = BatchEvaluator(None, device="cpu", default_dtype="float64", verify=False,
+    many = BatchEvaluator(None, **REFERENCE, default_dtype="float64", verify=False,
                           max_edges=1)
     a, b = one.evaluate(frames), many.evaluate(frames)
     assert one.n_calls == 1 and many.n_calls == len(frames)
@@ -118,7 +121,7 @@ def test_one_chunk_equals_many_chunks():
 
 
 def test_progress_counts_frames():
-    evaluator = BatchEvaluator(None, device="cpu", default_dtype="float64", verify=False,
+    evaluator = BatchEvaluator(None, **REFERENCE, default_dtype="float64", verify=False,
                                max_edges=800)
     seen = []
     evaluator.evaluate(_frames(5), progress=seen.append)
@@ -139,7 +142,7 @@ def test_bad_frame_is_named(evaluator, bad, match):
 
 def test_out_of_memory_splits_the_chunk(monkeypatch):
     """A chunk that runs out of device memory is retried in halves with a smaller budget."""
-    ev = BatchEvaluator(None, device="cpu", default_dtype="float64", verify=False,
+    ev = BatchEvaluator(None, **REFERENCE, default_dtype="float64", verify=False,
                         max_edges=10**7)
     frames = _frames(4)
     want = [r["energy"] for r in ev.evaluate(frames)]
@@ -157,7 +160,7 @@ def test_out_of_memory_splits_the_chunk(monkeypatch):
 
 
 def test_single_frame_out_of_memory_is_a_clear_error(monkeypatch):
-    ev = BatchEvaluator(None, device="cpu", default_dtype="float64", verify=False)
+    ev = BatchEvaluator(None, **REFERENCE, default_dtype="float64", verify=False)
 
     def never(model, batch, compute_stress):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
@@ -173,7 +176,7 @@ def test_single_frame_out_of_memory_is_a_clear_error(monkeypatch):
 ])
 def test_bad_options(kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        BatchEvaluator(None, device="cpu", **kwargs)
+        BatchEvaluator(None, **REFERENCE, **kwargs)
 
 
 def test_empty_iterable_and_generator(evaluator):

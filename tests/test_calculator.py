@@ -11,10 +11,14 @@ from ase import Atoms
 from ase.build import bulk
 from ase.calculators.calculator import PropertyNotImplementedError
 
+import mace_accel
 from mace_accel.calculator import MACEAccelCalculator
 from mace_accel.errors import ConfigError, InputError
 from mace_accel.models.checkpoint import save_model
 from mace_accel.tolerances import EQUIVARIANCE_TOL, MODEL_TOL
+
+# mace-accel's own (reference) ops on the CPU, where backend "auto" runs mace's modules
+REFERENCE = {"device": "cpu", "backend": "reference"}
 
 TOL = MODEL_TOL[torch.float64]
 EQ_TOL = EQUIVARIANCE_TOL[torch.float64]
@@ -35,7 +39,7 @@ def model_file(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def calc(model_file):
-    return MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+    return MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float64")
 
 
 def evaluate(calc, atoms, stress=True):
@@ -58,7 +62,7 @@ def random_rotation(seed: int, improper: bool) -> np.ndarray:
 
 def test_reports_reference_backend_once(model_file, caplog):
     with caplog.at_level(logging.WARNING, logger="mace_accel"):
-        calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+        calc = MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float64")
         atoms = bulk("Cu", "fcc", a=3.6)
         atoms.calc = calc
         atoms.get_potential_energy()
@@ -70,6 +74,27 @@ def test_reports_reference_backend_once(model_file, caplog):
     assert [r.kind for r in calc.report.patched] == [
         "edge_features", "node_embedding", "interaction_block", "interaction_block",
         "product_block", "product_block", "readout_block", "readout_block"]
+
+
+def test_on_a_cpu_auto_runs_maces_own_modules_and_says_so_once(model_file, calc, caplog):
+    """Without a GPU the default (backend "auto") evaluates the model as mace built it (faster
+    there than the reference backend), says so once, and gives the reference's results."""
+    with caplog.at_level(logging.WARNING, logger="mace_accel"):
+        plain = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+        atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
+        atoms.numbers[::3] = 8
+        atoms.calc = plain
+        forces = atoms.get_forces()
+        atoms.positions[0] += 0.01
+        atoms.get_forces()
+    messages = [r.getMessage() for r in caplog.records if "mace built" in r.getMessage()]
+    assert len(messages) == 1 and "backend='reference'" in messages[0]
+    assert plain.backend == "mace" and not plain.report.patched
+    assert "nothing patched" in str(plain.report)
+    assert not mace_accel.surgery.is_accelerated(plain.model)
+    atoms.positions[0] -= 0.01
+    atoms.calc = calc  # the reference backend, by name
+    assert np.allclose(atoms.get_forces(), forces, rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("structure", ["cu_atoms", "molecule_atoms"])
@@ -197,7 +222,7 @@ def test_stress_needs_a_periodic_cell(calc, molecule_atoms):
 
 def test_float32_calculator_close_to_float64(model_file, calc, cu_atoms):
     default = torch.get_default_dtype()
-    calc32 = MACEAccelCalculator(model_file, device="cpu", default_dtype="float32")
+    calc32 = MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float32")
     assert calc32.info.dtype == torch.float32
     out32, out64 = evaluate(calc32, cu_atoms), evaluate(calc, cu_atoms)
     assert out32["forces"].dtype == np.float64
@@ -216,10 +241,10 @@ def _two_head_model(tiny_model):
 
 
 def test_multi_head_model(tiny_model, cu_atoms):
-    default = MACEAccelCalculator(_two_head_model(tiny_model), device="cpu",
+    default = MACEAccelCalculator(_two_head_model(tiny_model), **REFERENCE,
                                   default_dtype="float64")
     assert default.head == "Default"
-    other = MACEAccelCalculator(_two_head_model(tiny_model), device="cpu",
+    other = MACEAccelCalculator(_two_head_model(tiny_model), **REFERENCE,
                                 default_dtype="float64", head="pt_head")
     assert other.head == "pt_head"
     e_default, e_other = evaluate(default, cu_atoms)["energy"], evaluate(other, cu_atoms)["energy"]
@@ -248,7 +273,7 @@ def _md_like_steps(atoms, n: int = 4, seed: int = 0):
 def test_resident_steps_match_a_fresh_calculator(model_file, skin):
     """Positions and cell changed step by step (as MD and cell relaxations do) give what a new
     calculator computes from scratch; the neighbour list is rebuilt only when needed."""
-    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64", skin=skin,
+    calc = MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float64", skin=skin,
                                compute_stress=True)  # one call per step gives forces and stress
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
     atoms.numbers[::3] = 8
@@ -256,7 +281,7 @@ def test_resident_steps_match_a_fresh_calculator(model_file, skin):
     for step, moved in enumerate(_md_like_steps(atoms)):
         if step == 2:
             moved.set_cell(moved.cell.array * 1.01, scale_atoms=True)
-        fresh = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64",
+        fresh = MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float64",
                                     verify=False)
         want = moved.copy()
         want.calc = fresh
@@ -272,7 +297,7 @@ def test_list_reuse_check_catches_a_large_move(model_file):
     """The list's reuse is decided on the host from the float64 positions: a move of more than
     half the skin rebuilds it before the call, which gives the fresh result; a cell change
     rebuilds too."""
-    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64", skin=0.4)
+    calc = MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float64", skin=0.4)
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
     atoms.calc = calc
     atoms.get_forces()
@@ -289,7 +314,7 @@ def test_list_reuse_check_catches_a_large_move(model_file):
     forces = atoms.get_forces()
     assert calc._resident.neighbours.n_builds == 3
     fresh = atoms.copy()
-    fresh.calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64",
+    fresh.calc = MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float64",
                                      verify=False)
     assert rel(forces, fresh.get_forces()) < TOL
 
@@ -298,8 +323,8 @@ def test_stress_only_when_asked_by_default(model_file):
     """The default leaves the stress out of energy/forces calls (MD does not use it) and
     computes it when asked, equal to a calculator that always computes it; the call timings
     count every call."""
-    lazy = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
-    eager = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64",
+    lazy = MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float64")
+    eager = MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float64",
                                 verify=False, compute_stress=True)
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
     atoms.rattle(0.05, seed=2)
@@ -317,7 +342,7 @@ def test_stress_only_when_asked_by_default(model_file):
 
 
 def test_new_numbers_or_atom_count_rebuild_the_batch(model_file):
-    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+    calc = MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float64")
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
     atoms.calc = calc
     atoms.get_forces()
@@ -327,13 +352,13 @@ def test_new_numbers_or_atom_count_rebuild_the_batch(model_file):
     forces = atoms.get_forces()
     assert forces.shape == (31, 3) and calc._resident.n_templates == 3
     fresh = atoms.copy()
-    fresh.calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+    fresh.calc = MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float64")
     assert rel(forces, fresh.get_forces()) < TOL
     assert np.isfinite(e_swapped)
 
 
 def test_overlap_found_in_a_step_names_the_atoms(model_file):
-    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+    calc = MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float64")
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
     atoms.calc = calc
     atoms.get_forces()
@@ -347,10 +372,10 @@ def test_overlap_found_in_a_step_names_the_atoms(model_file):
 
 def test_graphs_and_skin_options_are_checked(model_file):
     with pytest.raises(ConfigError, match="graphs=True needs a CUDA device"):
-        MACEAccelCalculator(model_file, device="cpu", graphs=True)
+        MACEAccelCalculator(model_file, **REFERENCE, graphs=True)
     with pytest.raises(ConfigError, match="skin"):
-        MACEAccelCalculator(model_file, device="cpu", skin=-1.0)
-    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+        MACEAccelCalculator(model_file, **REFERENCE, skin=-1.0)
+    calc = MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float64")
     assert calc.graphs is False
 
 
@@ -358,7 +383,7 @@ def test_cell_checks_follow_the_cell_between_steps(model_file):
     """The cell is re-checked (and the stress verdict recomputed) only when it changed: a cell
     made singular in a step is still refused, a periodic cell made non-periodic loses its
     stress, and the original cell afterwards works again."""
-    calc = MACEAccelCalculator(model_file, device="cpu", default_dtype="float64")
+    calc = MACEAccelCalculator(model_file, **REFERENCE, default_dtype="float64")
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(2)
     atoms.calc = calc
     assert atoms.get_stress().shape == (6,)

@@ -17,6 +17,9 @@ from mace_accel.errors import CheckpointError, InputError, MaceAccelError, Outpu
 from mace_accel.models.checkpoint import load_model, save_model, upgrade_legacy_model
 from mace_accel.tolerances import MODEL_TOL
 
+# mace-accel's own (reference) ops on the CPU, where backend "auto" runs mace's modules
+REFERENCE = {"device": "cpu", "backend": "reference"}
+
 TOL = MODEL_TOL[torch.float64]
 
 # attributes mace 0.3.16 sets that older releases did not write (see checkpoint._MODEL_DEFAULTS)
@@ -91,7 +94,7 @@ def test_legacy_checkpoint(tiny_model, tmp_path, cu_atoms):
                 "use_agnostic_product", "edge_irreps", "distance_transform"):
         assert ours[key] == theirs[key], key
 
-    new = results(MACEAccelCalculator(legacy_path, device="cpu", default_dtype="float64"),
+    new = results(MACEAccelCalculator(legacy_path, **REFERENCE, default_dtype="float64"),
                   cu_atoms)
     ref = results(MACECalculator(model_paths=str(intact_path), device="cpu",
                                  default_dtype="float64"), cu_atoms)
@@ -130,9 +133,9 @@ def test_legacy_atomic_numbers_list_breaks_mace_forward(tmp_path, cu_atoms):
     with pytest.raises(TypeError):  # Agnesi/ZBL index atomic_numbers with a tensor
         legacy(atoms_to_batch(cu_atoms, info), compute_stress=True)
     legacy_path = save_model(legacy, tmp_path / "legacy.model")
-    new = results(MACEAccelCalculator(legacy_path, device="cpu", default_dtype="float64"),
+    new = results(MACEAccelCalculator(legacy_path, **REFERENCE, default_dtype="float64"),
                   cu_atoms)
-    ref = results(MACEAccelCalculator(intact_path, device="cpu", default_dtype="float64"),
+    ref = results(MACEAccelCalculator(intact_path, **REFERENCE, default_dtype="float64"),
                   cu_atoms)
     assert abs(new[0] - ref[0]) <= TOL * abs(ref[0])
     assert rel(new[1], ref[1]) <= TOL and rel(new[2], ref[2]) <= TOL
@@ -188,7 +191,7 @@ def test_directory_as_model_says_it_is_a_folder(tmp_path):
 
 def test_accelerated_checkpoint_is_not_repatched(tiny_model, tmp_path, cu_atoms):
     model = tiny_model()
-    plain = results(MACEAccelCalculator(tiny_model(), device="cpu", default_dtype="float64"),
+    plain = results(MACEAccelCalculator(tiny_model(), **REFERENCE, default_dtype="float64"),
                     cu_atoms)
     accelerate(model, backend="reference")
     for module in model.modules():  # a kernel cache entry must not travel
@@ -198,7 +201,7 @@ def test_accelerated_checkpoint_is_not_repatched(tiny_model, tmp_path, cu_atoms)
     loaded = load_model(path)
     assert is_accelerated(loaded)
     assert all(m._kernels == {} for m in loaded.modules() if hasattr(m, "_kernels"))
-    calc = MACEAccelCalculator(path, device="cpu", default_dtype="float64")
+    calc = MACEAccelCalculator(path, **REFERENCE, default_dtype="float64")
     blocks = [r for r in calc.report.records if r.kind == "interaction_block"]
     assert calc.backend == "reference" and len(blocks) == 2
     assert calc.report.verification and max(calc.report.verification.values()) <= TOL
@@ -211,8 +214,8 @@ def test_foundations_accept_a_local_path(tiny_model, tmp_path, cu_atoms):
     from mace_accel.calculator import mace_mp, mace_off
 
     path = save_model(tiny_model(), tmp_path / "local.model")
-    calc_mp = mace_mp(model=str(path), device="cpu", default_dtype="float64")
-    calc_off = mace_off(model=path, device="cpu")
+    calc_mp = mace_mp(model=str(path), **REFERENCE, default_dtype="float64")
+    calc_off = mace_off(model=path, **REFERENCE)
     assert isinstance(calc_mp, MACEAccelCalculator) and calc_off.dtype == torch.float64
     assert results(calc_mp, cu_atoms)[0] == results(calc_off, cu_atoms)[0]
 
@@ -221,11 +224,11 @@ def test_foundations_unknown_name_and_missing_file(tmp_path):
     from mace_accel.calculator import mace_mp, mace_off
 
     with pytest.raises(InputError, match="medium-mpa-0"):
-        mace_mp(model="huge", device="cpu")
+        mace_mp(model="huge", **REFERENCE)
     with pytest.raises(InputError, match="'small'"):
-        mace_off(model="tiny", device="cpu")
+        mace_off(model="tiny", **REFERENCE)
     with pytest.raises(CheckpointError, match="does not exist"):
-        mace_mp(model=str(tmp_path / "missing.model"), device="cpu")
+        mace_mp(model=str(tmp_path / "missing.model"), **REFERENCE)
 
 
 def test_foundations_download_failure_names_the_url(tmp_path, monkeypatch):

@@ -20,18 +20,21 @@ from mace_accel.calculator import MACEAccelCalculator  # noqa: E402
 from mace_accel.errors import ConfigError, InputError  # noqa: E402
 from mace_accel.torchsim import AcceleratedMaceModel  # noqa: E402
 
+# mace-accel's own (reference) ops on the CPU, where backend "auto" runs mace's modules
+REFERENCE = {"device": "cpu", "backend": "reference"}
+
 CPU = torch.device("cpu")
 TOL = 1e-10  # fp64: the same model on the same structure, batched or not
 
 
 @pytest.fixture(scope="module")
 def model():
-    return AcceleratedMaceModel(None, device="cpu", default_dtype="float64")
+    return AcceleratedMaceModel(None, **REFERENCE, default_dtype="float64")
 
 
 @pytest.fixture(scope="module")
 def calculator():
-    return MACEAccelCalculator(None, device="cpu", default_dtype="float64")
+    return MACEAccelCalculator(None, **REFERENCE, default_dtype="float64")
 
 
 def _crystals():
@@ -86,7 +89,7 @@ def test_torch_sims_validation_passes(tiny_model):
     from torch_sim.models.interface import validate_model_outputs
 
     module = tiny_model(elements=(14, 26))
-    model = AcceleratedMaceModel(module, device="cpu", default_dtype="float64",
+    model = AcceleratedMaceModel(module, **REFERENCE, default_dtype="float64",
                                  compute_stress=False)
     validate_model_outputs(model, CPU, torch.float64)
     assert model.compute_stress and model.n_calls == 4  # it switched stress on; 4 calls
@@ -124,7 +127,7 @@ def test_new_atomic_numbers_are_picked_up(model, calculator):
 
 
 def test_forces_and_stress_can_be_left_out():
-    model = AcceleratedMaceModel(None, device="cpu", default_dtype="float64", verify=False,
+    model = AcceleratedMaceModel(None, **REFERENCE, default_dtype="float64", verify=False,
                                  compute_forces=False, compute_stress=False)
     state = ts.io.atoms_to_state(_crystals(), CPU, torch.float64)
     assert set(model(state)) == {"energy"}
@@ -144,7 +147,7 @@ def _moved(atoms_list, seed=0, step=0.1):
 def test_lists_are_kept_through_small_moves_and_wraps(calculator):
     """skin 0.4: moves below 0.2 Å and whole-cell wraps (torch-sim wraps every MD step) keep
     the lists; a larger move rebuilds that system's list only; the results stay exact."""
-    model = AcceleratedMaceModel(None, device="cpu", default_dtype="float64", verify=False,
+    model = AcceleratedMaceModel(None, **REFERENCE, default_dtype="float64", verify=False,
                                  skin=0.4)
     crystals = _crystals()
     model(ts.io.atoms_to_state(crystals, CPU, torch.float64))
@@ -171,14 +174,14 @@ def test_lists_are_kept_through_small_moves_and_wraps(calculator):
 def test_a_new_cell_or_skin_zero_rebuilds(calculator):
     crystals = _crystals()
     state = ts.io.atoms_to_state(crystals, CPU, torch.float64)
-    model = AcceleratedMaceModel(None, device="cpu", default_dtype="float64", verify=False)
+    model = AcceleratedMaceModel(None, **REFERENCE, default_dtype="float64", verify=False)
     model(state)
     strained = [a.copy() for a in crystals]
     strained[0].set_cell(strained[0].cell * 1.01, scale_atoms=True)
     out = model(ts.io.atoms_to_state(strained, CPU, torch.float64))
     assert model.neighbours.n_builds == 3 + 1
     _assert_per_system(out["energy"], out["forces"], out["stress"], strained, calculator)
-    never = AcceleratedMaceModel(None, device="cpu", default_dtype="float64", verify=False,
+    never = AcceleratedMaceModel(None, **REFERENCE, default_dtype="float64", verify=False,
                                  skin=0.0)
     for _ in range(2):
         out = never(state)
@@ -206,7 +209,7 @@ def test_pairs_beyond_the_cutoff_are_dropped_where_they_matter(tiny_model):
 @pytest.mark.parametrize("skin", [-0.1, float("nan"), True])
 def test_bad_skin(skin):
     with pytest.raises(ConfigError, match="skin"):
-        AcceleratedMaceModel(None, device="cpu", verify=False, skin=skin)
+        AcceleratedMaceModel(None, **REFERENCE, verify=False, skin=skin)
 
 
 @pytest.mark.parametrize("integrator", ["nve", "nvt_langevin"])
@@ -282,4 +285,4 @@ def test_missing_torch_sim_says_how_to_install(monkeypatch):
     monkeypatch.delattr(importlib.import_module("mace_accel"), "torchsim")
     module = importlib.import_module("mace_accel.torchsim")
     with pytest.raises(ImportError, match=r"pip install 'mace-accel\[torchsim\]'"):
-        module.AcceleratedMaceModel(None, device="cpu")
+        module.AcceleratedMaceModel(None, **REFERENCE)

@@ -17,7 +17,7 @@ from mace_accel.errors import UnsupportedModelError
 from mace_accel.models.batch import ModelInfo, model_info
 from mace_accel.models.checkpoint import default_model_path, load_model
 from mace_accel.models.validation import validate_head
-from mace_accel.options import AccelOptions, resolve_device, resolve_dtype
+from mace_accel.options import MACE_BACKEND, AccelOptions, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,12 @@ def prepare_model(model: Union[str, Path, torch.nn.Module, None], device: Union[
         log.info("mace-accel: the model was saved accelerated; re-patched %d module(s) with the "
                  "options asked for", restored)
     report = accelerate(module, options=options)
-    if report.backend != "cuda":
+    if report.backend == MACE_BACKEND:
+        log.warning("mace-accel: no GPU: the model runs as mace built it on %s (mace's own "
+                    "modules, faster on a CPU than mace-accel's reference backend, which "
+                    "backend='reference' runs); the fused CUDA kernels need an NVIDIA GPU",
+                    device)
+    elif report.backend != "cuda":
         log.warning("mace-accel: running the %r backend (plain torch) on %s; the fused CUDA "
                     "kernels need a machine with an NVIDIA GPU (device='cuda' or 'auto')",
                     report.backend, device)

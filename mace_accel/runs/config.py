@@ -9,7 +9,7 @@ task (keys in the spirit of janus-core and mace's own scripts)::
     model: my.model                # default: the model bundled with mace-accel
     device: auto                   # auto | cpu | cuda | cuda:N
     dtype: float32                 # float32 | float64
-    backend: auto                  # auto | cuda | reference
+    backend: auto                  # auto (cuda on a GPU, mace on a CPU) | cuda | reference | mace
     md:
       ensemble: nvt                # nve | nvt (Langevin) | npt (Melchionna)
       steps: 1000
@@ -280,7 +280,8 @@ class RunConfig(_Section):
     dtype: Literal["float32", "float64"] = _opt("float32", "model dtype")
     head: Optional[str] = _opt(None, "head of a multi-head model (default: the only one, or "
                                "the one called 'default')")
-    backend: Literal["auto", "cuda", "reference"] = _opt("auto", "mace-accel backend")
+    backend: Literal["auto", "cuda", "reference", "mace"] = _opt(
+        "auto", "mace-accel backend (auto: cuda on a GPU, mace's own modules on a CPU)")
     fallback: Literal["warn", "error"] = _opt("warn", "if the CUDA backend cannot run")
     verify: bool = _opt(True, "check the accelerated model against the unpatched one")
     deterministic: bool = _opt(True, "cuda backend: no float atomics (bit-identical repeats); "

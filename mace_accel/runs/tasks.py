@@ -326,8 +326,10 @@ def resolve_auto_device(cfg: RunConfig) -> RunConfig:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
-        print("mace-accel: device auto -> cpu (no CUDA GPU visible): the reference (plain "
-              "torch) backend runs", file=sys.stderr)
+        runs = ("the model runs as mace built it (backend: auto; `backend: reference` runs "
+                "mace-accel's plain-torch ops)" if cfg.backend == "auto"
+                else f"backend {cfg.backend} runs")
+        print(f"mace-accel: device auto -> cpu (no CUDA GPU visible): {runs}", file=sys.stderr)
     return dataclasses.replace(cfg, device=device)
 
 
