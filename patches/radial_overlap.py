@@ -75,10 +75,10 @@ class RadialOverlap:
         self.__init__(state["members"])
 
     def describe(self) -> str:
-        return (f"the {len(self.members)} radial MLPs after the first block's start on a side "
-                f"CUDA stream when it is called (with the lean energy head all of them, right "
-                f"after the edge features), beside the earlier blocks' work, the later ones on "
-                f"at most "
+        return (f"radial MLPs 2..{len(self.members)} of the model's {len(self.members)} (in the "
+                f"order the blocks call them) start on a side CUDA stream when the first is "
+                f"called (with the lean energy head all of them, right after the edge features), "
+                f"beside the earlier blocks' work, the later ones on at most "
                 f"{LATER_SM_SHARE:.0%} of the GPU where their kernel allows up to "
                 f"{SHARE_MAX_EDGES} edges (calls up to {OVERLAP_MAX_EDGES} edges; same results "
                 "bit for bit)")

@@ -57,7 +57,7 @@ def test_link_needs_the_option_the_cuda_backend_and_two_blocks():
     group = radial_overlap.link(model, cuda, _is_member)
     assert group is not None and group.members == list(model.blocks)
     assert all(b.overlap is group for b in model.blocks)
-    assert "blocks 2..3" in group.describe()
+    assert "MLPs 2..3 of the model's 3" in group.describe()
 
 
 def test_off_the_gpu_every_block_computes_its_own_in_order():
