@@ -87,7 +87,7 @@ def _close(got, want, dtype, truth=None):
             assert err <= MODEL_TOL[dtype], (key, err)
 
 
-# ----- the ZBL kernel ------------------------------------------------------------------------------
+# ----- the ZBL kernel -----------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_zbl_kernel_matches_mace(dtype):
     from mace_accel._e3nn_compat import import_mace

@@ -255,7 +255,7 @@ def test_bessel_like_embedding_needs_few_cells():
     assert build_table(f, 6.0, torch.zeros(1, dtype=F64)).cells <= 1024
 
 
-# ----- tables per pair of elements (distance transforms, non-linear blocks) -------------------------
+# ----- tables per pair of elements (distance transforms, non-linear blocks) -------------------
 def test_pair_sets_give_every_pair_one_slot():
     from mace_accel.ops.species import ORDERED, UNORDERED, PairSet
 

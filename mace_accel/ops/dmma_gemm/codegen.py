@@ -33,8 +33,8 @@ SHARED_LIMIT = 227 * 1024  # an sm_90 block's dynamic shared memory, opted in
 # 2.51-2.55 ms), backward 2.34 ms with 8 warps of two m-tiles (16 warps of one: 2.54 ms)
 DEFAULT_GEOMETRY = {"forward": (16, 1, 2, 4), "backward": (8, 2, 4, 2)}
 # below SMALL_ROWS rows the forward takes blocks of 4 warps (64 rows): 16-warp blocks of 256
-# rows leave SMs idle (20k edges: 79 blocks for 132 SMs). Measured (the same script): 64 -> 1280 at 20k
-# edges 111 us vs 131 us (cuBLAS 121 us), at 44k 223 vs 255 us (cuBLAS 268 us); at 87k the
+# rows leave SMs idle (20k edges: 79 blocks for 132 SMs). Measured (the same script): 64 -> 1280
+# at 20k edges 111 us vs 131 us (cuBLAS 121 us), at 44k 223 vs 255 us (cuBLAS 268 us); at 87k the
 # default wins (415 vs 476 us)
 SMALL_ROWS = 65536
 SMALL_GEOMETRY = (4, 1, 2, 4)

@@ -1,7 +1,8 @@
 """The table lookup as a differentiable op: ``lookup(lengths, order, coeffs, inv_h, slots,
-tables)`` gives the per-edge weights; its backward ``d lengths`` runs the backward kernel, or, under ``create_graph``
-(double backward: training on forces, Hessians), the gradient of the table's torch evaluation
-(:func:`~mace_accel.ops.radial_table.table.evaluate`), differentiable again."""
+tables)`` gives the per-edge weights; its backward ``d lengths`` runs the backward kernel, or,
+under ``create_graph`` (double backward: training on forces, Hessians), the gradient of the
+table's torch evaluation (:func:`~mace_accel.ops.radial_table.table.evaluate`), differentiable
+again."""
 
 from __future__ import annotations
 

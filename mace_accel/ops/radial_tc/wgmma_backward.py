@@ -48,8 +48,8 @@ from mace_accel.ops.templates import render
 CK = 32  # last-layer rows per chunk: one K slice of 4 k8 steps
 G_PAD = 4  # floats of padding per row of g in shared memory (spreads a warp's reads over banks)
 # the default: one warpgroup, two pairs of chunks in flight, two blocks per SM (102 KB of shared
-# memory and 250 registers each with MACE-MP's nets). Measured on an H100 (scripts/bench_radial_tc.py,
-# 9_backward_variants): independent blocks beat two warpgroups sharing each chunk of weights
+# memory and 250 registers each with MACE-MP's nets). Measured on an H100
+# (scripts/bench_radial_tc.py): independent blocks beat two warpgroups sharing each chunk of weights
 # (0.64-0.71x the layer kernels against 0.69-0.88x), and deeper stages (six, eight) gained nothing
 WG, STAGES = 1, 4
 DEFAULT_VARIANT = (WG, STAGES)
