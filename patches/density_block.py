@@ -4,10 +4,11 @@ density summed without atomics.
 
 mace's forward sums each edge's density term ``tanh(density_fn(edge_feats)^2) * cutoff`` per
 receiver with ``scatter_sum`` (float atomics on a GPU: the last bits change from call to call).
-:class:`DensityForward`, installed as the instance's ``forward`` (put back by ``revert``), takes
-the same steps in mace's order with the fused parts, and sums the density per receiver in a
-fixed order (:func:`~mace_accel.patches.nonlinear_block.receiver_sums`). A call with LAMMPS
-ghost atoms runs mace's own forward.
+:class:`DensityForward`, installed as the instance's ``forward`` (``revert`` puts mace's back:
+:func:`~mace_accel.patches.nonlinear_block.remove`), takes the same steps in mace's order with
+the fused parts, and sums the density per receiver in a fixed order
+(:func:`~mace_accel.patches.nonlinear_block.receiver_sums`). A call with LAMMPS ghost atoms
+runs mace's own forward.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from mace_accel.patches.nonlinear_block import BlockForward, convolve, receiver_sums
+from mace_accel.patches.nonlinear_block import (FORWARD_ATTR, BlockForward, convolve,
+                                                receiver_sums)
 
 Tensor = torch.Tensor
 CLASSES = ("RealAgnosticDensityInteractionBlock", "RealAgnosticDensityResidualInteractionBlock")
@@ -52,10 +54,5 @@ class DensityForward(BlockForward):
 def install(block: torch.nn.Module) -> None:
     """Give a Density ``block`` the forward above (where it has fused parts)."""
     if type(block).__name__ in CLASSES:
-        block.__dict__["forward"] = DensityForward(block)
+        block.__dict__[FORWARD_ATTR] = DensityForward(block)
 
-
-def remove(block: torch.nn.Module) -> None:
-    """Put mace's own forward back (the class's)."""
-    if isinstance(block.__dict__.get("forward"), DensityForward):
-        del block.__dict__["forward"]

@@ -251,11 +251,6 @@ class FusedRadialEmbedding(FusedModule):
             return None
         return last[2]
 
-    def lengths_for(self, feats: torch.Tensor) -> Optional[torch.Tensor]:
-        """The edge lengths ``[E]`` of :meth:`table_input` (None where it is None)."""
-        found = self.table_input(feats)
-        return None if found is None else found.lengths
-
     def length_order(self, lengths: torch.Tensor,
                      slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[E]`` int64: the edges sorted by table slot and ``lengths`` (see

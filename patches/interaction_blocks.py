@@ -58,11 +58,12 @@ class InteractionBlockPatch(SubmodulePatch):
             or type(module).__name__.endswith("InteractionBlock"))
 
     def plan_parts(self, module: torch.nn.Module, options: AccelOptions) -> List[PartPlan]:
-        conv, radial = self._plan_conv(module, options), self._plan_radial(module, options)
-        layer_norm = nonlinear_block.plan_radial(module, options) is not None
-        if conv.reason is None and radial.reason is None and not layer_norm:
-            _fold(module, options, conv, radial)
-        if not layer_norm:
+        conv = self._plan_conv(module, options)
+        layer_norm = nonlinear_block.plan_radial(module, options)  # None: not a non-linear block
+        radial = self._plan_radial(module, options) if layer_norm is None else layer_norm
+        if layer_norm is None:
+            if conv.reason is None and radial.reason is None:
+                _fold(module, options, conv, radial)
             _plan_density(module, radial, options)
         linears = plan_linears(module, LINEARS, options)
         _plan_reshape(module, linears, options)
@@ -84,9 +85,6 @@ class InteractionBlockPatch(SubmodulePatch):
                         detail="skip_tp: " + skip_spec(skip).describe())
 
     def _plan_radial(self, module: torch.nn.Module, options: AccelOptions) -> PartPlan:
-        layer_norm = nonlinear_block.plan_radial(module, options)
-        if layer_norm is not None:
-            return layer_norm
         if not options.fuses(RADIAL):
             return PartPlan(RADIAL, reason="not asked for (options.parts)")
         net = getattr(module, "conv_tp_weights", None)
@@ -119,8 +117,7 @@ class InteractionBlockPatch(SubmodulePatch):
     def after_revert(self, module: torch.nn.Module) -> None:
         if "conv_fusion" in module.__dict__:
             del module.conv_fusion
-        nonlinear_block.remove(module)
-        density_block.remove(module)
+        nonlinear_block.remove(module)  # either block's forward
 
     def after_reattach(self, module: torch.nn.Module) -> None:
         if isinstance(module.conv_tp, FusedConvTP):

@@ -122,9 +122,8 @@ class FusedLayerNormMLP(FusedModule):
         from mace's forward; the fused block calls :meth:`compute`)."""
         return self.net(x)
 
-    def _no_weight_grads(self, extra: Tuple[torch.nn.Module, ...] = ()) -> bool:
-        params = list(self.parameters()) + [p for m in extra for p in m.parameters()]
-        return not grads_wanted(params)
+    def _no_weight_grads(self) -> bool:
+        return not grads_wanted(list(self.parameters()))
 
     def compute(self, edge_feats: Tensor, node_attrs: Tensor, edge_index: Tensor,
                 source: torch.nn.Module, target: torch.nn.Module,
@@ -159,13 +158,13 @@ class FusedLayerNormMLP(FusedModule):
     def _tables(self, edge_feats: Tensor, source: torch.nn.Module, target: torch.nn.Module,
                 with_cutoff: bool):
         """``(found, tables)`` for :func:`radial_table.lookup` where the tables run, else None."""
-        if not self._no_weight_grads((source, target)):
+        params = (list(self.parameters()) + list(source.parameters())
+                  + list(target.parameters()))
+        if grads_wanted(params):
             return None
         found = radial_table.table_input(self, edge_feats)
         if found is None or found.pairs is None or found.pairs.kind != "ordered":
             return None
-        params = (list(self.parameters()) + list(source.parameters())
-                  + list(target.parameters()))
         tables = radial_table.tables_of(
             self, f"{self.kind}:{'cutoff' if with_cutoff else 'plain'}", params,
             lambda: self._pair_function(source, target, with_cutoff), found.pairs, edge_feats)
@@ -288,8 +287,9 @@ def install(block: torch.nn.Module) -> None:
 
 
 def remove(block: torch.nn.Module) -> None:
-    """Put mace's own forward back (the class's)."""
-    if isinstance(block.__dict__.get(FORWARD_ATTR), NonLinearForward):
+    """Put mace's own forward back (the class's) in place of any :class:`BlockForward` (the
+    non-linear block's or a Density block's)."""
+    if isinstance(block.__dict__.get(FORWARD_ATTR), BlockForward):
         del block.__dict__[FORWARD_ATTR]
 
 

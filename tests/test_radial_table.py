@@ -182,9 +182,9 @@ def test_embedding_hands_out_the_lengths_of_its_own_output_only():
     embedding = next(m for m in model.modules() if isinstance(m, FusedRadialEmbedding))
     lengths = torch.rand(7, 1, dtype=F64) * 3 + 0.5
     feats, _ = embedding(lengths)
-    assert torch.equal(embedding.lengths_for(feats), lengths.reshape(-1))
-    assert embedding.lengths_for(feats.clone()) is None
-    order = embedding.length_order(embedding.lengths_for(feats))
+    assert torch.equal(embedding.table_input(feats).lengths, lengths.reshape(-1))
+    assert embedding.table_input(feats.clone()) is None
+    order = embedding.length_order(embedding.table_input(feats).lengths)
     assert torch.equal(order.sort().values, torch.arange(7))  # a permutation
     step = embedding.spec.r_max / ORDER_KEY_MAX  # sorted to the keys' steps
     assert bool((lengths.reshape(-1)[order].diff() > -step).all())
@@ -192,7 +192,7 @@ def test_embedding_hands_out_the_lengths_of_its_own_output_only():
     walk = embedding.length_order(ties).tolist()  # within a step: any order; past r_max: last
     assert walk[0] == 3 and set(walk[1:4]) == {0, 1, 2} and walk[4] == 4
     feats.mul_(1.0)  # modified in place: no longer the embedding of those lengths
-    assert embedding.lengths_for(feats) is None
+    assert embedding.table_input(feats) is None
 
 
 def test_large_tables_are_walked_in_order_of_length_from_fewer_edges():
