@@ -159,9 +159,11 @@ def test_pair_table_lookups_match_their_evaluation(dtype, edges):
 @pytest.mark.parametrize("name", ["mpa0-medium", "omat0-small", "mh1", "off23-medium"])
 def test_architecture_matches_the_unpatched_model(name, dtype):
     """Patched (tables per pair where the weights depend on the elements) against the unpatched
-    model on a structure of several elements; the tables ran where they may."""
+    model on a structure of several elements; the tables ran where they may. (MH-1's 64 ordered
+    pairs with H and O need a finer grid than the tables' memory allows: there its MLP runs,
+    with a warning, checked below on the light alloy.)"""
     model = _model(name, dtype)
-    atoms = _alloy() if name != "off23-medium" else _molecules()
+    atoms = _molecules() if name == "off23-medium" else _alloy(light=name != "mh1")
     head = "omat_pbe" if name == "mh1" else None
     batch = _batch(model, atoms, head)
     want = _plain(model, batch)
@@ -176,7 +178,18 @@ def test_architecture_matches_the_unpatched_model(name, dtype):
     if name in ("mpa0-medium", "omat0-small", "mh1"):  # the weights depend on the elements
         texts = [m.describe() for m in model.modules()
                  if type(m).__name__ in ("FusedRadialMLP", "FusedLayerNormMLP")]
-        assert texts and all("one per pair of elements" in t for t in texts), texts
+        # float64 holds tables to 1e-13 of the weights: a random 512-channel LayerNorm MLP may
+        # need a finer grid than their memory allows, and then says so
+        allowed = ("one per pair of elements",) + (
+            ("runs as an MLP, not as tables",) if dtype == torch.float64 else ())
+        without = [t for t in texts if not any(a in t for a in allowed)]
+        assert texts and not without, without
+    if name == "mh1":
+        light = _alloy()
+        with pytest.warns(RuntimeWarning, match="tables"):
+            got = _results(model, _batch(model, light, head))
+        _close(got, _plain(_model(name, dtype), _batch(model, light, head)), dtype,
+               _plain(truth64, _batch(truth64, light, head)))
 
 
 def _molecules():
@@ -220,7 +233,10 @@ def test_a_call_that_cannot_be_captured_runs_eagerly_with_one_warning():
     model = _model("mpa0-medium", torch.float32)
     calc = MACEAccelCalculator(model=model, device="cuda", graphs=True)
     # a module that reads a number back on the host: allowed eagerly, not in a CUDA graph
-    calc.model.products[0].register_forward_hook(lambda m, a, out: float(out.sum()))
+    def read_back(module, args, out) -> None:  # returns None: the output stays as it is
+        float(out.sum())
+
+    calc.model.products[0].register_forward_hook(read_back)
     atoms.calc = calc
     with pytest.warns(RuntimeWarning, match="cannot be captured"):
         e1 = atoms.get_potential_energy()

@@ -77,6 +77,29 @@ def test_double_backward_matches_e3nn():
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_eager_calls_equal_the_custom_op_to_the_second_derivative():
+    """Eager calls skip torch's dispatcher (:func:`autograd._eager`); torch.compile traces the
+    custom op: both give the same values, gradients and double backward, weights included."""
+    from mace_accel.ops.irreps_linear import spec as linear_spec
+
+    lin = _linear()
+    spec = linear_spec.linear_spec(lin)
+    key = autograd.register_spec(spec)
+    scales = linear_spec.linear_scales(lin)
+    x = torch.randn(5, spec.dim_in, dtype=torch.float64, requires_grad=True)
+    elem = x.new_empty((0,), dtype=torch.int32)
+    results = []
+    for call in (autograd.linear_op, autograd._eager):
+        w = linear_spec.effective_weights(spec, lin.weight, scales, False)
+        y = call(x, w, transpose_weights(spec, w), elem, key, "reference")
+        (gx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+        results.append((y, gx) + torch.autograd.grad(gx.pow(2).sum(), [lin.weight, x]))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        assert torch.equal(autograd._eager(x, w, w, elem, key, "reference"), results[0][0])
+
+
 @pytest.mark.parametrize("name", sorted(CATALOG))
 def test_transposed_spec_is_the_adjoint(name):
     spec = CATALOG[name]

@@ -189,3 +189,18 @@ def test_plans_and_sources_of_every_catalog_problem():
 
 def codegen_specs():
     return [(p.name, build(p.name)[1]) for p in select()]
+
+
+def test_float64_accumulators_use_dynamic_shared_memory():
+    """MACE-MH-1's 512 channels x 16 components of float64 accumulators (64 KB) exceed the
+    48 KB of a static shared array: they are dynamic, and the launch gives exactly their size."""
+    _, spec = build("mh1-p1")
+    plan = codegen.plan_kernels(spec, "float64")
+    assert plan.accumulator_bytes == spec.num_components * plan.threads * 8 == 64 * 1024
+    sources = dict(codegen.all_kernels(plan, spec))
+    with_accumulators = [n for n, src in sources.items() if "extern __shared__" in src]
+    assert codegen.backward_name(plan) in with_accumulators
+    static = [line for src in sources.values() for line in src.splitlines()
+              if "__shared__" in line and "extern" not in line]
+    assert not static, static
+    assert codegen.plan_kernels(spec, "float32").accumulator_bytes == 0

@@ -71,21 +71,40 @@ def weight_grad(spec: LinearSpec, x: Tensor, g: Tensor, elem: Tensor) -> Tensor:
     return torch.cat(parts)
 
 
-@torch.library.custom_op("mace_accel::irreps_linear", mutates_args=())
-def linear_op(x: Tensor, w: Tensor, wt: Tensor, elem: Tensor, key: str,
-              backend: str) -> Tensor:
-    """``[N, dim_out]``: the map of spec ``key`` applied to ``x``. ``wt`` is ``w`` transposed
-    (:func:`~.spec.transpose_weights`): not read here, it is what the backward applies (passed
-    in so that callers can cache it; derived from ``w`` differentiably when training)."""
+def _apply(x: Tensor, w: Tensor, elem: Tensor, key: str, backend: str) -> Tensor:
+    """``[N, dim_out]``: the map of spec ``key`` applied to ``x`` (no autograd)."""
     spec = registry.lookup(key)
     if backend == "reference":
         return reference(spec, x, w, elem)
     return _cuda(key, x).apply(x, w, elem)
 
 
+@torch.library.custom_op("mace_accel::irreps_linear", mutates_args=())
+def linear_op(x: Tensor, w: Tensor, wt: Tensor, elem: Tensor, key: str,
+              backend: str) -> Tensor:
+    """``[N, dim_out]``: the map of spec ``key`` applied to ``x``. ``wt`` is ``w`` transposed
+    (:func:`~.spec.transpose_weights`): not read here, it is what the backward applies (passed
+    in so that callers can cache it; derived from ``w`` differentiably when training)."""
+    return _apply(x, w, elem, key, backend)
+
+
 @linear_op.register_fake
 def _(x, w, wt, elem, key, backend):
     return x.new_empty((x.shape[0], registry.lookup(key).dim_out))
+
+
+def _gradients(ctx, g: Tensor, apply_transposed) -> tuple:
+    """``(d x, d W, None x 4)`` of the map; ``apply_transposed(g, wt, w, elem, key_t,
+    backend)`` applies the transposed map differentiably (double backward)."""
+    x, w, wt, elem = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    g = g.contiguous()
+    gx = gw = None
+    if need_x:
+        gx = apply_transposed(g, wt, w, elem, _TRANSPOSED[ctx.key], ctx.backend)
+    if need_w:
+        gw = weight_grad(registry.lookup(ctx.key), x, g, elem)
+    return gx, gw, None, None, None, None
 
 
 def _setup(ctx, inputs, output) -> None:
@@ -95,22 +114,41 @@ def _setup(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, g):
-    x, w, wt, elem = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[:2]
-    spec = registry.lookup(ctx.key)
-    g = g.contiguous()
-    gx = gw = None
-    if need_x:
-        gx = linear_op(g, wt, w, elem, _TRANSPOSED[ctx.key], ctx.backend)
-    if need_w:
-        gw = weight_grad(spec, x, g, elem)
-    return gx, gw, None, None, None, None
+    return _gradients(ctx, g, linear_op)
 
 
 linear_op.register_autograd(_backward, setup_context=_setup)
 
 
+class _EagerLinear(torch.autograd.Function):
+    """The op's autograd outside torch's dispatcher, for eager calls: a custom op's autograd
+    wrapper costs ~100 us of host time a call in grad mode (what force evaluation and training
+    run in), more than a 2,048-node MH-1 linear takes on the GPU."""
+
+    @staticmethod
+    def forward(ctx, x, w, wt, elem, key, backend):
+        _setup(ctx, (x, w, wt, elem, key, backend), None)
+        return _apply(x, w, elem, key, backend)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gradients(ctx, g, _eager)
+
+
+def _eager(x: Tensor, w: Tensor, wt: Tensor, elem: Tensor, key: str, backend: str) -> Tensor:
+    """:func:`linear_op` for eager calls (same results, less host time): the plain function
+    where nothing needs a gradient, else the autograd function."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or wt.requires_grad):
+        return _EagerLinear.apply(x, w, wt, elem, key, backend)
+    return _apply(x, w, elem, key, backend)
+
+
 def irreps_linear(key: str, x: Tensor, w: Tensor, wt: Tensor, elem: Tensor,
                   backend: str = "cuda") -> Tensor:
-    """Differentiable map ``[N, dim_out]`` (see module docstring); ``x`` is made contiguous."""
-    return linear_op(x.contiguous(), w, wt, elem, key, backend)
+    """Differentiable map ``[N, dim_out]`` (see module docstring); ``x`` is made contiguous.
+    Traced by torch.compile as the custom op :func:`linear_op`; eager calls skip the
+    dispatcher (:func:`_eager`)."""
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return linear_op(x, w, wt, elem, key, backend)
+    return _eager(x, w, wt, elem, key, backend)

@@ -63,6 +63,11 @@ class SCPlan(RealType):
         """Grid size for ``n_nodes`` nodes (one block per node, grid-stride past ``max_blocks``)."""
         return max(1, min(self.max_blocks, n_nodes))
 
+    @property
+    def accumulator_bytes(self) -> int:
+        """Dynamic shared memory of a kernel with shared accumulators (:func:`accumulators`)."""
+        return self.components * self.threads * 8 if self.shared_accumulators else 0
+
     def chunk(self, kind: str) -> int:
         return dict(self.k_chunk)[kind]
 
@@ -521,7 +526,9 @@ def accumulators(plan: SCPlan, name: str) -> Tuple[List[str], List[str]]:
     d = plan.components
     if not plan.shared_accumulators:
         return [], [f"real {name}{i} = 0;" for i in range(d)]
-    decls = [f"__shared__ real {name}s[D * THREADS];"]
+    # dynamic shared memory (the launch gives :meth:`SCPlan.accumulator_bytes`): MACE-MH-1's
+    # 512 channels x 16 components need 64 KB, over the 48 KB of a static array
+    decls = [f"extern __shared__ real {name}s[];  // [D * THREADS]"]
     decls += [f"#define {name}{i} ({name}s[{i} * THREADS + c])" for i in range(d)]
     return decls, [f"{name}{i} = 0;" for i in range(d)]
 

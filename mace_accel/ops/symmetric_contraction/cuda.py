@@ -53,7 +53,11 @@ class CudaSymmetricContraction:
     def _kernel(self, name: str, render) -> Kernel:
         k = self._kernels.get(name)
         if k is None:
-            k = self._kernels[name] = Kernel(render(), name, self.device, self.plan.arch)
+            source = render()
+            # the float64 gradient accumulators live in dynamic shared memory
+            shared = self.plan.accumulator_bytes if "extern __shared__" in source else 0
+            k = self._kernels[name] = Kernel(source, name, self.device, self.plan.arch,
+                                             dynamic_shared=shared)
         return k
 
     def _launch(self, name: str, render, n_nodes: int, args: tuple) -> None:
