@@ -51,6 +51,29 @@ class FusedSymmetricContraction(FusedModule):
     def describe(self) -> str:
         return self.spec.describe()
 
+    def _buffers_seen(self) -> tuple:
+        """What the spec (its U matrices, baked into the kernels) was read from: each buffer's
+        identity and version (``load_state_dict`` or ``copy_`` bumps it, ``.to()`` makes a new
+        tensor)."""
+        return tuple((id(t), t._version) for t in self.contractions.buffers())
+
+    def _current_key(self) -> str:
+        """The registry key of the spec as the buffers are now: read again from the module
+        when they changed since the last call (a state dict with other U matrices gets kernels
+        of its own), never a stale one."""
+        if torch.compiler.is_compiling():  # no _version guards in a graph: the spec as fused
+            return self._key
+        seen = self._buffers_seen()
+        if self._kernels.get("seen") != seen:
+            if "seen" in self._kernels:
+                spec, reason = _contraction_spec(self.sync_original())
+                if spec is None:
+                    raise InputError(f"the symmetric contraction changed since it was fused and "
+                                     f"cannot be fused any more: {reason}; revert the model")
+                self.spec, self._key = spec, autograd.register_spec(spec)
+            self._kernels["seen"] = seen
+        return self._key
+
     def weights(self) -> List[torch.Tensor]:
         """The element-indexed weights ``[Z, K, C]`` in the op's order (live parameters)."""
         return [w for contraction in self.contractions
@@ -68,9 +91,10 @@ class FusedSymmetricContraction(FusedModule):
                              f"{tuple(y.shape)}")
         if self.options.check_indices:
             check_one_hot(y, "symmetric contraction")
+        key = self._current_key()
         elem = element_index(y)
         weights = [w.to(x.dtype) for w in self.weights()]
-        return autograd.symmetric_contraction(self._key, x, elem, weights, self.backend)
+        return autograd.symmetric_contraction(key, x, elem, weights, self.backend)
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
@@ -111,6 +135,12 @@ def _spec_or_reason(module: torch.nn.Module):
             getattr(cueq, "optimize_all", False) or getattr(cueq, "optimize_symmetric", False)):
         return None, ("the product block runs cuEquivariance's symmetric contraction; convert "
                       "the model back to e3nn with mace's convert_cueq_e3nn first")
+    return _contraction_spec(sc)
+
+
+def _contraction_spec(sc: torch.nn.Module):
+    """``(SCSpec, None)`` of a mace ``SymmetricContraction`` the kernels take, else
+    ``(None, reason)``."""
     if type(sc).__name__ != "SymmetricContraction" or \
             not isinstance(getattr(sc, "contractions", None), torch.nn.ModuleList):
         return None, (f"symmetric_contractions is {type(sc).__module__}.{type(sc).__name__}, "

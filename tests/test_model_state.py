@@ -1,7 +1,8 @@
 """The accelerated model is always the model (CPU, reference backend): after weights change in
-place, ``revert`` / ``accelerate``, a cast, a new head, pickling, the next result is the plain
-model's with the current weights, or one clear error; and the state watch a CUDA graph relies
-on sees every such change. (The CUDA side, graphs included: tests/test_gpu_modern_models.py.)"""
+place, constants loaded from a state dict, ``revert`` / ``accelerate``, a cast, a new head,
+pickling, the next result is the plain model's with the current weights, or one clear error,
+through the calculator, batched evaluation and torch-sim; and the state watch a CUDA graph
+relies on sees every such change. (The CUDA side, graphs included: tests/test_gpu_modern_models.py.)"""
 
 from __future__ import annotations
 
@@ -82,6 +83,27 @@ def test_load_state_dict_under_a_live_calculator(reset):
     assert rel_norm_error(forces, _plain_forces(plain, atoms)) < 1e-10
 
 
+def test_constants_loaded_from_a_state_dict_are_followed():
+    """Buffers the fused kernels are generated from (the symmetric contraction's U matrices, the
+    Bessel frequencies) loaded with other values: the next call is the plain model's with them
+    (the spec is read again and gets kernels of its own), not the fused constants'."""
+    base = _model()
+    calc = _calculator(copy.deepcopy(base))
+    atoms = _atoms()
+    atoms.calc = calc
+    before = atoms.get_forces()
+    new = {k: (1.1 * v if ("U_matrix" in k or "bessel_weights" in k) else v)
+           for k, v in base.state_dict().items()}
+    assert sum("U_matrix" in k for k in new) and sum("bessel_weights" in k for k in new)
+    calc.model.load_state_dict(new)
+    calc.reset()
+    plain = copy.deepcopy(base)
+    plain.load_state_dict(new)
+    forces = torch.from_numpy(atoms.get_forces())
+    assert rel_norm_error(forces, _plain_forces(plain, atoms)) < 1e-10
+    assert not np.allclose(forces.numpy(), before)
+
+
 def test_optimizer_steps_revert_accelerate_and_cast_under_a_live_calculator():
     calc = _calculator(_model())
     atoms = _atoms()
@@ -158,3 +180,41 @@ def test_the_state_watch_sees_every_change_a_graph_depends_on():
     assert watch.changed()
     watch = StateWatch(model)
     assert not watch.changed()
+
+
+def test_batched_evaluation_follows_new_weights():
+    from mace_accel.batched import BatchEvaluator
+
+    base = _model()
+    evaluator = BatchEvaluator(copy.deepcopy(base), device="cpu", default_dtype="float64",
+                               backend="reference", head="b", min_distance=None)
+    frames = [_atoms(0), _atoms(1)]
+    before = evaluator.evaluate(frames)
+    new = _perturb(base, 2)
+    evaluator.model.load_state_dict(new)
+    plain = copy.deepcopy(base)
+    plain.load_state_dict(new)
+    for atoms, got, old in zip(frames, evaluator.evaluate(frames), before):
+        forces = torch.from_numpy(np.asarray(got["forces"]))
+        assert rel_norm_error(forces, _plain_forces(plain, atoms)) < 1e-10
+        assert not np.allclose(got["forces"], old["forces"])
+
+
+def test_torch_sim_model_follows_new_weights():
+    ts = pytest.importorskip("torch_sim")
+    from mace_accel.torchsim import AcceleratedMaceModel
+
+    base = _model()
+    model = AcceleratedMaceModel(copy.deepcopy(base), device="cpu", default_dtype="float64",
+                                 backend="reference", head="b", min_distance=None)
+    frames = [_atoms(0), _atoms(1)]
+    state = ts.io.atoms_to_state(frames, torch.device("cpu"), torch.float64)
+    before = model(state)["forces"]
+    new = _perturb(base, 3)
+    model.model.load_state_dict(new)
+    plain = copy.deepcopy(base)
+    plain.load_state_dict(new)
+    forces = model(state)["forces"]
+    want = torch.cat([_plain_forces(plain, atoms) for atoms in frames])
+    assert rel_norm_error(forces, want) < 1e-10
+    assert not torch.allclose(forces, before)
