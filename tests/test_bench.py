@@ -488,6 +488,95 @@ def test_cli_parses_and_validates(capsys, tmp_path):
     assert code == 2 and "neither a known architecture" in capsys.readouterr().err
 
 
+# -- training step -----------------------------------------------------------------------------
+def test_train_rows_from_the_command_line(tmp_path, tiny_model):
+    """--train with e3nn and mace-accel (its reference backend on the CPU): both rows OK, the
+    same first loss to 1e-9 in float64, in bench.json and bench_table.txt."""
+    from mace_accel import cli
+
+    model_file = tmp_path / "tiny.model"
+    torch.save(tiny_model, model_file)
+    out = tmp_path / "out"
+    code = cli.main(["bench", "--device", "cpu", "--models", str(model_file), "--dtypes",
+                     "float64", "--sizes", "4", "--warmup", "0", "--repeats", "1",
+                     "--backends", "e3nn,mace-accel", "--allow-reference", "--train",
+                     "--train-size", "32", "--train-steps", "2", "--train-warmup", "1",
+                     "--out", str(out)])
+    assert code == 0
+    doc = json.loads((out / JSON_NAME).read_text())
+    e3nn, accel = doc["train"]
+    assert (e3nn["backend"], accel["backend"]) == ("e3nn", REFERENCE_NAME)
+    for r in (e3nn, accel):
+        assert r["status"] == "ok", r["status"]
+        assert (r["atoms"], r["edges"], r["steps"], r["warmup_steps"]) == (32, 576, 2, 1)
+        assert r["clock"] == "perf_counter" and r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+        assert r["first_loss"] > 0
+    assert accel["first_loss"] == pytest.approx(e3nn["first_loss"], rel=1e-9, abs=0)
+    assert accel["speedup_vs_e3nn"] == pytest.approx(e3nn["median_ms"] / accel["median_ms"])
+    assert accel["speedup_vs_cueq"] is None and "within" in accel["detail"]
+    assert doc["config"]["train"] and doc["config"]["train_size"] == 32
+    table = (out / "bench_table.txt").read_text()
+    assert "Training step" in table and f"{e3nn['first_loss']:.10g}" in table
+    train_rows = table.split("Training step")[1].split("\n\n")[0]
+    assert "e3nn" in train_rows and REFERENCE_NAME in train_rows
+
+
+def test_bench_without_train_writes_no_train_rows(tmp_path, tiny_source):
+    config = BenchConfig(models=["tiny"], dtypes=["float64"], sizes=[4], backends=["e3nn"],
+                         device="cpu", warmup=0, repeats=1)
+    result = run_bench(config, [tiny_source], log=lambda line: None)
+    write_outputs(result, tmp_path)
+    assert json.loads((tmp_path / JSON_NAME).read_text())["train"] == []
+    assert "Training" not in (tmp_path / "bench_table.txt").read_text()
+
+
+def _train(backend, median, loss=1.5, status="ok", dtype="float32"):
+    from mace_accel.bench.training import TrainRecord
+
+    return TrainRecord("m", dtype, backend, status, atoms=864, edges=67392, steps=10,
+                       warmup_steps=3, clock="cuda-events", median_ms=median,
+                       p10_ms=median and median * 0.9, p90_ms=median and median * 1.1,
+                       peak_mem_mb=1234.0 if median else None, first_loss=loss)
+
+
+def test_train_loss_mismatch_is_a_status_and_speedups_are_vs_cueq():
+    from mace_accel.bench.training import check_loss, compute_train_speedups
+
+    e3nn, cueq, accel = _train("e3nn", 40.0), _train("cueq", 10.0), _train("mace-accel", 5.0)
+    far = _train("oeq", 8.0, loss=1.5 * (1 + 2e-4))
+    close64 = _train("mace-accel", 5.0, loss=1.5 * (1 + 5e-10), dtype="float64")
+    for r in (cueq, accel, far, close64):
+        check_loss(r, e3nn.first_loss)
+    assert cueq.status == accel.status == close64.status == "ok"
+    assert far.status.startswith("loss differs from e3nn's: ") and "> 1e-04" in far.status
+    nan = _train("cueq", 9.0, loss=float("nan"))
+    check_loss(nan, 1.5)
+    assert nan.status.startswith("loss differs")
+    unchecked = _train("mace-accel", 5.0)
+    check_loss(unchecked, None)
+    assert unchecked.status == "ok" and "no e3nn loss" in unchecked.detail
+    records = [e3nn, cueq, accel, far]
+    compute_train_speedups(records)
+    assert accel.speedup_vs_cueq == pytest.approx(2.0) and accel.speedup_vs_e3nn == 8.0
+    assert cueq.speedup_vs_cueq == 1.0 and far.speedup_vs_cueq == pytest.approx(1.25)
+
+
+def test_train_records_survive_the_json_round_trip(tmp_path):
+    from mace_accel.bench.runner import BenchResult
+    from mace_accel.bench.training import TrainRecord, compute_train_speedups
+
+    records = [_train("e3nn", 40.0), _train("mace-accel", 5.0),
+               _train("cueq", None, loss=None, status="out of memory")]
+    compute_train_speedups(records)
+    result = BenchResult({"train": True}, {"device": "cuda:0"}, train=records)
+    write_outputs(result, tmp_path)
+    loaded = load_json(tmp_path / JSON_NAME)
+    assert all(isinstance(r, TrainRecord) for r in loaded.train)
+    assert loaded.train == records
+    table = (tmp_path / "bench_table.txt").read_text()
+    assert "Training step" in table and "8.00x" in table and "out of memory" in table
+
+
 # -- on the GPU --------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -101,3 +101,30 @@ def test_out_that_is_a_file_is_one_error_line(model_file, tmp_path, capsys):
     assert err.strip().splitlines() == [
         f"error: --out folder {str(a_file)!r} is a file, not a folder; "
         "choose another folder with --out DIR"]
+
+
+@pytest.mark.parametrize("value,message", [
+    ("0", "error: --train-size must be a positive atom count, got 0"),
+    ("-5", "error: --train-size must be a positive atom count, got -5"),
+    ("many", "error: argument --train-size: invalid int value: 'many'; see mace-accel bench "
+             "--help")])
+def test_bad_train_size_is_one_error_line(model_file, tmp_path, capsys, value, message):
+    try:
+        code = cli.main(["bench", "--device", "cpu", "--models", str(model_file), "--train",
+                         "--train-size", value, "--out", str(tmp_path / "o")])
+    except SystemExit as exc:  # argparse's own errors exit (one line, through cli._Parser)
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [message]
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_options_reach_the_config():
+    config = config_from_args(_parse("--device", "cpu", "--train", "--train-size", "500",
+                                     "--train-steps", "4", "--train-warmup", "0"))
+    assert (config.train, config.train_size, config.train_steps, config.train_warmup) == (
+        True, 500, 4, 0)
+    config = config_from_args(_parse("--device", "cpu"))
+    assert (config.train, config.train_size, config.train_steps, config.train_warmup) == (
+        False, 864, 10, 3)

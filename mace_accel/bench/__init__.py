@@ -3,8 +3,9 @@
 Modules, one job each: :mod:`.systems` (structures), :mod:`.backends` (each backend's model
 from one source), :mod:`.timing` (CUDA-event / perf_counter timing, peak memory),
 :mod:`.runner` (the loop and its records), :mod:`.maxsize` (largest system that fits),
-:mod:`.profile` (where one call spends its time), :mod:`.md` (MD throughput), :mod:`.report`
-(tables, JSON schema, plots), :mod:`.cli` (the command). Importing this package does no work.
+:mod:`.profile` (where one call spends its time), :mod:`.md` (MD throughput),
+:mod:`.training` (training-step time), :mod:`.report` (tables, JSON schema, plots),
+:mod:`.cli` (the command). Importing this package does no work.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ examples:
   mace-accel bench --models my.model --sizes 512,4096 --backends e3nn,mace-accel --profile
   mace-accel bench --models mp-medium --max-size --backends cueq,mace-accel
   mace-accel bench --models off-medium --md --md-sizes 1000
+  mace-accel bench --models mp-medium --backends e3nn,cueq,mace-accel --train --train-size 864
   mace-accel bench --device cpu --allow-reference --models mp-small --sizes 32 --repeats 3"""
 
 
@@ -139,6 +140,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     more.add_argument("--throughput-gpus", type=_csv(int), default=[], metavar="N,...",
                       help="with --throughput: also evaluate the frames batched over N GPUs "
                            "(torchrun, one process per GPU), for each N given, e.g. 1,2,4")
+    more.add_argument("--train", action="store_true",
+                      help="also time one training step (energy + forces loss, backward, Adam) "
+                           "per backend on the same batch and targets, and check that the "
+                           "backends' first losses agree")
+    more.add_argument("--train-size", type=int, default=864, metavar="N",
+                      help="atoms of the --train batch (fcc rounds to 4n^3; default: 864)")
+    more.add_argument("--train-steps", type=int, default=10,
+                      help="timed training steps (default: 10)")
+    more.add_argument("--train-warmup", type=int, default=3,
+                      help="untimed training steps (default: 3)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"),
                         help="output folder (default: ./bench_out)")
     parser.add_argument("--summarize", type=Path, default=None, metavar="JSON",
@@ -171,6 +182,10 @@ def cpu_plan_note(config: BenchConfig, args: argparse.Namespace) -> str:
         lines.append("  (CPU-sized defaults for " + ", ".join(f"--{k}" for k in left_out)
                      + ": a few minutes at most; the GPU defaults, 256-6,912 atoms in float32 "
                      "and float64 with 5 + 20 calls, would take hours here)")
+    if config.train:
+        lines.append(f"  --train: {config.train_warmup} warm-up + {config.train_steps} timed "
+                     f"training steps of {config.train_size} atoms per backend; a step costs "
+                     "several calls (--train-size N for a smaller batch)")
     if max(config.sizes) > 1000:
         lines.append("  on the CPU one call of mp-medium takes about a second at 108 atoms and "
                      "grows with the atom count (minutes at 6,912 atoms); --time-limit SECONDS "
@@ -193,7 +208,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         md=args.md, md_sizes=args.md_sizes, md_steps=args.md_steps, md_warmup=args.md_warmup,
         md_compile=args.md_compile, md_drift_steps=args.md_drift_steps,
         throughput_frames=args.throughput, throughput_gpus=args.throughput_gpus,
-        profile=args.profile)
+        profile=args.profile, train=args.train, train_size=args.train_size,
+        train_steps=args.train_steps, train_warmup=args.train_warmup)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -254,7 +270,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(message)
     print()
     print(render_summary(result))
-    failed = [r for r in list(result.records) + list(result.md)
+    failed = [r for r in list(result.records) + list(result.md) + list(result.train)
               if r.status.startswith("failed")]
     return EXIT_BACKEND_FAILED if failed else 0
 

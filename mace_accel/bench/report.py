@@ -51,7 +51,18 @@ JSON schema ``mace-accel-bench``, version 1 (``bench.json``)::
                       frames_per_s, atoms_per_s, model_calls, detail ],
       "drift": [ with --md-drift-steps: model, dtype, backend, status, atoms, steps,
                  timestep_fs, temperature_K, drift_meV_per_atom_per_ns, max_dev_meV_per_atom,
-                 steps_per_s, detail ]
+                 steps_per_s, detail ],
+      "train": [ with --train, one per (model, dtype, backend): one optimizer step (forward,
+                 forces, energy + forces loss, backward, Adam) on one batch (see .training):
+        model, dtype, backend, status   as in "records"; status also "loss differs from
+                        e3nn's: <loss> vs <e3nn's> (relative <d> > <tolerance>)" (timing kept)
+        atoms, edges    the batch trained on (--train-size)
+        steps, warmup_steps             timed and untimed steps
+        clock, median_ms, p10_ms, p90_ms   per step
+        peak_mem_mb     as in "records" (null on CPU)
+        first_loss      the first step's loss, before any update (equal across backends)
+        speedup_vs_e3nn, speedup_vs_cueq   that backend's median / this median
+        detail ]
     }
 
 Floats that are not finite are written as the strings "nan"/"inf" (valid JSON, and visible).
@@ -127,6 +138,7 @@ def result_to_dict(result: BenchResult) -> dict:
         "md": [dataclasses.asdict(r) for r in result.md],
         "drift": [dataclasses.asdict(r) for r in result.drift],
         "throughput": [dataclasses.asdict(r) for r in result.throughput],
+        "train": [dataclasses.asdict(r) for r in result.train],
     })
 
 
@@ -143,6 +155,7 @@ def load_json(path: Path) -> BenchResult:
     from mace_accel.bench.md import DriftRecord, MDRecord
     from mace_accel.bench.throughput import ThroughputRecord
     from mace_accel.bench.runner import MaxSizeRecord
+    from mace_accel.bench.training import TrainRecord
     from mace_accel.errors import InputError
 
     try:
@@ -159,7 +172,8 @@ def load_json(path: Path) -> BenchResult:
                        max_size=[MaxSizeRecord(**r) for r in doc["max_size"]],
                        md=[MDRecord(**r) for r in doc["md"]],
                        drift=[DriftRecord(**r) for r in doc.get("drift", [])],
-                       throughput=[ThroughputRecord(**r) for r in doc.get("throughput", [])])
+                       throughput=[ThroughputRecord(**r) for r in doc.get("throughput", [])],
+                       train=[TrainRecord(**r) for r in doc.get("train", [])])
 
 
 def _fmt(value: Optional[float], spec: str, none: str = "-") -> str:
@@ -258,6 +272,11 @@ def render_summary(result: BenchResult) -> str:
     if result.drift:
         parts += ["NVE energy drift (velocity Verlet, 1 fs):", render_drift_table(result.drift),
                   ""]
+    if result.train:
+        from mace_accel.bench.training import render_training_table
+
+        parts += ["Training step (energy + forces loss, backward, Adam; same batch and targets "
+                  "for every backend):", render_training_table(result.train), ""]
     if result.max_size:
         parts += ["Largest system that fits in GPU memory:",
                   render_max_size_table(result.max_size), ""]

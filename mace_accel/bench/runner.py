@@ -73,6 +73,10 @@ class BenchConfig:
     throughput_frames: int = 0
     throughput_gpus: Sequence[int] = ()
     profile: bool = False
+    train: bool = False
+    train_size: int = 864
+    train_steps: int = 10
+    train_warmup: int = 3
 
     def __post_init__(self) -> None:
         def listed(what: str, values: Sequence, allowed: Sequence) -> None:
@@ -87,12 +91,17 @@ class BenchConfig:
         for what, values in (("--sizes", self.sizes), ("--md-sizes", self.md_sizes)):
             if not values or any(int(v) < 1 for v in values):
                 raise ConfigError(f"{what} must be positive atom counts, got {list(values)}")
+        if int(self.train_size) < 1:
+            raise ConfigError(f"--train-size must be a positive atom count, got "
+                              f"{self.train_size}")
         if not self.models:
             raise ConfigError("--models: give at least one architecture name or model file")
         for what, value, low in (("--warmup", self.warmup, 0), ("--repeats", self.repeats, 1),
                                  ("--md-steps", self.md_steps, 1),
                                  ("--md-warmup", self.md_warmup, 0),
                                  ("--md-drift-steps", self.md_drift_steps, 0),
+                                 ("--train-steps", self.train_steps, 1),
+                                 ("--train-warmup", self.train_warmup, 0),
                                  ("--throughput", self.throughput_frames, 0),
                                  ("--max-size-cells", self.max_size_cells, 1)):
             if int(value) < low:
@@ -188,6 +197,7 @@ class BenchResult:
     md: List[object] = dataclasses.field(default_factory=list)
     drift: List[object] = dataclasses.field(default_factory=list)
     throughput: List[object] = dataclasses.field(default_factory=list)
+    train: List[object] = dataclasses.field(default_factory=list)
 
 
 def compute_speedups(records: Sequence[CaseRecord]) -> None:
@@ -286,6 +296,11 @@ class BenchRunner:
             self.result.drift.append(record)
         elif type(record).__name__ == "ThroughputRecord":
             self.result.throughput.append(record)
+        elif type(record).__name__ == "TrainRecord":
+            from mace_accel.bench.training import compute_train_speedups
+
+            self.result.train.append(record)
+            compute_train_speedups(self.result.train)
         else:
             self.result.md.append(record)
         self.on_update(self.result)
@@ -329,6 +344,8 @@ class BenchRunner:
         order = ["e3nn"] + [b for b in cfg.backends if b != "e3nn"]
         for backend in order:
             self._run_backend(backend, model, info, source.label, dtype_name, cases)
+        if cfg.train:
+            self._run_training(model, info, source.label, dtype_name, systems)
         if cfg.md:
             self._run_md(model, info, source.label, dtype_name, systems)
         if cfg.throughput_frames and not self.deadline.expired():
@@ -500,6 +517,68 @@ class BenchRunner:
             record.status = OUT_OF_MEMORY
         self.log(f"   {prepared.name}: largest fit {record.max_atoms} atoms ({found.stop_reason})")
         return record
+
+    def _run_training(self, model: torch.nn.Module, info: ModelInfo, label: str,
+                      dtype_name: str, systems: Dict[int, BenchSystem]) -> None:
+        """One training-step record per backend of ``--backends`` on one batch of
+        ``--train-size`` atoms (:mod:`.training`); e3nn first, its first loss the reference."""
+        from mace_accel.bench.training import (
+            TrainRecord,
+            check_loss,
+            make_targets,
+            reference_loss,
+            run_training_step,
+        )
+
+        cfg, dtype = self.config, DTYPES[dtype_name]
+        batch = targets = edges = None
+        error = ""
+        try:
+            if cfg.train_size not in systems:  # shared with the MD rows of the same size
+                systems[cfg.train_size] = build_system(info, cfg.train_size, kind=cfg.system,
+                                                       seed=cfg.seed)
+            system = systems[cfg.train_size]
+            batch, edges = make_batch(system, info, dtype, self.device)
+            targets = make_targets(system.n_atoms, dtype, self.device, cfg.seed)
+        except Exception as exc:  # every backend's record says so
+            error = failure_status(exc) + " (building the training batch)"
+        atoms = int(batch["positions"].shape[0]) if batch is not None else None
+        self.log(f"   training step: {atoms or cfg.train_size} atoms, {cfg.train_warmup} "
+                 f"warm-up + {cfg.train_steps} timed steps per backend")
+        reference: Optional[float] = None  # e3nn's first loss
+        for backend in ["e3nn"] + [b for b in cfg.backends if b != "e3nn"]:
+            if backend not in cfg.backends:
+                # e3nn not requested: the source model still gives the loss to compare with
+                if batch is not None and not self.deadline.expired():
+                    try:
+                        reference = reference_loss(model, batch, targets)
+                    except Exception as exc:  # the others are then reported uncompared
+                        self.log(f"   e3nn reference loss: {failure_status(exc)}")
+                    free_memory(self.device)
+                continue
+            name = expected_name(backend, cfg.allow_reference, self.device)
+            if self.deadline.expired() or batch is None:
+                record = TrainRecord(label, dtype_name, name, error or SKIPPED_TIME, atoms,
+                                     edges, cfg.train_steps, cfg.train_warmup)
+            else:
+                prepared = prepare_backend(backend, model, self.device, cfg.allow_reference)
+                record = run_training_step(prepared, batch, targets, self.device, label,
+                                           dtype_name, steps=cfg.train_steps,
+                                           warmup_steps=cfg.train_warmup, edges=edges)
+                del prepared  # its inference model, before the next backend's is built
+                free_memory(self.device)
+                if record.backend == "e3nn":
+                    reference = record.first_loss
+                    if record.first_loss is not None:
+                        record.detail = "; ".join(filter(None, [record.detail,
+                                                                "reference for the losses"]))
+                check_loss(record, reference)
+            self.log(f"   train {record.backend:<22} {record.atoms or '-':>7} atoms: "
+                     + (f"{record.median_ms:.2f} ms/step, first loss {record.first_loss:.10g}"
+                        if record.median_ms is not None else "")
+                     + ("" if record.status == OK else
+                        ("; " if record.median_ms is not None else "") + record.status))
+            self._add(record)
 
     def _run_md(self, model: torch.nn.Module, info: ModelInfo, label: str, dtype_name: str,
                 systems: Dict[int, BenchSystem]) -> None:
