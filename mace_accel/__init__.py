@@ -15,8 +15,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.2.0"
-
 _API = {
     "accelerate": "mace_accel.surgery",
     "revert": "mace_accel.surgery",
@@ -36,7 +34,26 @@ _API = {
 __all__ = sorted(_API) + ["__version__"]
 
 
+# what __version__ reads where the package was never installed (a bare source tree on sys.path):
+# a valid PEP 440 version that sorts before every release
+UNKNOWN_VERSION = "0+unknown"
+
+
+def _version() -> str:
+    """The installed distribution's version: pyproject.toml is the one place it is written, and
+    installing (also ``pip install -e .``) records it in the package metadata."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("mace-accel")
+    except metadata.PackageNotFoundError:
+        return UNKNOWN_VERSION
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read on first use: importing mace_accel reads no metadata
+        globals()[name] = _version()
+        return globals()[name]
     module = _API.get(name)
     if module is None:
         raise AttributeError(f"module 'mace_accel' has no attribute {name!r}")

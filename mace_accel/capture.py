@@ -318,7 +318,7 @@ class GraphedCall:
         with torch.cuda.stream(side):
             self._run(entry.inputs, compute_stress)
         torch.cuda.current_stream().wait_stream(side)
-        # the edge orderings (CSRs: two stable sorts, ~0.2 ms at 20k edges) the warm-up built
+        # the edge orderings (CSRs: two stable sorts) the warm-up built
         # from the static edge_index stay outside the graph, which reads them; _fill rebuilds
         # them in place when the edges change (MD: when the neighbour list is rebuilt)
         entry.edges = cached_graph(entry.inputs["edge_index"], key[0])

@@ -16,9 +16,9 @@ and tells, for a few microseconds a call, whether any of it changed since:
 
 Replacing modules or parameter objects (``model.readouts[1] = ...``), or one tensor's storage
 (``param.data = ...``), is not watched: call the calculator's ``reset()`` (or make a new
-:class:`StateWatch`) after it. The check reads one integer per tensor: 10-16 us a call for
-MACE-MP-0 medium's 88 tensors, 26 us for MH-1's 159, timed in a loop on a busy 2-core host;
-MP-0's 256-atom call through the calculator takes 1.1-2.3 ms (of which this is 0.7-1.5%).
+:class:`StateWatch`) after it. The check reads one integer per tensor (88 for MACE-MP-0 medium,
+159 for MH-1): a small share of a small call's host time (``scripts/profile_md.py`` splits the
+calculator's time into its checks, the neighbour list and the model).
 """
 
 from __future__ import annotations

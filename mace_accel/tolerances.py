@@ -12,6 +12,17 @@ PASS_TOL = {
 # model level: energy, forces, stress vs the unpatched e3nn model
 MODEL_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 EQUIVARIANCE_TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
+# radial tables (mace_accel.ops.radial_table.table.SPECS): the largest error allowed between the
+# grid's nodes relative to the largest weight ("value") and to the largest slope ("slope", what
+# forces see). float32: well under the ~1e-6 by which the 3xTF32 MLP kernels a table replaces
+# differ from float64. float64: the values three orders under MODEL_TOL; the slopes are bounded
+# by rounding, not by the grid: the MLP's float64 values carry ~1e-15 of their size, which an
+# interpolant's slope between two nodes amplifies by about 1 / h (an Agnesi-transformed model,
+# MACE-MPA-0's architecture: 0.6-1.4e-11 from 2,048 to 8,192 cells, growing with the cells).
+TABLE_TOL = {
+    torch.float32: {"value": 1e-7, "slope": 5e-7},
+    torch.float64: {"value": 1e-13, "slope": 2e-11},
+}
 
 
 def rel_norm_error(a: torch.Tensor, b: torch.Tensor) -> float:

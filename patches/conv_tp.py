@@ -17,6 +17,7 @@ from mace_accel.ops.conv_tp import autograd, folded, hidden_op
 from mace_accel.ops.conv_tp import hidden as hidden_fwd
 from mace_accel.ops.conv_tp.spec import TPSpec
 from mace_accel.ops.graph import graph_from_edge_index
+from mace_accel.ops.limits import LARGE_GRAPH_EDGES
 from mace_accel.options import AccelOptions
 from mace_accel.patches.adopt import FusedModule
 from mace_accel.patches.radial_mlp import FusedRadialMLP
@@ -24,7 +25,7 @@ from mace_accel.patches.radial_mlp import FusedRadialMLP
 
 # From this many edges the conv forward may apply the folded last layer itself
 # (hidden_forward_reason, options.last_layer_kernel); below it a GEMM writes the weights first.
-HIDDEN_FORWARD_MIN_EDGES = 65536
+HIDDEN_FORWARD_MIN_EDGES = LARGE_GRAPH_EDGES
 
 
 # what the report adds to a conv with the radial MLP's last layer folded in

@@ -18,6 +18,7 @@ from mace_accel.ops import radial_mlp, registry
 from mace_accel.ops.conv_tp import folded
 from mace_accel.ops.dmma_gemm import autograd as dmma_gemm
 from mace_accel.ops.dmma_gemm.spec import unsupported_reason as dmma_gemm_unsupported
+from mace_accel.ops.limits import LARGE_GRAPH_EDGES
 from mace_accel.ops.radial_tc import apply as radial_tc
 from mace_accel.ops.radial_tc.spec import RadialSpec
 from mace_accel.ops.radial_tc.spec import unsupported_reason as whole_unsupported
@@ -33,17 +34,16 @@ from mace_accel.patches import radial_table
 from mace_accel.patches.adopt import FusedModule, grads_wanted
 
 PART = "radial_mlp"
-# When the hidden layers run in the fused kernels (scripts/bench_silu_mlp.py on an H100,
-# MP-medium widths, forward + d x inside a CUDA graph). float32 from FUSED_MIN_EDGES edges:
-# below it the GEMM path is faster (21k edges 0.076 vs 0.089 ms, 44k 0.130 vs 0.137 ms: too few
-# tiles per SM to amortise loading the weights into L1), above it the fused one (87k 0.265 vs
-# 0.246 ms, 539k 1.471 vs 1.344 ms) and it keeps nothing for the backward. float64 runs the
+# When the hidden layers run in the fused kernels (scripts/bench_silu_mlp.py, MP-medium widths,
+# forward + d x inside a CUDA graph). float32 from FUSED_MIN_EDGES edges: below it the GEMM
+# path is faster (too few tiles per SM to amortise loading the weights into L1), above it the
+# fused one, which also keeps nothing for the backward. float64 runs the
 # fused path only where the tensor-core kernels of mace_accel.ops.silu_mlp.dmma run (sm_90,
 # widths up to 64): cuBLAS runs its float64 GEMMs on the same DMMA units, and the FMA-unit
 # kernels lost to them (539k edges: 3.05 vs 2.35 ms). The DMMA kernels win at 539k edges (1.38
 # vs 2.37 ms) and tie at 21k (0.103 vs 0.101 ms in a graph), so from FUSED_MIN_EDGES_FLOAT64.
 FUSED_DTYPES = (torch.float32, torch.float64)
-FUSED_MIN_EDGES = 65536
+FUSED_MIN_EDGES = LARGE_GRAPH_EDGES
 FUSED_MIN_EDGES_FLOAT64 = 0
 
 
@@ -116,9 +116,8 @@ def spec_or_reason(net: torch.nn.Module) -> Tuple[Optional[RadialMLPSpec], Optio
 
 def _column_major(w: torch.Tensor) -> torch.Tensor:
     """``w [k, n]`` stored transposed (a view of a contiguous ``[n, k]``): cuBLAS runs both the
-    forward ``h @ w`` and the backward ``g @ w.t()`` faster so (measured on an H100 for the
-    MACE-MP shapes: the 64->1280 forward 2.93 -> 2.64 ms, its backward 2.04 -> 1.83 ms at 539k
-    edges, fp32)."""
+    forward ``h @ w`` and the backward ``g @ w.t()`` faster so (``scripts/gemm_layouts.py``
+    compares the layouts on MACE-MP's shapes)."""
     return w.t().contiguous().t()
 
 

@@ -39,9 +39,8 @@ LATER_SM_SHARE = 0.5
 # the same for their backward kernels (which autograd runs on the side stream too); None: all
 LATER_BACKWARD_SM_SHARE: Optional[float] = 0.5
 # above this many edges the later MLPs hold the whole GPU: the earlier blocks' kernels fill it
-# by themselves. Measured on an H100, MP-medium graphs (scripts/bench_graphs.py): 19,968 edges
-# 1.033 ms at half the GPU, 1.083 with all of it; 39,000 edges 1.672 / 1.598 ms; 67,392 edges
-# 2.368 / 2.325 ms
+# by themselves. On MP-medium graphs half the GPU wins at ~20k edges and all of it from ~39k
+# (scripts/bench_graphs.py --shares)
 SHARE_MAX_EDGES = 30_000
 
 

@@ -27,6 +27,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from mace_accel.ops import radial_mlp
+from mace_accel.ops.limits import LARGE_GRAPH_EDGES
 from mace_accel.ops.radial_table import autograd as table_ops
 from mace_accel.ops.radial_table.table import SPECS, RadialTable, TableError, build_tables
 from mace_accel.ops.species import ORDERED, UNORDERED, PairSet
@@ -36,7 +37,7 @@ Tensor = torch.Tensor
 # by the blocks): at 539k edges on an H200 sorted lookups took 0.58x (forward) the time of
 # unsorted ones, sort included; at 20k, for a table that stays in L2, the sort costs about
 # what it saves
-SORT_MIN_EDGES = 65536
+SORT_MIN_EDGES = LARGE_GRAPH_EDGES
 # a table larger than this does not stay in L2: walked as the edges come, every edge reads its
 # cell's coefficient rows from memory (at 20k edges, a 126 MB float64 table of 1,280 weights:
 # 233 + 199 us forward + backward against 88 + 97 us sorted), so these sort from

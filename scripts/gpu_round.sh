@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine call for a round's closing numbers: the whole GPU test suite in SUITE_JOBS
+# One GPU-machine run for a change's closing numbers: the whole GPU test suite in SUITE_JOBS
 # parallel pytest processes (test files dealt out by their GPU test count; NVRTC compiling the
 # kernels is CPU work, so parallel processes finish a fresh machine's suite several times
 # sooner), then the 256-atom energy+forces call in a CUDA graph against cuEquivariance (and

@@ -1,6 +1,6 @@
 """Many structures in one mace batch dict, built from arrays (no mace ``AtomicData`` per frame).
 
-mace's own data path costs ~4 ms of Python per structure (``config_from_atoms``,
+mace's own data path costs milliseconds of Python per structure (``config_from_atoms``,
 ``AtomicData.from_config``, ``Batch.from_data_list``): more than the GPU needs to evaluate a
 small structure. Here each frame is reduced once to a few numpy arrays (:class:`HostFrame`: element
 indices, float64 positions and cell, the vesin neighbour list on the CPU) and a list of frames is

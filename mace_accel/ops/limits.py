@@ -12,12 +12,40 @@ WARP = 32
 DEFAULT_SMS = 132   # what a device without a known SM count gets (an H100/H200 has 132)
 BLOCKS_PER_SM = 16  # resident blocks enough to hide latency; grid-stride loops do the rest
 
+# The sm_90 (H100/H200) limits: what the kernels' plans, the pinned sources and the CPU tests
+# assume, and what :func:`mace_accel.ops.runtime.device_limits` falls back to where the driver
+# does not say. Values of the CUDA programming guide's table for compute capability 9.0.
+# shared memory a block gets without opting in (every architecture since sm_20)
+STATIC_SHARED = 48 * 1024
+# dynamic shared memory a block may opt in to (cudaFuncAttributeMaxDynamicSharedMemorySize):
+# the SM's 228 KB less the 1 KB the system reserves per block
+OPTIN_SHARED = 227 * 1024
+# shared memory of one SM, which its resident blocks share (with the carve-out at its largest)
+SM_SHARED = 228 * 1024
+# shared memory the system reserves per resident block (sm_80 and later), on top of its own
+RESERVED_SHARED = 1024
+SM_REGISTERS = 64 * 1024  # 32-bit registers of one SM (every architecture since sm_50)
+SM_THREADS = 2048         # resident threads of one SM
+MAX_THREAD_REGISTERS = 255  # the most registers a thread may have
+
+# Graphs from this many edges count as large: the kernels' size-dependent variants switch here.
+# Their extra set-up per block pays off only once the graph gives every SM of an H100/H200
+# several blocks: the staged conv, the DMMA GEMM's wider blocks, the fused radial MLP and sorted
+# table lookups were measured no faster on the benchmarks' graphs of 20k-44k edges and faster on
+# those of 87k-539k, and 2**16 is the power of two between 44k and 87k (the opt-in last layer in
+# the conv's kernel follows them). One number, so that one call's kernels switch at one size.
+LARGE_GRAPH_EDGES = 65536
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceLimits:
-    """What the schedule needs to know about the target GPU."""
+    """What the schedule needs to know about the target GPU (defaults: sm_90, H100/H200)."""
 
     arch: str = "sm_90"                 # e.g. "sm_90" (compute capability 9.0)
     max_threads_per_block: int = 1024
-    max_shared_per_block: int = 48 * 1024  # static shared memory limit without opt-in
+    max_shared_per_block: int = STATIC_SHARED  # static shared memory limit without opt-in
     warp_size: int = WARP
+    max_shared_per_block_optin: int = OPTIN_SHARED  # dynamic shared memory, opted in
+    shared_per_sm: int = SM_SHARED
+    registers_per_sm: int = SM_REGISTERS
+    threads_per_sm: int = SM_THREADS

@@ -23,7 +23,16 @@ import numpy as np
 import torch
 
 from mace_accel.errors import KernelError, KernelSizeError
-from mace_accel.ops.limits import DeviceLimits
+from mace_accel.ops.limits import (
+    MAX_THREAD_REGISTERS,
+    OPTIN_SHARED,
+    RESERVED_SHARED,
+    SM_REGISTERS,
+    SM_SHARED,
+    SM_THREADS,
+    STATIC_SHARED,
+    DeviceLimits,
+)
 
 NVRTC_OPTIONS = ("-std=c++17",)
 INT32_MAX = 2**31 - 1
@@ -50,16 +59,31 @@ def cache_dir() -> Path:
 
 
 def device_limits(device: torch.device) -> DeviceLimits:
-    """Read the schedule's limits off ``device`` (compute capability, block and smem limits)."""
+    """Read the schedule's limits off ``device`` (compute capability, block, SM and smem
+    limits). What torch does not report falls back to the sm_90 values of
+    :mod:`mace_accel.ops.limits`; the opt-in shared memory of a device other than sm_90 to
+    the limit without opt-in, which every device allows."""
     import cupy
 
     with cupy.cuda.Device(device_index(device)) as dev:
         attrs = dev.attributes
         major, minor = dev.compute_capability[:-1], dev.compute_capability[-1]
-    return DeviceLimits(arch=f"sm_{major}{minor}",
+    props = torch.cuda.get_device_properties(device_index(device))
+    arch = f"sm_{major}{minor}"
+    static = int(attrs["MaxSharedMemoryPerBlock"])
+    return DeviceLimits(arch=arch,
                         max_threads_per_block=int(attrs["MaxThreadsPerBlock"]),
-                        max_shared_per_block=int(attrs["MaxSharedMemoryPerBlock"]),
-                        warp_size=int(attrs["WarpSize"]))
+                        max_shared_per_block=static,
+                        warp_size=int(attrs["WarpSize"]),
+                        max_shared_per_block_optin=int(getattr(
+                            props, "shared_memory_per_block_optin",
+                            OPTIN_SHARED if arch == "sm_90" else static)),
+                        shared_per_sm=int(getattr(props, "shared_memory_per_multiprocessor",
+                                                  SM_SHARED)),
+                        registers_per_sm=int(getattr(props, "regs_per_multiprocessor",
+                                                     SM_REGISTERS)),
+                        threads_per_sm=int(getattr(props, "max_threads_per_multi_processor",
+                                                   SM_THREADS)))
 
 
 def kernel_device(dtype: torch.dtype, device: torch.device) -> torch.device:
@@ -159,26 +183,26 @@ class Kernel:
             self._module = cupy.cuda.function.Module()
             self._module.load(cubin)
             self._function = self._module.get_function(name)
-            if self.dynamic_shared > 48 * 1024:
+            if self.dynamic_shared > STATIC_SHARED:
                 _opt_in_shared(self._function, self.dynamic_shared, name)
 
     def registers(self) -> int:
-        """Registers per thread of the loaded function (255, the most, if the driver does not
-        say)."""
+        """Registers per thread of the loaded function (the most a thread may have,
+        :data:`~mace_accel.ops.limits.MAX_THREAD_REGISTERS`, if the driver does not say)."""
         from cupy_backends.cuda.api import driver
 
         try:
             return int(driver.funcGetAttribute(_NUM_REGS_ATTRIBUTE, self._function.ptr))
         except Exception:  # an older cupy without the call: assume the worst
-            return 255
+            return MAX_THREAD_REGISTERS
 
-    def resident_blocks(self, threads: int, sm_shared: int = 228 * 1024,
-                        sm_registers: int = 65536, sm_threads: int = 2048) -> int:
+    def resident_blocks(self, threads: int, sm_shared: int = SM_SHARED,
+                        sm_registers: int = SM_REGISTERS, sm_threads: int = SM_THREADS) -> int:
         """Blocks of ``threads`` threads an SM holds at once: registers (allocated per warp in
         units of 256), shared memory (1 KB a block reserved) and threads; at least 1."""
         warp_regs = -(-self.registers() * 32 // 256) * 256
         by_regs = sm_registers // (warp_regs * -(-threads // 32))
-        by_shared = sm_shared // (self.dynamic_shared + 1024)
+        by_shared = sm_shared // (self.dynamic_shared + RESERVED_SHARED)
         return max(1, min(by_regs, by_shared, sm_threads // threads))
 
     def launch(self, grid, block: int, args: tuple) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import hashlib
 from typing import Dict, Iterator, Tuple
 
-from mace_accel.ops.limits import DeviceLimits
+from mace_accel.ops.limits import STATIC_SHARED, DeviceLimits
 
 # the GPU the pins and the CI compile are made for (H100/H200); the runtime reads the real one
 PIN_LIMITS = DeviceLimits(arch="sm_90", max_threads_per_block=1024,
-                          max_shared_per_block=48 * 1024)
+                          max_shared_per_block=STATIC_SHARED)
 
 
 def catalog_sources(limits: DeviceLimits = PIN_LIMITS,

@@ -67,9 +67,8 @@ def fwd_path_lines(seg: SegmentPlan, p: PathPlan, w_value: str,
 # (the per-receiver outer product, contracted with the CG tensor once per node at the store):
 # one FMA per (a, b) pair an edge, instead of forming ``u[a][k] = sum_b C y_b`` per CG term and
 # ``sum_a x[a] u[a][k]`` per (a, k) pair. The 128x1o segment of MACE-MP-medium keeps 60.
-# Measured on the H200 at 539k edges: the staged float32 forward 1.02 -> 0.96 ms; the plain
-# forwards lost (float32 1.23 -> 1.62 ms, float64 1.91 -> 2.21 ms: the accumulators cost them
-# occupancy), so they keep ``u``.
+# Only the staged forward gains (scripts/bench_conv_staged.py); the plain forwards lose (the
+# accumulators cost them occupancy), so they keep ``u``.
 OUTER_FWD_VALUES = 64
 
 
@@ -136,9 +135,9 @@ def _fwd_lines(seg: SegmentPlan, w_value: Optional[Callable[[PathPlan], str]] = 
 # The per-edge streams (the TP weights read, d(tp_weights) and the d(node_feats) messages
 # written, the messages read back by the per-sender sum) are touched once each and are far
 # larger than the L2 at scale: they are loaded and stored with the evict-first hints, so the
-# lines the kernels reuse (the gathered node features, the node's output gradient) stay. On
-# an H100 at 539k edges (MACE-MP-medium layer 2, scripts/bench_conv_kernel.py): fwd+bwd 5.48-5.51
-# -> 5.35-5.39 ms in float32, 10.04-10.18 -> 9.75-9.77 ms in float64; the same bits.
+# lines the kernels reuse (the gathered node features, the node's output gradient) stay: a
+# few percent of the fwd+bwd time on large graphs in both dtypes, with the same bits
+# (scripts/bench_conv_kernel.py).
 def _stream_load(address: str) -> str:
     return f"__ldcs({address})"
 
@@ -165,8 +164,8 @@ HOIST_G_WORDS = 48
 # contracted with the CG tensor, once per node; 64 registers in float32, 128 in float64): the
 # 128x1o segment of MACE-MP-medium holds 60. With ``h`` held, each edge costs one FMA per
 # (a, b) pair for d(x)/d(w) and one for d(y), instead of re-forming ``u[a][k] = sum_b C y_b``
-# and ``x[a] g[k]`` per CG term (measured on the H200, 539k edges: the backward was bound by
-# issuing those instructions; float32 2.60 -> 2.33 ms, float64 5.17 -> 4.71 ms staged).
+# and ``x[a] g[k]`` per CG term (the backward is bound by issuing those instructions;
+# scripts/bench_conv_staged.py).
 HOIST_H_VALUES = 64
 
 

@@ -80,7 +80,7 @@ class CudaConvPrimitives:
         props = torch.cuda.get_device_properties(self.device)
         self._sms = props.multi_processor_count
         self._threads_per_sm = props.max_threads_per_multi_processor
-        self._shared_optin = int(getattr(props, "shared_memory_per_block_optin", 0))
+        self._shared_optin = limits.max_shared_per_block_optin
         self._launch_cache: Dict[tuple, list] = {}  # see _launches
         self._kernels: Dict[str, Kernel] = {}
         self._hidden_plans: Dict[int, hidden_fwd.HiddenForwardPlan] = {}

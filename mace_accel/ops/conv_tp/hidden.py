@@ -15,8 +15,9 @@ path, multiplies them by its 32 channels' columns (DMMA in float64; 3xTF32 in fl
 accuracy), parks the ``[16, 32]`` product in shared memory and runs that path's conv body,
 thread ``u`` = channel ``u``, as the plain forward does. Jobs write disjoint output columns.
 
-Measured slower than the GEMM kernel and the conv it replaces at 539k edges (the product is
-compute-bound in both dtypes and the resident weights leave 8-12 warps an SM), so it runs only
+Slower than the GEMM kernel and the conv it replaces on large graphs (the product is
+compute-bound in both dtypes and the resident weights leave 8-12 warps an SM;
+scripts/bench_hidden_conv.py), so it runs only
 where ``AccelOptions.last_layer_kernel`` asks for it.
 """
 
@@ -36,14 +37,14 @@ from mace_accel.ops.conv_tp.schedule import (
     kernel_header,
 )
 from mace_accel.ops.conv_tp.spec import TPSpec
-from mace_accel.ops.limits import WARP
+from mace_accel.ops.limits import OPTIN_SHARED, WARP
 from mace_accel.ops.templates import render
 
 ARCH = "sm_90"          # float64 m16n8k8 is Hopper's; the 3xTF32 float32 product runs from sm_80
 TILE = 16               # edges per warp tile: the product's M
 FRAG = 8                # K and N of one m16n8k8 product
 TILES_PER_WARP = WARP // FRAG  # a warp's 32 channels: 4 n-tiles
-SHARED_LIMIT = 227 * 1024  # an sm_90 block's dynamic shared memory, opted in
+SHARED_LIMIT = OPTIN_SHARED  # an sm_90 block's dynamic shared memory, opted in (ARCH only)
 # warps a block may have: the register file holds about this many at the kernels' ~150-200
 # registers (float64 keeps twice the words)
 MAX_BLOCK_WARPS = {"float32": 12, "float64": 8}

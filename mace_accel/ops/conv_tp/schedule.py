@@ -26,7 +26,7 @@ from typing import List, Tuple
 
 from mace_accel.errors import KernelError
 from mace_accel.ops.conv_tp.spec import DTYPES, TPSpec
-from mace_accel.ops.limits import WARP, DeviceLimits
+from mace_accel.ops.limits import SM_THREADS, WARP, DeviceLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +232,7 @@ MAX_EDGE_CHUNKS = 8
 
 
 def edge_chunks(n_nodes: int, threads: int, multiprocessors: int,
-                threads_per_multiprocessor: int = 2048) -> int:
+                threads_per_multiprocessor: int = SM_THREADS) -> int:
     """Parts each receiver's edges are split into in the backward (one block each).
 
     One block per receiver leaves most of a large GPU idle on small systems (256 atoms: 256
@@ -250,8 +250,8 @@ def _max_group_threads(dtype: str, direction: str) -> int:
     value: its backward (the node's output gradient held in registers) fits 256 threads, ~255
     registers each, without spills (the nvcc test of the catalog checks). Its forward runs one
     input segment per launch: the blocks of one launch then do equal work, where a shared block
-    waits for its slowest segment (measured on the H100 at 539k edges, MACE-MP-medium layer 2:
-    3.65 -> 2.72 ms; float32 gained 5%, and lost at 20k edges).
+    waits for its slowest segment. float32 gains little from that and loses on small graphs,
+    so it shares blocks (scripts/bench_conv_kernel.py, MACE-MP-medium layer 2).
     """
     if dtype == "float32":
         return 512

@@ -2,8 +2,8 @@
 
 The plain kernels (``forward.cu.j2``, ``backward.cu.j2``) load each edge's TP weights and
 sender features into registers, one edge ahead: the bytes a block has in flight are bounded by
-its registers, and the per-edge streams run well below the HBM's bandwidth on an H200 (the
-latency x bandwidth product grew with the bandwidth; the SM count did not). The staged kernels
+its registers, and the per-edge streams run well below the bandwidth of a fast HBM (the
+latency x bandwidth product grows with the bandwidth; the SM count does not). The staged kernels
 copy the rows of ``STAGES - 1`` tiles of ``STAGE_EDGES`` edges ahead with ``cp.async`` (16-byte
 copies where the rows allow, else 8 or 4), then compute from shared memory: the backward the
 plain backward's per-edge code, the forward accumulating the outer product ``M`` where it fits
@@ -37,13 +37,12 @@ from mace_accel.ops.conv_tp.codegen import (
     _y_cols,
 )
 from mace_accel.ops.conv_tp.schedule import KernelPlan, PathPlan
+from mace_accel.ops.limits import LARGE_GRAPH_EDGES, RESERVED_SHARED, SM_SHARED
 from mace_accel.ops.templates import RealType, render
 
 # edge ids and senders read per refill of the index buffers (a node's edges are walked in
 # chunks of this many)
 INDEX_TILE = 128
-# shared memory of one sm_90 SM (what two resident blocks must fit in)
-SM_SHARED_BYTES = 228 * 1024
 
 
 class Staging(NamedTuple):
@@ -58,16 +57,15 @@ class Staging(NamedTuple):
 
 
 # How each direction's kernels stage their rows, by dtype; None: the plain kernels, which load
-# each edge's rows into registers one edge ahead. Chosen on the H200 at 539k edges
-# (MACE-MP-medium layer 2, scripts/bench_conv_staged.py): float32 fwd + bwd 4.36 -> 3.35 ms,
-# float64 8.18 -> 6.61 ms (its forward staged was slower than plain).
+# each edge's rows into registers one edge ahead. Chosen by scripts/bench_conv_staged.py on
+# large graphs (MACE-MP-medium layer 2); the float64 forward stays plain: staged, it was slower.
 DEFAULT_STAGING: Dict[str, Dict[str, Optional[Staging]]] = {
     "float32": {"forward": Staging(8, 2, by_segment=True), "backward": Staging(4, 2)},
     "float64": {"forward": None, "backward": Staging(4, 2)},
 }
 # Graphs with fewer edges run the plain kernels: at 20k edges (256 atoms) the staged forward
 # was 1.3-1.4x slower and the staged backward no faster.
-STAGED_MIN_EDGES = 65536
+STAGED_MIN_EDGES = LARGE_GRAPH_EDGES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +116,7 @@ class StagePlan(RealType):
         twice in an SM's shared memory (ptxas then keeps to 128 registers a thread: 16 warps
         an SM, without spills over the catalog); else 1 (all the registers a thread wants:
         smaller blocks capped at 128 spill where several segments share a launch)."""
-        fits_two = 2 * (self.shared_bytes + 1024) <= SM_SHARED_BYTES
+        fits_two = 2 * (self.shared_bytes + RESERVED_SHARED) <= SM_SHARED
         capped = self.dtype == "float32" and self.warps == 8 and fits_two and self.cap_registers
         return 2 if capped else 1
 

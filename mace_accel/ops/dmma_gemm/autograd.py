@@ -24,10 +24,9 @@ if TYPE_CHECKING:
     from mace_accel.ops.dmma_gemm.cuda import CudaDmmaGemm
 
 FAMILY = "dmma_gemm"
-# ``g W^T`` on the DMMA kernel rather than cuBLAS: off. At 539k edges on an H100 the kernel's
-# best geometry took 2.34 ms (64 -> 1280) and 0.98 ms (64 -> 512) against cuBLAS's 2.12 and
-# 0.89 ms (scripts/bench_dmma_gemm.py); the forward kernel wins (2.33 vs 2.86 ms, 0.99 vs
-# 1.29 ms). The kernel stays tested and benchmarked (scripts/bench_dmma_gemm.py).
+# ``g W^T`` on the DMMA kernel rather than cuBLAS: off. On MACE-MP's last layers cuBLAS's
+# backward beats the kernel's best geometry, while the forward kernel beats cuBLAS's forward
+# (scripts/bench_dmma_gemm.py). The kernel stays tested and benchmarked (the same script).
 KERNEL_BACKWARD = False
 Tensor = torch.Tensor
 

@@ -2,9 +2,9 @@
 ``kernels/dmma_gemm/gemm.cu.j2``), forward and backward.
 
 Why: cuBLAS runs these float64 GEMMs on the same DMMA units, but with K = 64 (the forward) or
-N = 64 (the backward) its tiles fall far from the memory floor: at MACE-MP-medium's 539k edges
-its backward ``[E, 1280] x [1280, 64]`` read its input at ~56% of the HBM bandwidth and its
-forward wrote at ~79% (``scripts/bench_dmma_gemm.py``). Both are streams through memory
+N = 64 (the backward) its tiles fall far from the memory floor: on MACE-MP-medium's large
+graphs its backward ``[E, 1280] x [1280, 64]`` reads its input and its forward writes well below
+the HBM bandwidth (``scripts/bench_dmma_gemm.py``). Both are streams through memory
 with ~16 flops a byte, below the DMMA units' ~20 flops a byte on an H100, so each kernel keeps
 the narrow side on chip and streams the wide one once:
 
@@ -21,12 +21,12 @@ import dataclasses
 from typing import Iterator, Tuple
 
 from mace_accel.ops.dmma_gemm.spec import DmmaGemmSpec
-from mace_accel.ops.limits import DEFAULT_SMS, DeviceLimits
+from mace_accel.ops.limits import DEFAULT_SMS, LARGE_GRAPH_EDGES, OPTIN_SHARED, DeviceLimits
 from mace_accel.ops.templates import render
 
 ARCH = "sm_90"  # m16n8k8 in float64 is Hopper's (PTX ISA 7.8)
 DIRECTIONS = ("forward", "backward")
-SHARED_LIMIT = 227 * 1024  # an sm_90 block's dynamic shared memory, opted in
+SHARED_LIMIT = OPTIN_SHARED  # an sm_90 block's dynamic shared memory, opted in (ARCH only)
 # (warps, m-tiles per warp, column tiles per stage, stages) by direction: the fastest measured
 # at 539k edges on an H100 (scripts/bench_dmma_gemm.py): forward
 # 64 -> 1280 2.33 ms with 16 warps of one m-tile (8 warps of two: 2.49-2.63 ms; 12 warps:
@@ -36,7 +36,7 @@ DEFAULT_GEOMETRY = {"forward": (16, 1, 2, 4), "backward": (8, 2, 4, 2)}
 # rows leave SMs idle (20k edges: 79 blocks for 132 SMs). Measured (the same script): 64 -> 1280
 # at 20k edges 111 us vs 131 us (cuBLAS 121 us), at 44k 223 vs 255 us (cuBLAS 268 us); at 87k the
 # default wins (415 vs 476 us)
-SMALL_ROWS = 65536
+SMALL_ROWS = LARGE_GRAPH_EDGES
 SMALL_GEOMETRY = (4, 1, 2, 4)
 
 

@@ -122,8 +122,8 @@ linear_op.register_autograd(_backward, setup_context=_setup)
 
 class _EagerLinear(torch.autograd.Function):
     """The op's autograd outside torch's dispatcher, for eager calls: a custom op's autograd
-    wrapper costs ~100 us of host time a call in grad mode (what force evaluation and training
-    run in), more than a 2,048-node MH-1 linear takes on the GPU."""
+    wrapper costs more host time a call in grad mode (what force evaluation and training run
+    in) than a 2,048-node MH-1 linear takes on the GPU."""
 
     @staticmethod
     def forward(ctx, x, w, wt, elem, key, backend):

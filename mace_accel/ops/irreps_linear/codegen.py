@@ -8,15 +8,14 @@ import dataclasses
 from typing import List, Optional
 
 from mace_accel.ops.irreps_linear.spec import LinearSpec
-from mace_accel.ops.limits import WARP
+from mace_accel.ops.limits import BLOCKS_PER_SM, DEFAULT_SMS, STATIC_SHARED, WARP
 from mace_accel.ops.templates import RealType, render
 
-# static shared memory per block (limit 48 KB): the staged input tile, then the warps' partial
-# sums (one buffer)
+# static shared memory per block (at most STATIC_SHARED): the staged input tile, then the
+# warps' partial sums (one buffer)
 TILE_BYTES = 32 * 1024
-STATIC_SHARED = 48 * 1024
-# default geometry, measured on an H100 (scripts/bench_irreps_linear.py, MACE-MP maps at 280 and
-# 6,912 nodes): 4 nodes per tile, 2 output channels per thread where the blocks are wide
+# default geometry, the fastest of scripts/bench_irreps_linear.py's ``--variants`` (MACE-MP maps
+# at 280 and 6,912 nodes): 4 nodes per tile, 2 output channels per thread where blocks are wide
 TILE_NODES = 4
 # warps splitting the input channels of a block (each warp takes every KS-th u)
 MAX_K_SPLIT = 4
@@ -66,14 +65,14 @@ class LinearPlan(RealType):
     def components(self) -> tuple:
         return ("x", "y", "z", "w")[:self.vec_width]
 
-    def grid(self, n_nodes: int, multiprocessors: int = 132) -> tuple:
+    def grid(self, n_nodes: int, multiprocessors: int = DEFAULT_SMS) -> tuple:
         """``(node tiles, output blocks, slices of 32 * v_tile channels)``: the tiles capped at
         16 blocks per SM in all (a block then walks several tiles with its weights in L1)."""
         tiles = -(-n_nodes // self.tile_nodes)
         blocks = max(1, len(self.out_blocks))
         width = LANES * self.v_tile
         slices = max([-(-b["mul"] // width) for b in self.out_blocks] or [1])
-        cap = max(1, multiprocessors * 16 // (blocks * slices))
+        cap = max(1, multiprocessors * BLOCKS_PER_SM // (blocks * slices))
         return (max(1, min(tiles, cap)), blocks, slices)
 
 

@@ -22,12 +22,10 @@ import torch
 from mace_accel.ops.irreps_linear.spec import LinearInstruction, LinearSpec, weight_block
 
 Tensor = torch.Tensor
-# float64 maps with shared weights run here from this many nodes. Measured on an H100
-# (scripts/bench_irreps_linear.py): the MP message map with the
-# generated kernel / cuBLAS 41.3 / 55.6 us at 700 nodes, 83.2 / 72.4 us at 1,200, 125.7 / 102.4
-# us at 2,048; its transpose ties at 1,200 (74.7 / 74.9 us); the 256-wide map is faster on
-# cuBLAS from 700 nodes (27.5 vs 29.3 us), the readout (a few us) stays faster on the kernel.
-# At 6,912 nodes: the message map 301 vs 387 us, MP-medium float64 27.31 -> 26.88 ms. This path
+# float64 maps with shared weights run here from this many nodes: the kernel's multiply-adds
+# run on the FMA units, cuBLAS's on the DMMA tensor cores, which overtake it on the MP message
+# map between 700 and 1,200 nodes (its transpose ties at ~1,200, the 256-wide map crosses
+# earlier, the small readout stays on the kernel; scripts/bench_irreps_linear.py). This path
 # takes 3-5 launches per output block, so small cells (the 256-atom graph: 280 nodes) keep the
 # kernel's one.
 MIN_NODES_FLOAT64 = 1024

@@ -14,13 +14,13 @@ from mace_accel.ops.templates import RealType, render
 # length order (their threads reload their coefficients only where the cell changes: a
 # 539k-edge graph over a 2048-cell table has ~260 edges a cell) and chunks of at most this many
 # vectors of a row, one vector a thread: the forward's blocks take a whole row where it fits
-# in 640 (rows written whole: 1.474 against 1.500 ms in 256-vector chunks, float64 1,280
-# weights on an H200; 640 threads keep two blocks an SM), the sorted backward's walk the row
-# in chunks of 256 (more blocks an SM)
+# in 640 (rows written whole: a little faster than in 256-vector chunks,
+# scripts/bench_radial_table.py; 640 threads keep two blocks an SM), the sorted backward's
+# walk the row in chunks of 256 (more blocks an SM)
 TABLE_EDGES = 64
 FORWARD_MAX_CHUNK = 640
 SORTED_BACKWARD_MAX_CHUNK = 256
-SORTED_BACKWARD_GROUP = 4  # edges whose d w a thread loads before it sums any (8: 1.13x slower)
+SORTED_BACKWARD_GROUP = 4  # edges whose d w a thread loads before it sums any (8 was slower)
 BACKWARD_THREADS = 256  # the backward in any order: warps of a block, two edges each
 # forward; backward in any order (the edges as they come: a cell per edge); backward in order
 # of length (the coefficients held in registers across the edges of a cell)

@@ -12,12 +12,8 @@ nodes (a quarter, half and three quarters into every cell, against the function 
 coefficients rounded to the table's dtype) are within the spec's tolerances of the largest
 weight and the largest slope (what forces see), or its cell limit is passed.
 
-Float32 tables are cubic (1e-7 / 5e-7: the 3xTF32 MLP kernels are ~1e-6 off float64), float64
-tables quintic (1e-13 / 2e-11: the model-level float64 tolerance is 1e-10), :data:`SPECS`. The
-float64 slope tolerance is set by rounding, not by the grid: the MLP's own float64 values carry
-errors of ~1e-15 of their size, which the interpolant's slope between two nodes amplifies by
-about ``1 / h``; for an Agnesi-transformed model (MACE-MPA-0's architecture) the slopes' error
-stays at 0.6-1.4e-11 from 2,048 to 8,192 cells, growing with the cell count.
+Float32 tables are cubic, float64 tables quintic (:data:`SPECS`), to the tolerances of
+:data:`mace_accel.tolerances.TABLE_TOL` (which says why they are what they are).
 
 The first cell, ``r < h`` (0.006 Å for a 6 Å cutoff; validation rejects atoms closer than
 0.5 Å), is left out of the check: the embeddings' ``sin(k r) / r`` is 0 / 0 at ``r = 0``, so the
@@ -30,6 +26,8 @@ import dataclasses
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from mace_accel.tolerances import TABLE_TOL
 
 Tensor = torch.Tensor
 NODE0 = 1e-3  # the first node's radius, in cells (see the module docstring)
@@ -51,8 +49,8 @@ class TableSpec:
 
 
 SPECS: Dict[torch.dtype, TableSpec] = {
-    torch.float32: TableSpec(CUBIC, 1e-7, 5e-7),
-    torch.float64: TableSpec(QUINTIC, 1e-13, 2e-11),
+    dtype: TableSpec(degree, TABLE_TOL[dtype]["value"], TABLE_TOL[dtype]["slope"])
+    for dtype, degree in ((torch.float32, CUBIC), (torch.float64, QUINTIC))
 }
 TOLERANCE = SPECS[torch.float32].tolerance  # float32's, the default of build_table
 

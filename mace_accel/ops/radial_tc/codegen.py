@@ -9,14 +9,12 @@ pre-activations; the backward runs the 3xTF32 GEMMs with SiLU epilogues
 (:mod:`mace_accel.ops.tf32x3_gemm`) on them (on sm_90 the forward is :mod:`.wgmma`'s and the
 input gradient one kernel, :mod:`.wgmma_backward`).
 
-Measured on an H100 (``scripts/bench_radial_tc.py``, MACE-MP's 10 -> 64 -> 64 -> 64 -> 1280
-net, against the layer-by-layer 3xTF32 kernels it replaces; four runs): forward 20k edges
-113 vs 120 us, 539k edges 2.22-2.35 vs 3.33 ms (512 wide: 62-63 vs 68 us, 1.06-1.16 vs
-1.72 ms). Two backward kernels were
+Against the layer-by-layer 3xTF32 kernels it replaces (``scripts/bench_radial_tc.py``,
+MACE-MP's 10 -> 64 -> 64 -> 64 -> 1280 and 512-wide nets) the forward is a little faster on
+small graphs and takes about two thirds of their time on large ones. Two backward kernels were
 tried and dropped: one that recomputed the hidden layers (178 KB of shared memory, one block per
-SM: 20k edges 184 vs 126 us for the layer-by-layer backward), and one that took the hidden
-layers' backward in a single launch after the last layer's GEMM (20k edges forward + backward
-234.7 vs 237.0 us, 539k edges 4.95 vs 4.94 ms: not worth a kernel).
+SM: slower than the layer-by-layer backward), and one that took the hidden layers' backward in
+a single launch after the last layer's GEMM (no faster: not worth a kernel).
 """
 
 from __future__ import annotations
@@ -24,15 +22,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Tuple
 
-from mace_accel.ops.limits import DeviceLimits
+from mace_accel.ops.limits import OPTIN_SHARED, RESERVED_SHARED, SM_SHARED, DeviceLimits
 from mace_accel.ops.radial_tc.spec import RadialSpec
 from mace_accel.ops.templates import render
 
 BM = 64  # edges per block
 BN = 128  # columns of the last layer per forward tile
-# dynamic shared memory a block may opt in to on sm_80 / sm_90 (227 KB)
-OPTIN_SHARED = 227 * 1024
-SM_SHARED = 228 * 1024  # per SM, of which 1 KB per block is reserved
 FLOAT = 4
 
 
@@ -67,7 +62,7 @@ class RadialPlan:
 
     @property
     def fwd_min_blocks(self) -> int:
-        return max(1, min(2, SM_SHARED // (self.fwd_shared_bytes + 1024)))
+        return max(1, min(2, SM_SHARED // (self.fwd_shared_bytes + RESERVED_SHARED)))
 
     def grid(self, m: int) -> int:
         return max(1, -(-m // BM))

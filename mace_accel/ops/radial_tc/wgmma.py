@@ -19,11 +19,11 @@ the hidden pre-activations written), another design:
   (``sm_share``: the radial MLPs forked beside the earlier blocks' work).
 
 The ``mma.sync`` kernel splits every operand fragment again for every tile it meets and reads
-the weights as float32; measured on an H100 it ran at ~28% of the TF32 peak, bound by issue and
-latency (``scripts/bench_radial_tc.py``). This one, same H100, MACE-MP's 64 -> 1280 last
-layer: 0.90x its time at 20k edges, 0.81-0.86x at 539k, where Nsight Compute puts it at 81% of
-the L2's throughput (every block streams both TF32 parts of the last layer's weights from L2;
-``scripts/bench_radial_tc.py``). Tried and slower: one accumulator over all tiles unrolled
+the weights as float32; it runs far below the TF32 peak, bound by issue and latency. This one
+is faster on MACE-MP's 64 -> 1280 last layer, on small and large graphs, and on large ones
+Nsight Compute puts it near the L2's throughput (every block streams both TF32 parts of the last
+layer's weights from L2); ``scripts/bench_radial_tc.py --kernels`` times the two. Tried and
+slower: one accumulator over all tiles unrolled
 (instruction-cache misses), a loop with two accumulators across iterations or computed stage
 addresses (ptxas serializes the wgmmas, C7514), three stages of 64 columns or two warpgroups
 per block (one block per SM).
@@ -42,6 +42,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from mace_accel.ops.limits import OPTIN_SHARED, RESERVED_SHARED, SM_SHARED
 from mace_accel.ops.radial_tc.spec import RadialSpec
 from mace_accel.ops.silu_mlp.spec import check_layer_weights, zero_padded
 from mace_accel.ops.templates import render
@@ -55,8 +56,6 @@ BN_CHOICES = (40, 32)  # tile widths default_variant picks from (4 stages in ~80
 # columns, the columns split over two blocks, two warpgroups per block
 TESTED_VARIANTS = ((1, 2, 64, 1), (1, 4, 32, 2), (2, 4, 32, 1))
 ROWS = 64  # edges per warpgroup (the m64 of wgmma)
-OPTIN_SHARED = 227 * 1024
-SM_SHARED = 228 * 1024
 FLOAT = 4
 
 
@@ -121,7 +120,7 @@ class WgmmaPlan(WarpgroupBlocks):
 
     @property
     def min_blocks(self) -> int:
-        return max(1, min(2, SM_SHARED // (self.shared_bytes + 1024)))
+        return max(1, min(2, SM_SHARED // (self.shared_bytes + RESERVED_SHARED)))
 
     @property
     def n_sizes(self) -> Tuple[int, ...]:
@@ -169,10 +168,9 @@ def plan_kernel(spec: RadialSpec, wg: int = 1, stages: int = STAGES, bn: int = B
 def default_variant(spec: RadialSpec) -> Tuple[int, int, int, int]:
     """``(wg, stages, bn, splits)`` for ``spec``: one warpgroup, :data:`STAGES` stages, and the
     tile width of :data:`BN_CHOICES` that pads the last layer least (ties: the wider).
-    Measured on an H100 (``scripts/bench_radial_tc.py --kernels``, MACE-MP's 10-64-64-64-1280
-    net, scripts/bench_radial_tc.py): 40 columns 102.6 us at 20k edges and 1.96 ms
-    at 539k, 32 columns 118.9 us / 1.85 ms; the mma.sync kernel 113.5 us / 2.28 ms. The 20k
-    case (a 256-atom call, latency-bound) decides: 40."""
+    On MACE-MP's 10-64-64-64-1280 net (``scripts/bench_radial_tc.py --kernels``) 40 columns
+    win on small graphs and 32 on large ones; the small case (a 256-atom call, latency-bound)
+    decides: 40."""
     def padded_columns(bn: int) -> int:
         return -(-spec.widths[-1] // (bn * STAGES)) * bn * STAGES
 

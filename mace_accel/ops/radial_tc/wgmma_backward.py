@@ -21,13 +21,12 @@ is written: ``g W_L^T`` (``[E, 64]``) and the hidden layers' gradients stay in r
 * K is summed in slices of 32 on the tensor cores, the slices added in float32 (the forward's
   accuracy); blocks stride over the tiles of edges (``sm_share``).
 * The pre-activations each ``silu'`` reads are loaded while the GEMM before it runs (their
-  load latency was the largest stall in Nsight Compute's samples: 37% of them).
+  load latency was the largest stall in Nsight Compute's samples).
 
-Measured on an H100 against the 3xTF32 layer kernels it replaces (``scripts/bench_radial_tc.py
---backward``, MACE-MP's 10-64-64-64 nets): 512 outputs 51.0 vs 79.4 us
-at 20k edges, 0.90 vs 1.37 ms at 539k; 1280 outputs 92.0 vs 128.8 us, 1.69 vs 2.42 ms. Still
-latency-bound (Nsight Compute, two warpgroups a block: no eligible warp in 80% of the cycles at
-20k edges). Tried and slower: ``g`` read straight into registers one pair of chunks ahead (no
+About two thirds of the time of the 3xTF32 layer kernels it replaces, on small and large graphs
+and both of MACE-MP's output widths (``scripts/bench_radial_tc.py --backward``, its 10-64-64-64
+nets). Still latency-bound (Nsight Compute, two warpgroups a block: on small graphs most cycles
+have no eligible warp). Tried and slower: ``g`` read straight into registers one pair of chunks ahead (no
 shared memory for it; only two stages of weights then fit the registers left); two
 warpgroups sharing each chunk of weights (one block per SM); the hidden layers' weights kept
 in shared memory for the whole launch (fewer stages, one block per SM).
@@ -40,6 +39,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from mace_accel.ops.limits import OPTIN_SHARED, RESERVED_SHARED, SM_REGISTERS, SM_SHARED
 from mace_accel.ops.radial_tc import wgmma
 from mace_accel.ops.radial_tc.spec import RadialSpec
 from mace_accel.ops.silu_mlp.spec import check_layer_weights, zero_padded
@@ -48,14 +48,13 @@ from mace_accel.ops.templates import render
 CK = 32  # last-layer rows per chunk: one K slice of 4 k8 steps
 G_PAD = 4  # floats of padding per row of g in shared memory (spreads a warp's reads over banks)
 # the default: one warpgroup, two pairs of chunks in flight, two blocks per SM (102 KB of shared
-# memory and 250 registers each with MACE-MP's nets). Measured on an H100
-# (scripts/bench_radial_tc.py): independent blocks beat two warpgroups sharing each chunk of weights
-# (0.64-0.71x the layer kernels against 0.69-0.88x), and deeper stages (six, eight) gained nothing
+# memory and 250 registers each with MACE-MP's nets): independent blocks beat two warpgroups
+# sharing each chunk of weights, and deeper stages (six, eight) gained nothing
+# (scripts/bench_radial_tc.py --backward)
 WG, STAGES = 1, 4
 DEFAULT_VARIANT = (WG, STAGES)
 # (wg, stages) besides the default that the GPU tests run (and CI compiles)
 TESTED_VARIANTS = ((1, 2), (2, 4))
-MAX_REGISTERS = 64 * 1024  # per SM
 FLOAT = 4
 
 
@@ -118,8 +117,8 @@ class BackwardPlan(wgmma.WarpgroupBlocks):
     def min_blocks(self) -> int:
         """Blocks per SM the launch bounds ask for: two where shared memory and ~200 registers a
         thread allow (one warpgroup), else one."""
-        by_registers = MAX_REGISTERS // (self.threads * 256)
-        return max(1, min(2, by_registers, wgmma.SM_SHARED // (self.shared_bytes + 1024)))
+        by_registers = SM_REGISTERS // (self.threads * 256)
+        return max(1, min(2, by_registers, SM_SHARED // (self.shared_bytes + RESERVED_SHARED)))
 
     @property
     def n_sizes(self) -> Tuple[int, ...]:
@@ -156,9 +155,9 @@ def plan_backward(spec: RadialSpec, wg: int = WG, stages: int = STAGES) -> Backw
     plan = BackwardPlan(spec.key(), wgmma.ARCH, wg, stages, w[0], kh, n_out, CK, n_chunks,
                         n_hidden - 1, w[-2], tuple(layers), spec.hidden_width, at, stage,
                         CK + G_PAD)
-    if plan.shared_bytes > wgmma.OPTIN_SHARED:
+    if plan.shared_bytes > OPTIN_SHARED:
         raise ValueError(f"{spec.describe()}: the wgmma backward needs {plan.shared_bytes} "
-                         f"bytes of shared memory, over the {wgmma.OPTIN_SHARED} a block can "
+                         f"bytes of shared memory, over the {OPTIN_SHARED} a block can "
                          "have")
     return plan
 

@@ -7,7 +7,7 @@ to match when they are packed, :func:`~.spec.fragments`), so nothing between ``x
 the output touches memory, and no lane exchanges data. The weights' fragments are copied once
 per block into shared memory. The SiLU runs as a loop over each lane's own values in a shared
 slab: written once per register, its exp and reciprocal made the kernel too large for the
-instruction cache (28k -> 2.5k instructions; 0.69 -> 0.57 ms at 539k edges with 12 warps).
+instruction cache (28k instructions against the loop's 2.5k; scripts/bench_silu_mlp.py).
 
 Two backward kernels give ``d x``: by default from the slopes ``silu'(z)`` the forward kept
 (``[E, sum of hidden widths]`` doubles, read once: the backward is a stream through memory), or,
@@ -15,11 +15,11 @@ where memory is short, recomputing the forward (the first layer's pre-activation
 end, the middle layers' kept in shared memory per warp, the last one's in registers).
 
 Why: in float64 the radial MLP's hidden layers ran as cuBLAS GEMMs (on the same DMMA units) with
-SiLU passes between them, every ``[E, 64]`` pre-activation and activation written and read again
-(2.35 ms per MP-medium net at 539k edges, forward and ``d x``); the SIMT kernels of
-:mod:`.codegen` keep them on chip but run on the FMA units (3.05 ms). Here: forward 0.57 ms,
-backward from the slopes 0.43 ms (88% of the copy bandwidth), 1.38 ms in a CUDA graph with the
-autograd glue (H100).
+SiLU passes between them, every ``[E, 64]`` pre-activation and activation written and read again;
+the SIMT kernels of :mod:`.codegen` keep them on chip but run on the FMA units, slower still.
+Here the products run on the DMMA units with only ``x``, the output and the kept slopes passing
+through memory, and the backward from the slopes streams near the copy bandwidth
+(``scripts/bench_silu_mlp.py`` times these against the GEMM path).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple
 
-from mace_accel.ops.limits import DEFAULT_SMS
+from mace_accel.ops.limits import DEFAULT_SMS, OPTIN_SHARED, SM_REGISTERS, SM_SHARED
 from mace_accel.ops.silu_mlp.spec import FRAG, SiluMLPSpec
 from mace_accel.ops.templates import render
 
@@ -37,9 +37,7 @@ MAX_TILES = 8   # widest layer in n-tiles of 8 (64 columns): its A and C fragmen
 WARPS = 8       # the backward's warps per block: 256 threads of ~180 registers fill an SM
 FORWARD_WARPS = 12  # the forward's (~150 registers; 12 warps: 0.573 vs 0.692 ms with 8 at 539k)
 UNROLL = 2      # SiLU elements pairs per lane in flight in the forward's loop
-SHARED_LIMIT = 227 * 1024  # an sm_90 block's dynamic shared memory, opted in
-SHARED_PER_SM = 228 * 1024
-REGISTER_FILE = 65536  # 32-bit registers per SM
+SHARED_LIMIT = OPTIN_SHARED  # an sm_90 block's dynamic shared memory, opted in (ARCH only)
 REGISTERS = 184  # a thread's, at most (ptxas: 144 forward / 184 backward for the MACE widths)
 
 
@@ -115,8 +113,8 @@ class DmmaPlan:
     def blocks_per_sm(self, shared: int, warps: int) -> int:
         """Blocks of ``warps`` warps and ``shared`` bytes an SM holds at once: shared memory
         and registers (:data:`REGISTERS` a thread)."""
-        by_registers = REGISTER_FILE // (REGISTERS * 32 * warps)
-        return max(1, min(SHARED_PER_SM // max(shared, 1), by_registers))
+        by_registers = SM_REGISTERS // (REGISTERS * 32 * warps)
+        return max(1, min(SM_SHARED // max(shared, 1), by_registers))
 
     def grid(self, n_edges: int, multiprocessors: int = DEFAULT_SMS, shared: int = 0,
              warps: int = WARPS) -> int:

@@ -6,10 +6,9 @@ memory: wide outputs (the forward, ``n`` in the hundreds) take 64 x 128 tiles (8
 of 16 along K three deep), narrow ones (the backward's ``d h``, ``n`` = hidden width, K in the
 thousands) 64 x 64 tiles (4 warps, slices of 32 two deep).
 
-Measured on an H100 (``scripts/bench_tf32x3_gemm.py``, MACE-MP's 64 -> 1280 layer, against
-torch.mm on cuBLAS's float32 kernels): 20k edges forward 91 vs 118 us, backward 84 vs 109 us;
-539k edges forward 2.67 vs 2.62 ms, backward 1.93 vs 2.11 ms. Relative L-infinity error against
-a float64 product: 2-4e-7 (cuBLAS 4e-7 forward, 0.7-1.9e-6 backward). Tried and slower: 128 x
+Against torch.mm on cuBLAS's float32 kernels (``scripts/bench_tf32x3_gemm.py``, MACE-MP's
+64 -> 1280 layer): faster on small graphs and in the backward, on par in the large forward.
+Relative L-infinity error against a float64 product: 2-4e-7 (cuBLAS 4e-7 forward, 0.7-1.9e-6 backward). Tried and slower: 128 x
 128 tiles (16 warps), 64 x 64 forward tiles, 32 x 128 tiles.
 """
 
@@ -18,11 +17,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Optional, Tuple
 
-from mace_accel.ops.limits import DeviceLimits
+from mace_accel.ops.limits import STATIC_SHARED, DeviceLimits
 from mace_accel.ops.tf32x3_gemm.spec import GemmSpec
 from mace_accel.ops.templates import render
 
-STATIC_SHARED = 48 * 1024
 # (bm, bn, bk, warps_m, warps_n, stages)
 WIDE = (64, 128, 16, 2, 4, 3)
 NARROW = (64, 64, 32, 2, 2, 2)
