@@ -10,10 +10,11 @@ first use after loading.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from mace_accel.errors import InputError
 from mace_accel.options import AccelOptions
 
 
@@ -99,6 +100,27 @@ class FusedModule(torch.nn.Module):
             with torch.no_grad():
                 cached = self._kernels[name] = (key, build(dtype))
         return cached[1]
+
+    def _spec_reread(self, seen: Tuple, read: Callable[[], Tuple[Any, Optional[str]]],
+                     what: str) -> Any:
+        """None while ``seen`` (what the spec was read from: its tensors' identities and
+        versions, ``load_state_dict`` or ``copy_`` bumps them, ``.to()`` makes new ones) is as
+        at the last call (the first call records it); else the spec ``read()`` makes of the
+        module as it is now, for the caller to use instead of the stale one.
+
+        Raises:
+            InputError: ``read()`` says ``what`` cannot be fused any more (``(None, reason)``).
+        """
+        if self._kernels.get("seen") == seen:
+            return None
+        spec = None
+        if "seen" in self._kernels:
+            spec, reason = read()
+            if spec is None:
+                raise InputError(f"{what} changed since it was fused and cannot be fused any "
+                                 f"more: {reason}; revert the model")
+        self._kernels["seen"] = seen
+        return spec
 
     def _kernel_cache(self, key: Any, build) -> Any:
         """``self._kernels[key]``, built once by ``build()`` (per dtype and device)."""

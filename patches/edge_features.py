@@ -152,17 +152,12 @@ class FusedRadialEmbedding(FusedModule):
     def _current_key(self) -> str:
         if torch.compiler.is_compiling():  # no _version guards in a graph: the spec as fused
             return self._key
-        seen = self._buffers_seen()
-        if self._kernels.get("seen") != seen:  # first call, or the buffers changed
-            if "seen" in self._kernels:
-                self.sync_original()
-                spec, reason = radial_spec_from_module(self.original,
-                                                       self.atomic_numbers_seen or None)
-                if spec is None:
-                    raise InputError(f"the radial embedding changed since it was fused and "
-                                     f"cannot be fused any more: {reason}; revert the model")
-                self.spec, self._key = spec, autograd.register_radial(spec)
-            self._kernels["seen"] = seen
+        spec = self._spec_reread(
+            self._buffers_seen(),
+            lambda: radial_spec_from_module(self.sync_original(), self.atomic_numbers_seen or None),
+            "the radial embedding")
+        if spec is not None:
+            self.spec, self._key = spec, autograd.register_radial(spec)
         return self._key
 
     def forward(self, edge_lengths: torch.Tensor, node_attrs: Optional[torch.Tensor] = None,

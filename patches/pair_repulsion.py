@@ -43,15 +43,12 @@ class FusedPairRepulsion(FusedModule):
                 f"({kind}), the edges' slopes kept for the backward")
 
     def _current_spec(self) -> ZBLSpec:
-        seen = tuple((id(t), t._version) for t in self._buffers.values())
-        if self._kernels.get("seen") != seen:
-            if "seen" in self._kernels:
-                spec, reason = zbl_spec_from_module(self.sync_original(), self.spec.numbers)
-                if spec is None:
-                    raise ValueError(f"the ZBL pair repulsion changed since it was fused and "
-                                     f"cannot be fused any more: {reason}; revert the model")
-                self.spec = spec
-            self._kernels["seen"] = seen
+        spec = self._spec_reread(tuple((id(t), t._version) for t in self._buffers.values()),
+                                 lambda: zbl_spec_from_module(self.sync_original(),
+                                                              self.spec.numbers),
+                                 "the ZBL pair repulsion")
+        if spec is not None:
+            self.spec = spec
         return self.spec
 
     def forward(self, x: torch.Tensor, node_attrs: torch.Tensor, edge_index: torch.Tensor,

@@ -63,15 +63,11 @@ class FusedSymmetricContraction(FusedModule):
         of its own), never a stale one."""
         if torch.compiler.is_compiling():  # no _version guards in a graph: the spec as fused
             return self._key
-        seen = self._buffers_seen()
-        if self._kernels.get("seen") != seen:
-            if "seen" in self._kernels:
-                spec, reason = _contraction_spec(self.sync_original())
-                if spec is None:
-                    raise InputError(f"the symmetric contraction changed since it was fused and "
-                                     f"cannot be fused any more: {reason}; revert the model")
-                self.spec, self._key = spec, autograd.register_spec(spec)
-            self._kernels["seen"] = seen
+        spec = self._spec_reread(self._buffers_seen(),
+                                 lambda: _contraction_spec(self.sync_original()),
+                                 "the symmetric contraction")
+        if spec is not None:
+            self.spec, self._key = spec, autograd.register_spec(spec)
         return self._key
 
     def weights(self) -> List[torch.Tensor]:

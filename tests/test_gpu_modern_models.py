@@ -332,7 +332,7 @@ def test_optimizer_steps_copy_revert_and_casts_under_a_live_calculator():
 # ----- training through the accelerated model ----------------------------------------------------
 @pytest.mark.parametrize("dtype,bound", [(torch.float64, 1e-9), (torch.float32, 1e-4)])
 def test_fine_tuning_follows_the_plain_models_loss_curve(dtype, bound):
-    from tests_training import fine_tune_losses
+    from fine_tuning import fine_tune_losses
 
     plain, fast = fine_tune_losses("mpa0-small-test", dtype, "cuda", steps=20)
     rel = [abs(a - b) / abs(b) for a, b in zip(fast, plain)]

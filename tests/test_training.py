@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests_training import fine_tune_losses
+from fine_tuning import fine_tune_losses
 
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float64, 1e-9), (torch.float32, 1e-4)])
