@@ -5,14 +5,15 @@ A small system's call is bound by ~500-1,000 kernel launches and the Python that
 not by the GPU. Captured once into a CUDA graph, a call costs one replay. Graphs need fixed
 shapes, so a structure of ``N`` atoms and ``E`` edges is padded up to a bucket ``(N_pad, E_pad)``:
 
-* the padding atoms ``N .. N_pad-1`` form a second, *dummy* graph of the batch (``batch = 1``),
-  with zero node attributes, at the origin;
+* the padding atoms ``N .. N_pad-1`` form one more, *dummy* structure of the batch (after the
+  batch's ``S`` structures: ``batch = S``), with zero node attributes, at the origin;
 * the padding edges join padding atoms to themselves (at most 32 on each) across one cell
-  vector of the dummy graph's cell, ``L = 2 r_max + 1`` Å long: beyond the cutoff;
-* the dummy graph's energy, forces and stress are dropped. The real graph's atoms never
-  exchange a message with a padding atom, so its results do not depend on the padding (the
+  vector of the dummy structure's cell, ``L = 2 r_max + 1`` Å long: beyond the cutoff;
+* the dummy structure's energy, forces and stress are dropped. The real atoms never
+  exchange a message with a padding atom, so their results do not depend on the padding (the
   padding atoms' own forces come out exactly zero; tested).
 
+The calculator pads one structure; :mod:`mace_accel.training` pads a training batch of many.
 Static input buffers are written before every replay; outputs are read from the graph's static
 outputs. The edge orderings the fused kernels walk (receiver and sender CSRs of the static
 ``edge_index``) are built outside the graph, which reads them, and rebuilt in place only when
@@ -148,6 +149,92 @@ def unpack(flat, n_atoms: int, n_pad: int, with_stress: bool) -> Tuple[Dict[str,
     return results, float(flat[1])
 
 
+def n_structures(batch: Dict[str, Tensor]) -> int:
+    """``S``: the structures of a mace batch dict (``ptr [S + 1]``; one without ``ptr``)."""
+    ptr = batch.get("ptr")
+    return int(ptr.shape[0]) - 1 if torch.is_tensor(ptr) else 1
+
+
+def static_inputs(batch: Dict[str, Tensor], n_pad: int, e_pad: int) -> Dict[str, Tensor]:
+    """Zeroed static buffers of the bucket ``(n_pad, e_pad)`` with the layout of ``batch`` (``S``
+    structures, :func:`n_structures`) and the dummy structure after them: per-node fields
+    ``[N_pad, ...]``, per-edge ``[E_pad, ...]``, per-structure ``[S + 1, ...]``, cells
+    ``[3 (S + 1), 3]``, ``ptr [S + 2]``. Labels and their weights are not model inputs and are
+    left out."""
+    n = int(batch["positions"].shape[0])
+    s = n_structures(batch)
+    inputs: Dict[str, Tensor] = {}
+    for name, value in batch.items():
+        if not torch.is_tensor(value) or name in LABELS or name.endswith("weight"):
+            continue
+        if name in PER_EDGE:
+            shape = (2, e_pad) if name == "edge_index" else (e_pad, *value.shape[1:])
+        elif name in CELLS:
+            shape = (3 * (s + 1), 3)
+        elif name == "ptr":
+            shape = (s + 2,)
+        elif name in PER_NODE or (value.dim() >= 1 and value.shape[0] == n and n > s):
+            shape = (n_pad, *value.shape[1:])
+        elif value.dim() >= 1 and value.shape[0] == s:
+            shape = (s + 1, *value.shape[1:])
+        else:
+            continue
+        inputs[name] = torch.zeros(shape, dtype=value.dtype, device=value.device)
+    return inputs
+
+
+def fill_static(entry: _Captured, batch: Dict[str, Tensor], pad: float) -> Set[str]:
+    """Write ``batch`` (``S`` structures) and the padding around it into ``entry``'s static
+    inputs (module docstring: the padding atoms are structure ``S``, their edges are longer
+    than the cutoff ``< pad``); the names of the inputs written (those unchanged since the
+    last fill are not)."""
+    s = entry.inputs
+    n, e = int(batch["positions"].shape[0]), int(batch["edge_index"].shape[1])
+    n_pad = s["positions"].shape[0]
+    structures = n_structures(batch)
+    layout_changed = (n, e) != (entry.n_atoms, entry.n_edges)
+    written: Set[str] = set()
+    with torch.no_grad():
+        for name, buf in s.items():
+            value = batch[name]
+            seen = entry.sources.get(name)
+            if not layout_changed and seen is not None and seen[0] is value \
+                    and seen[1] == value._version:
+                continue
+            entry.sources[name] = (value, value._version)
+            written.add(name)
+            if name == "edge_index":
+                buf[:, :e].copy_(value)
+                # padding edges join padding atoms to themselves, spread over all of them
+                spread = torch.arange(buf.shape[1] - e, device=buf.device) % (n_pad - n)
+                buf[:, e:].copy_((n + spread).to(buf.dtype).expand(2, -1))
+            elif name in PER_EDGE:
+                buf[:e].copy_(value)
+                buf[e:].zero_()
+                buf[e:, 0] = pad if name == "shifts" else 1  # one dummy cell vector
+            elif name in CELLS:
+                buf[:3 * structures].copy_(value.reshape(3 * structures, 3))
+                eye = torch.eye(3, dtype=buf.dtype, device=buf.device)
+                # the dummy structure: a cube of side pad (rcell is mace's 2 pi inv(cell^T))
+                buf[3 * structures:].copy_(eye * (pad if name == "cell" else 2 * math.pi / pad))
+            elif name == "ptr":
+                buf[:structures + 1].copy_(value)
+                buf[structures + 1:].fill_(n_pad)
+            elif name == "batch":
+                buf[:n].copy_(value)
+                buf[n:].fill_(structures)
+            elif buf.shape[0] == n_pad and name != "head":
+                buf[:n].copy_(value)
+                buf[n:].zero_()       # padding atoms: no element, no charge, at the origin
+            else:                     # per structure: the dummy copies the first real one
+                buf[:structures].copy_(value)
+                buf[structures:].copy_(value[:1])
+    if "edge_index" in written and entry.edges is not None:  # new list: new orderings
+        entry.edges.refresh(s["edge_index"], entry.edge_keys)
+    entry.n_atoms, entry.n_edges = n, e
+    return written
+
+
 class GraphedCall:
     """Energy + forces (+ stress) of ``model`` through CUDA graphs, one per shape bucket.
 
@@ -211,76 +298,10 @@ class GraphedCall:
 
     # -- padding --------------------------------------------------------------------------------
     def _static_inputs(self, key: Tuple, batch: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        """Zeroed static buffers of bucket ``key`` with the layout of ``batch``: per-node fields
-        ``[N_pad, ...]``, per-edge ``[E_pad, ...]``, per-graph ``[2, ...]`` (real + dummy),
-        cells ``[6, 3]``. Training labels and their weights are not passed to the model."""
-        n_pad, e_pad = key[0], key[1]
-        n = int(batch["positions"].shape[0])
-        inputs: Dict[str, Tensor] = {}
-        for name, value in batch.items():
-            if not torch.is_tensor(value) or name in LABELS or name.endswith("weight"):
-                continue
-            if name in PER_EDGE:
-                shape = (2, e_pad) if name == "edge_index" else (e_pad, *value.shape[1:])
-            elif name in CELLS:
-                shape = (6, 3)
-            elif name == "ptr":
-                shape = (3,)
-            elif name in PER_NODE or (value.dim() >= 1 and value.shape[0] == n and n > 1):
-                shape = (n_pad, *value.shape[1:])
-            elif value.dim() >= 1 and value.shape[0] == 1:
-                shape = (2, *value.shape[1:])
-            else:
-                continue
-            inputs[name] = torch.zeros(shape, dtype=value.dtype, device=value.device)
-        return inputs
+        return static_inputs(batch, key[0], key[1])
 
     def _fill(self, entry: _Captured, batch: Dict[str, Tensor]) -> Set[str]:
-        """Write ``batch`` (and the padding around it) into ``entry``'s static inputs; the names
-        of the inputs written (those unchanged since the last fill are not)."""
-        s = entry.inputs
-        n, e = int(batch["positions"].shape[0]), int(batch["edge_index"].shape[1])
-        n_pad = s["positions"].shape[0]
-        pad = self.pad_length
-        layout_changed = (n, e) != (entry.n_atoms, entry.n_edges)
-        written: Set[str] = set()
-        with torch.no_grad():
-            for name, buf in s.items():
-                value = batch[name]
-                seen = entry.sources.get(name)
-                if not layout_changed and seen is not None and seen[0] is value \
-                        and seen[1] == value._version:
-                    continue
-                entry.sources[name] = (value, value._version)
-                written.add(name)
-                if name == "edge_index":
-                    buf[:, :e].copy_(value)
-                    # padding edges join padding atoms to themselves, spread over all of them
-                    spread = torch.arange(buf.shape[1] - e, device=buf.device) % (n_pad - n)
-                    buf[:, e:].copy_((n + spread).to(buf.dtype).expand(2, -1))
-                elif name in PER_EDGE:
-                    buf[:e].copy_(value)
-                    buf[e:].zero_()
-                    buf[e:, 0] = pad if name == "shifts" else 1  # one dummy cell vector
-                elif name in CELLS:
-                    buf[:3].copy_(value.reshape(3, 3))
-                    eye = torch.eye(3, dtype=buf.dtype, device=buf.device)
-                    # the dummy graph: a cube of side pad (rcell is mace's 2 pi inv(cell^T))
-                    buf[3:].copy_(eye * (pad if name == "cell" else 2 * math.pi / pad))
-                elif name == "ptr":
-                    buf.copy_(torch.tensor([0, n, n_pad], dtype=buf.dtype))
-                elif name == "batch":
-                    buf[:n].zero_()
-                    buf[n:].fill_(1)
-                elif buf.shape[0] == n_pad and name != "head":
-                    buf[:n].copy_(value)
-                    buf[n:].zero_()       # padding atoms: no element, no charge, at the origin
-                else:                     # per graph: the dummy graph copies the real one
-                    buf.copy_(value.expand_as(buf))
-        if "edge_index" in written and entry.edges is not None:  # new list: new orderings
-            entry.edges.refresh(s["edge_index"], entry.edge_keys)
-        entry.n_atoms, entry.n_edges = n, e
-        return written
+        return fill_static(entry, batch, self.pad_length)
 
     def padded_eager(self, batch: Dict[str, Tensor], compute_stress: bool) -> Dict[str, Tensor]:
         """The padded call run eagerly (no graph): what a replay computes. For tests, and on

@@ -13,7 +13,11 @@ training loop does per batch, on the same batch and the same fixed targets for e
 * ``loss = mean(((E - E0) / N)^2) + mean((F - F0)^2)`` with random targets ``E0`` [1] and
   ``F0`` [N, 3] drawn from the bench's ``--seed``;
 * ``optimizer.zero_grad(set_to_none=True); loss.backward(); optimizer.step()`` with
-  ``torch.optim.Adam(lr=1e-4)``, one optimizer per backend.
+  ``torch.optim.Adam(lr=1e-4)``, one optimizer per backend;
+* on a CUDA device, each backend again with the whole step captured as CUDA graphs
+  (:class:`mace_accel.training.TrainingStep`, Adam with ``capturable=True``; the backend's
+  name followed by ``+graphs``): an eager step is bound by the host issuing ~1,500 launches,
+  a captured one by its kernels. Speedups compare steps run the same way.
 
 The first step's loss is computed before any weight update, so it is a function of the
 starting weights, the batch and the targets only: every backend must give e3nn's. A backend
@@ -38,6 +42,8 @@ from mace_accel.bench.timing import free_memory, time_calls, track_peak_memory
 LOSS_TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 LEARNING_RATE = 1e-4
 LOSS_DIFFERS = "loss differs from e3nn's"
+# the backend name of a step captured as CUDA graphs (mace_accel.training.TrainingStep)
+GRAPHS = "+graphs"
 
 
 @dataclasses.dataclass
@@ -146,7 +152,7 @@ def reference_loss(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
 def run_training_step(prepared: PreparedBackend, batch: Dict[str, torch.Tensor],
                       targets: Dict[str, torch.Tensor], device: torch.device | str,
                       label: str, dtype_name: str, steps: int = 10, warmup_steps: int = 3,
-                      edges: Optional[int] = None) -> TrainRecord:
+                      edges: Optional[int] = None, graphs: bool = False) -> TrainRecord:
     """Time ``steps`` optimizer steps of ``prepared``'s model after ``warmup_steps`` untimed
     ones (module docstring).
 
@@ -157,17 +163,22 @@ def run_training_step(prepared: PreparedBackend, batch: Dict[str, torch.Tensor],
         targets: :func:`make_targets` for ``N`` atoms (``energy`` [1], ``forces`` [N, 3]).
         label, dtype_name: the model's name and dtype for the record.
         edges: the batch's edge count ``E`` (``edge_index`` [2, E]), for the record.
+        graphs: run the step as :class:`mace_accel.training.TrainingStep` captures it (the
+            first warm-up step eager, the second captured; at least two warm-up steps).
 
     Returns:
         a :class:`TrainRecord` with the timing and the first step's loss (compare it with
         :func:`check_loss`); failures are in its ``status``, never raised.
     """
-    record = TrainRecord(label, dtype_name, prepared.name, prepared.status,
+    if graphs:
+        warmup_steps = max(warmup_steps, 2)
+    record = TrainRecord(label, dtype_name, prepared.name + (GRAPHS if graphs else ""),
+                         prepared.status,
                          atoms=int(batch["positions"].shape[0]), edges=edges, steps=steps,
                          warmup_steps=warmup_steps, detail=prepared.detail)
     if not prepared.ok:
         return record
-    model = optimizer = None
+    model = optimizer = train = labelled = None
     first: List[torch.Tensor] = []
 
     def step() -> None:
@@ -179,20 +190,31 @@ def run_training_step(prepared: PreparedBackend, batch: Dict[str, torch.Tensor],
         loss.backward()
         optimizer.step()
 
+    def graphed_step() -> None:
+        loss = train(labelled)
+        if not first:
+            first.append(loss)
+
     try:
         # the prepared model is this step's own (prepared afresh per backend): trained in
         # place, not copied (a copy of a converted model is one more thing that can fail)
         model = make_trainable(prepared.model)
         optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
-                                     lr=LEARNING_RATE)
+                                     lr=LEARNING_RATE, capturable=graphs)
+        if graphs:
+            from mace_accel.training import TrainingStep
+
+            train = TrainingStep(model, optimizer, graphs=True)
+            labelled = dict(batch, energy=targets["energy"], forces=targets["forces"])
         with track_peak_memory(device) as memory:
-            timing = time_calls(step, device, warmup=warmup_steps, repeats=steps)
+            timing = time_calls(graphed_step if graphs else step, device,
+                                warmup=warmup_steps, repeats=steps)
         record.first_loss = float(first[0])
     except Exception as exc:  # reported in the record; the other backends still run
         record.status = failure_status(exc)
         return record
     finally:  # drop the copy, its gradients and Adam's state before the next backend
-        model = optimizer = None
+        model = optimizer = train = labelled = None
         first.clear()
         free_memory(device)
     record.clock = timing.clock
@@ -225,16 +247,18 @@ def check_loss(record: TrainRecord, reference: Optional[float]) -> None:
 
 
 def compute_train_speedups(records: Sequence[TrainRecord]) -> None:
-    """Fill ``speedup_vs_e3nn`` and ``speedup_vs_cueq`` in place, within each (model, dtype):
-    that backend's median over this one's. Records with a timing count, a loss mismatch
-    included (its status says so); a baseline must have run OK."""
+    """Fill ``speedup_vs_e3nn`` and ``speedup_vs_cueq`` in place, within each (model, dtype,
+    eager or captured): that backend's median over this one's, both run the same way. Records
+    with a timing count, a loss mismatch included (its status says so); a baseline must have
+    run OK."""
     groups: Dict[tuple, List[TrainRecord]] = {}
     for r in records:
-        groups.setdefault((r.model, r.dtype), []).append(r)
-    for group in groups.values():
+        suffix = GRAPHS if r.backend.endswith(GRAPHS) else ""
+        groups.setdefault((r.model, r.dtype, suffix), []).append(r)
+    for (_, _, suffix), group in groups.items():
         timed = [r for r in group if r.median_ms]
-        base = {name: next((r for r in timed if r.backend == name and r.status == OK), None)
-                for name in ("e3nn", "cueq")}
+        base = {name: next((r for r in timed if r.backend == name + suffix
+                            and r.status == OK), None) for name in ("e3nn", "cueq")}
         for r in timed:
             r.speedup_vs_e3nn = base["e3nn"].median_ms / r.median_ms if base["e3nn"] else None
             r.speedup_vs_cueq = base["cueq"].median_ms / r.median_ms if base["cueq"] else None

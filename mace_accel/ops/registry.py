@@ -9,6 +9,8 @@ the same spec twice (another model, an unpickled copy) finds the same entry.
 from __future__ import annotations
 
 import threading
+
+import torch
 from typing import Any, Callable, Dict, Tuple
 
 from mace_accel.errors import KernelError
@@ -45,6 +47,15 @@ def cached(cache_key: Tuple, build: Callable[[], Any]) -> Any:
             if value is None:
                 value = _CACHE[cache_key] = build()
     return value
+
+
+def device_constant(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device``, made once per ``(values, dtype, device)``
+    (``values`` hashable: a float or a tuple). The plain-torch formulas also run inside
+    training steps captured as CUDA graphs (their double backward), and a capture cannot copy
+    from the host. Read-only: the tensor is shared."""
+    return cached(("constant", values, dtype, torch.device(device)),
+                  lambda: torch.tensor(values, dtype=dtype, device=device))
 
 
 def kernels_for(key: str, t: Any, factory: Callable[[Any, Any, Any], Any]) -> Any:

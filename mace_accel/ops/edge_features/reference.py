@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from mace_accel.ops import registry
 from mace_accel.ops.edge_features.spec import DistanceTransform, RadialSpec, SHSpec
 
 Tensor = torch.Tensor
@@ -87,7 +88,8 @@ def sh_double_backward(spec: SHSpec, vectors: Tensor, grad: Tensor,
 
 # -- radial embedding ------------------------------------------------------------------------------
 def _const(value, like: Tensor) -> Tensor:
-    return torch.tensor(value, dtype=like.dtype, device=like.device)
+    # made once per device (a training step captured as a CUDA graph cannot copy from the host)
+    return registry.device_constant(value, like.dtype, like.device)
 
 
 def radial_basis(spec: RadialSpec, lengths: Tensor,

@@ -11,6 +11,7 @@ from typing import Tuple
 
 import torch
 
+from mace_accel.ops import registry
 from mace_accel.ops.pair_repulsion.spec import BOHR, COULOMB, EXPONENTS, ZBLSpec
 
 Tensor = torch.Tensor
@@ -47,9 +48,11 @@ def edge_energies(spec: ZBLSpec, lengths: Tensor, z_u: Tensor, z_v: Tensor, k: T
 def per_edge_constants(spec: ZBLSpec, elements: Tensor, edge_index: Tensor,
                        like: Tensor) -> Tuple[Tensor, ...]:
     """``(z_u, z_v, k, r_u, r_v)`` ``[E, 1]`` of the edges, in ``like``'s dtype and device."""
-    numbers = torch.tensor(spec.numbers, dtype=like.dtype, device=like.device)
-    radii = torch.tensor(spec.radii, dtype=like.dtype, device=like.device)
-    factors = coulomb_factors(spec).to(like.device, like.dtype)
+    # made once per device (a training step captured as a CUDA graph cannot copy from the host)
+    numbers = registry.device_constant(spec.numbers, like.dtype, like.device)
+    radii = registry.device_constant(spec.radii, like.dtype, like.device)
+    factors = registry.cached(("zbl_coulomb", spec, like.dtype, like.device),
+                              lambda: coulomb_factors(spec).to(like.device, like.dtype))
     u, v = elements[edge_index[0]], elements[edge_index[1]]
     return (numbers[u].unsqueeze(-1), numbers[v].unsqueeze(-1), factors[u, v].unsqueeze(-1),
             radii[u].unsqueeze(-1), radii[v].unsqueeze(-1))
