@@ -24,7 +24,6 @@ MACE_BACKEND = "mace"
 BACKEND_CHOICES: Tuple[str, ...] = ("auto",) + BACKENDS + (MACE_BACKEND,)
 FALLBACKS: Tuple[str, ...] = ("error", "warn")
 RECOMPUTE_CHOICES: Tuple[str, ...] = ("auto", "always", "never")
-FP32_GEMM_CHOICES: Tuple[str, ...] = ("tf32x3", "cublas")
 DEVICE_CHOICES_HELP = "auto | cpu | cuda | cuda:N"
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -126,11 +125,13 @@ class AccelOptions:
         verify: compare the accelerated model with the unpatched one on a random structure
             and leave the model unpatched (raising) if they disagree beyond the tolerance table.
         deterministic: no float atomics in mace-accel's kernels (CUDA backend): forces and
-            stress are bit-identical on repeats. With ``lean_head`` the energies are too (summed
-            in float64 without atomics); mace's own forward (the model called directly, or
-            ``lean_head=False``) sums them with ``scatter_sum`` (torch's ``scatter_add_``,
-            float atomics on a GPU): in float32 they can then differ in the last bits between
-            calls, with or without mace-accel.
+            stress are bit-identical on repeats. Where mace-accel evaluates a ``MACE`` /
+            ``ScaleShiftMACE`` (the calculator, CUDA graphs, batched and YAML runs) the energies
+            are too: :mod:`mace_accel.models.energy_head` sums them in float64 without atomics.
+            mace's own forward (the model called directly, or a model that energy head does not
+            take) sums them with ``scatter_sum`` (torch's ``scatter_add_``, float atomics on a
+            GPU): in float32 they can then differ in the last bits between calls, with or
+            without mace-accel.
         check_indices: check edge indices before every launch (synchronises; for debugging).
         parts: which parts to fuse (a subset of :data:`PARTS`); the others are left as mace
             built them and reported so.
@@ -138,18 +139,6 @@ class AccelOptions:
             the per-edge TP weights are recomputed in the backward instead of kept: ``"auto"``
             (when one block's weights would exceed 1/8 of the GPU's memory; the largest systems),
             ``"always"`` (least memory, one more GEMM per block) or ``"never"`` (fastest).
-        fp32_gemm: how the radial MLP's last layer (``[E, hidden] x [hidden, weight_numel]``,
-            the largest GEMM of a call) runs in float32 on CUDA: ``"tf32x3"`` (our tensor-core
-            kernels, each operand split into two TF32 parts and three products accumulated in
-            float32: float32's accuracy, measured in the GPU tests) or ``"cublas"`` (torch's
-            float32 GEMM on the FMA units). float64 always uses cuBLAS (FP64 tensor cores).
-        last_layer_kernel: where the radial MLP's last layer is folded into the conv, apply it
-            inside the conv forward's kernel on the tensor cores (CUDA, sm_90, float32 with
-            ``fp32_gemm="tf32x3"`` or float64, inference, from 65,536 edges): the conv reads the
-            hidden activations instead of the TP weights, and with the weights recomputed they
-            are never written. Off by default: at 539k edges on an H200 it measured 1.0-1.5x
-            (float32) and 1.3-2.8x (float64) the time of the GEMM kernel and the conv it
-            replaces (docs/design/last_layer_in_conv.md).
         radial_table: on CUDA at inference, evaluate each interaction block's radial MLP as a
             table in the edge length (:mod:`mace_accel.ops.radial_table`) where its input is the
             model's fused radial embedding of the lengths: a Hermite spline built on first use
@@ -159,16 +148,6 @@ class AccelOptions:
             the weights depend on the pair (a distance transform, the non-linear blocks).
             Forces are the spline's exact gradient. ``False`` runs the MLP kernels. Training
             and weights the conv recomputes run the MLP either way.
-        overlap_radial: on CUDA, start the later interaction blocks' radial MLPs on a side
-            stream right after the first block's, so they run beside the earlier blocks' work
-            (calls up to 131,072 edges; same results bit for bit). ``False`` runs every kernel
-            on the caller's stream, in order.
-        lean_head: evaluate a ``MACE`` / ``ScaleShiftMACE`` (the calculator, CUDA graphs,
-            batched and YAML runs) through :mod:`mace_accel.models.energy_head`: mace's blocks
-            in mace's order, with its per-head indexing, readout stacking, scale-shift lookups
-            and atomic ``scatter_sum`` replaced by a few tensor ops (~25 fewer kernels per
-            call; per-structure energies summed in float64 without atomics). ``False`` runs
-            mace's ``forward``. Calling the model yourself always runs mace's ``forward``.
     """
 
     backend: str = "cuda"
@@ -178,19 +157,13 @@ class AccelOptions:
     check_indices: bool = False
     parts: Tuple[str, ...] = PARTS
     recompute_tp_weights: str = "auto"
-    fp32_gemm: str = "tf32x3"
-    last_layer_kernel: bool = False
     radial_table: bool = True
-    overlap_radial: bool = True
-    lean_head: bool = True
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, BACKEND_CHOICES)
         check_choice("recompute_tp_weights", self.recompute_tp_weights, RECOMPUTE_CHOICES)
-        check_choice("fp32_gemm", self.fp32_gemm, FP32_GEMM_CHOICES)
         check_choice("fallback", self.fallback, FALLBACKS)
-        for flag in ("verify", "deterministic", "check_indices", "last_layer_kernel",
-                     "radial_table", "overlap_radial", "lean_head"):
+        for flag in ("verify", "deterministic", "check_indices", "radial_table"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         parts = tuple(self.parts)

@@ -17,7 +17,7 @@ and tells, for a few microseconds a call, whether any of it changed since:
 Replacing modules or parameter objects (``model.readouts[1] = ...``), or one tensor's storage
 (``param.data = ...``), is not watched: call the calculator's ``reset()`` (or make a new
 :class:`StateWatch`) after it. The check reads one integer per tensor (88 for MACE-MP-0 medium,
-159 for MH-1): a small share of a small call's host time (``scripts/profile_md.py`` splits the
+159 for MH-1): a small share of a small call's host time (``scripts/profile_gpu.py md`` splits the
 calculator's time into its checks, the neighbour list and the model).
 """
 

@@ -193,7 +193,7 @@ def accelerate(model: torch.nn.Module, backend: Optional[str] = None,
     report = PatchReport(backend=opts.backend, requested_backend=requested, records=records,
                          options=opts)
     report.notes.extend(link_across_blocks(model, opts))
-    report.notes.append(energy_head.describe(model, opts))
+    report.notes.append(energy_head.describe(model))
     report.mace_built = coverage.mace_built(model)
     if opts.verify and report.patched:
         verify_or_revert(model, report)

@@ -13,19 +13,12 @@ from typing import Optional
 import torch
 
 from mace_accel.errors import InputError
-from mace_accel.ops.conv_tp import autograd, folded, hidden_op
-from mace_accel.ops.conv_tp import hidden as hidden_fwd
+from mace_accel.ops.conv_tp import autograd, folded
 from mace_accel.ops.conv_tp.spec import TPSpec
 from mace_accel.ops.graph import graph_from_edge_index
-from mace_accel.ops.limits import LARGE_GRAPH_EDGES
 from mace_accel.options import AccelOptions
 from mace_accel.patches.adopt import FusedModule
 from mace_accel.patches.radial_mlp import FusedRadialMLP
-
-
-# From this many edges the conv forward may apply the folded last layer itself
-# (hidden_forward_reason, options.last_layer_kernel); below it a GEMM writes the weights first.
-HIDDEN_FORWARD_MIN_EDGES = LARGE_GRAPH_EDGES
 
 
 # what the report adds to a conv with the radial MLP's last layer folded in
@@ -57,17 +50,11 @@ class FusedConvTP(FusedModule):
         self.irreps_out = getattr(original, "irreps_out", None)
         self.weight_numel = spec.weight_numel
         object.__setattr__(self, "radial", radial)  # not a child: no second state-dict entry
-        if radial is not None:  # it asks this conv whether to hand over the hidden activations
-            object.__setattr__(radial, "conv", self)
         self._key = autograd.register_spec(spec)
 
     def describe(self) -> str:
         if self.radial is not None:
-            kernel = ("; with options.last_layer_kernel, from "
-                      f"{HIDDEN_FORWARD_MIN_EDGES} edges on sm_90 at inference it is applied "
-                      "on the tensor cores inside the conv forward's kernel"
-                      if self.options.last_layer_kernel else "")
-            return self.spec.describe() + FOLD_NOTE + kernel
+            return self.spec.describe() + FOLD_NOTE
         return self.spec.describe()
 
     def _takes_hidden(self, tp_weights: torch.Tensor) -> bool:
@@ -92,49 +79,14 @@ class FusedConvTP(FusedModule):
         run = dict(backend=self.options.backend, deterministic=self.options.deterministic)
         if hidden:
             w_last = self.radial.last_weight(tp_weights.dtype)
-            gemm = self.radial.last_gemm(tp_weights)
-            frag = self._fragments(tp_weights, w_last)
             if folded.recompute_weights(self.options.recompute_tp_weights, tp_weights.shape[0],
                                         self.spec.weight_numel, tp_weights.dtype,
                                         tp_weights.device):
                 return folded.folded_conv_tp(self._key, graph, node_feats, edge_attrs,
-                                             tp_weights, w_last, **run, gemm=gemm, frag=frag)
-            if frag is not None:
-                return hidden_op.hidden_conv_tp(self._key, graph, node_feats, edge_attrs,
-                                                tp_weights, w_last, frag,
-                                                self.options.deterministic, gemm)
+                                             tp_weights, w_last, **run,
+                                             gemm=self.radial.last_gemm(tp_weights))
             tp_weights = self.radial.last_layer(tp_weights, w_last)
         return autograd.conv_tp(self._key, graph, node_feats, edge_attrs, tp_weights, **run)
-
-    def hidden_forward_reason(self, n_edges: int, like: torch.Tensor) -> Optional[str]:
-        """Why the conv forward does not apply the folded last layer in its own kernel
-        (:mod:`mace_accel.ops.conv_tp.hidden`) for ``n_edges`` edges of ``like``'s dtype and
-        device, or None where it does: ``options.last_layer_kernel``, CUDA, the last layer on
-        the tensor cores at inference (3xTF32 float32, DMMA float64), from
-        :data:`HIDDEN_FORWARD_MIN_EDGES` edges."""
-        if self.radial is None:
-            return "the radial MLP's last layer is not folded in"
-        if not self.options.last_layer_kernel:
-            return "off (options.last_layer_kernel; measured slower than GEMM + conv)"
-        if self.options.backend != "cuda" or not like.is_cuda:
-            return "not on the CUDA backend"
-        if not self.radial.last_on_tensor_cores(like):
-            return ("the last layer is not on the tensor cores here (3xTF32 float32 or DMMA "
-                    "float64 on sm_90, inference only)")
-        if n_edges < HIDDEN_FORWARD_MIN_EDGES:
-            return f"fewer than {HIDDEN_FORWARD_MIN_EDGES} edges"
-        prims = autograd._cuda(self._key, like, self.options.deterministic)
-        return prims.hidden_unsupported(self.radial.hs[-2])
-
-    def _fragments(self, hidden: torch.Tensor,
-                   w_last: torch.Tensor) -> Optional[torch.Tensor]:
-        """``W_last`` packed for the hidden-input forward, or None where it does not run."""
-        if self.hidden_forward_reason(int(hidden.shape[0]), hidden) is not None:
-            return None
-        prims = autograd._cuda(self._key, hidden, self.options.deterministic)
-        index = prims.fragment_index(int(hidden.shape[1]))
-        return self._derived("hidden_fragments", self.radial.raw_weights(), w_last.dtype,
-                             lambda _: hidden_fwd.pack(w_last, index))
 
     def _check(self, node_feats, edge_attrs, tp_weights, edge_index,
                weight_columns: int) -> None:

@@ -34,8 +34,8 @@ from mace_accel.patches import radial_table
 from mace_accel.patches.adopt import FusedModule, grads_wanted
 
 PART = "radial_mlp"
-# When the hidden layers run in the fused kernels (scripts/bench_silu_mlp.py, MP-medium widths,
-# forward + d x inside a CUDA graph). float32 from FUSED_MIN_EDGES edges: below it the GEMM
+# When the hidden layers run in the fused kernels (scripts/bench_kernels.py silu-mlp, MP-medium
+# widths, forward + d x inside a CUDA graph). float32 from FUSED_MIN_EDGES edges: below it the GEMM
 # path is faster (too few tiles per SM to amortise loading the weights into L1), above it the
 # fused one, which also keeps nothing for the backward. float64 runs the
 # fused path only where the tensor-core kernels of mace_accel.ops.silu_mlp.dmma run (sm_90,
@@ -45,6 +45,10 @@ PART = "radial_mlp"
 FUSED_DTYPES = (torch.float32, torch.float64)
 FUSED_MIN_EDGES = LARGE_GRAPH_EDGES
 FUSED_MIN_EDGES_FLOAT64 = 0
+# The float32 GEMMs run on the 3xTF32 kernels wherever they take the widths (float32's accuracy,
+# faster than cuBLAS's float32 GEMMs). Not an option: tests switch it off to reach the paths
+# behind it on a GPU (cuBLAS, the fused SiLU layers in float32).
+_TF32X3 = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +120,8 @@ def spec_or_reason(net: torch.nn.Module) -> Tuple[Optional[RadialMLPSpec], Optio
 
 def _column_major(w: torch.Tensor) -> torch.Tensor:
     """``w [k, n]`` stored transposed (a view of a contiguous ``[n, k]``): cuBLAS runs both the
-    forward ``h @ w`` and the backward ``g @ w.t()`` faster so (``scripts/gemm_layouts.py``
-    compares the layouts on MACE-MP's shapes)."""
+    forward ``h @ w`` and the backward ``g @ w.t()`` faster so
+    (``scripts/bench_kernels.py gemm-layouts`` compares the layouts on MACE-MP's shapes)."""
     return w.t().contiguous().t()
 
 
@@ -158,8 +162,8 @@ class FusedRadialMLP(FusedModule):
     def _float32_last(self) -> str:
         """The report's words on the float32 GEMMs."""
         k, n = self.hs[-2:]
-        if self.options.fp32_gemm != "tf32x3":
-            return "; last layer in float32 on cuBLAS (fp32_gemm='cublas')"
+        if not _TF32X3:
+            return "; last layer in float32 on cuBLAS (the tensor-core kernels switched off)"
         why = tf32x3_unsupported(k, n)
         if why is not None:
             return f"; last layer in float32 on cuBLAS ({why})"
@@ -188,7 +192,6 @@ class FusedRadialMLP(FusedModule):
 
     def __setstate__(self, state) -> None:
         state.setdefault("fold_last", False)  # saved before the fold existed
-        state.setdefault("conv", None)  # the fold's conv links itself (older saves: none)
         state.setdefault("embedding", None)  # linked by radial_table.link (older saves: none)
         super().__setstate__(state)
 
@@ -209,10 +212,10 @@ class FusedRadialMLP(FusedModule):
         return self._weights(dtype)[-1]
 
     def _tf32x3(self) -> bool:
-        """Whether ``options.fp32_gemm`` asks for the 3xTF32 kernels (each layer runs there
-        when :func:`~mace_accel.ops.tf32x3_gemm.autograd.runs_on` its tensors: float32 on
-        CUDA, widths in multiples of 4)."""
-        return self.backend == "cuda" and self.options.fp32_gemm == "tf32x3"
+        """Whether the float32 GEMMs may take the 3xTF32 kernels (each layer runs there when
+        :func:`~mace_accel.ops.tf32x3_gemm.autograd.runs_on` its tensors: float32 on CUDA,
+        widths in multiples of 4): the CUDA backend, unless :data:`_TF32X3` is off."""
+        return self.backend == "cuda" and _TF32X3
 
     def uses_tf32x3(self, t: torch.Tensor) -> bool:
         """Whether the last layer of ``t``'s dtype and device runs on the 3xTF32 kernels."""
@@ -222,12 +225,6 @@ class FusedRadialMLP(FusedModule):
         """Whether the last layer of ``t``'s dtype and device runs on the float64 tensor-core
         GEMM kernels (:mod:`mace_accel.ops.dmma_gemm`: float64 on sm_90, CUDA backend)."""
         return self.backend == "cuda" and dmma_gemm.runs_on(t, *self.hs[-2:])
-
-    def last_on_tensor_cores(self, t: torch.Tensor) -> bool:
-        """Whether the last layer runs on our tensor-core kernels for ``t`` (3xTF32 float32,
-        DMMA float64) without a weight gradient (inference): where the conv may apply it
-        inside its own forward kernel."""
-        return (self.uses_tf32x3(t) or self.uses_dmma(t)) and self._no_weight_grads()
 
     def last_gemm(self, t: torch.Tensor) -> str:
         """What runs the last layer's GEMMs for ``t``'s dtype and device where the conv applies
@@ -305,7 +302,7 @@ class FusedRadialMLP(FusedModule):
 
     def runs_whole(self, x: torch.Tensor) -> bool:
         """Whether the whole MLP of ``x [E, h0]`` runs in the :mod:`~mace_accel.ops.radial_tc`
-        kernels: the 3xTF32 path (CUDA, float32, ``fp32_gemm="tf32x3"``), widths they take, no
+        kernels: the 3xTF32 path (CUDA, float32, :meth:`_tf32x3`), widths they take, no
         weight gradient asked for (training keeps the GEMMs), and, with ``fold_last``, the conv
         keeping the TP weights rather than recomputing them chunk by chunk (then the conv
         applies the last layer itself)."""
@@ -316,12 +313,8 @@ class FusedRadialMLP(FusedModule):
 
     def _keeps_full_weights(self, x: torch.Tensor) -> bool:
         """With ``fold_last``, whether the conv takes this module's full TP weights ``[E, h_L]``
-        for ``x`` rather than the hidden activations: it neither applies the last layer in its
-        own kernel nor recomputes the weights in its backward (both start from the hidden
-        activations)."""
-        conv = self.__dict__.get("conv")
-        if conv is not None and conv.hidden_forward_reason(int(x.shape[0]), x) is None:
-            return False  # the conv applies the last layer in its own kernel
+        for ``x`` rather than the hidden activations: it does not recompute the weights in its
+        backward (that starts from the hidden activations)."""
         return self.hs[-1] != self.hs[-2] and not folded.recompute_weights(
             self.options.recompute_tp_weights, int(x.shape[0]), self.hs[-1], x.dtype, x.device)
 

@@ -34,14 +34,18 @@ Tensor = torch.Tensor
 OVERLAP_MAX_EDGES = 131072
 # the share of the GPU's multiprocessors a later block's MLP may hold while it runs beside the
 # earlier blocks' work (its kernel strides over the rest of the edges): the rest stays free for
-# the critical path (measured: scripts/bench_graphs.py)
+# the critical path (measured: scripts/bench_model.py graphs)
 LATER_SM_SHARE = 0.5
 # the same for their backward kernels (which autograd runs on the side stream too); None: all
 LATER_BACKWARD_SM_SHARE: Optional[float] = 0.5
 # above this many edges the later MLPs hold the whole GPU: the earlier blocks' kernels fill it
 # by themselves. On MP-medium graphs half the GPU wins at ~20k edges and all of it from ~39k
-# (scripts/bench_graphs.py --shares)
+# (scripts/bench_model.py graphs --shares)
 SHARE_MAX_EDGES = 30_000
+# Not an option (the same results bit for bit, only where it was measured to help, see
+# OVERLAP_MAX_EDGES): tests and ``--serial`` of scripts/bench_model.py graphs and
+# scripts/profile_gpu.py md switch it off to compare with the serial order.
+_OVERLAP = True
 
 
 def later_shares(n_edges: int) -> Tuple[Optional[float], Optional[float]]:
@@ -161,12 +165,12 @@ def group_of(model: torch.nn.Module) -> Optional[RadialOverlap]:
 def link(model: torch.nn.Module, options: AccelOptions,
          is_member: Callable[[torch.nn.Module], bool]) -> Optional[RadialOverlap]:
     """Give the fused radial MLPs of ``model`` (those ``is_member`` takes, in module order) one
-    :class:`RadialOverlap` as ``overlap``, when ``options.overlap_radial``, the backend is
-    CUDA and there are at least two; returns it, or None (then each runs in order)."""
+    :class:`RadialOverlap` as ``overlap``, when the backend is CUDA and there are at least two
+    (and :data:`_OVERLAP` is on); returns it, or None (then each runs in order)."""
     members = [m for m in model.modules() if is_member(m)]
     for m in members:
         m.overlap = None
-    if not options.overlap_radial or options.backend != "cuda" or len(members) < 2:
+    if not _OVERLAP or options.backend != "cuda" or len(members) < 2:
         return None
     group = RadialOverlap(members)
     for m in members:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command for the GPU machine: the GPU test suite, the standard side-by-side benchmark,
-# and a short summary printed LAST (the device tool returns the tail of the output).
+# and a short summary printed LAST (where only the tail of the output is shown).
 #
 # Usage: bash scripts/gpu_suite.sh [--tests-only | --bench-only] [--quick] [--no-install]
 #   --tests-only   only `python -m pytest -m gpu -q`          (log: $OUT/gpu_tests.log)
@@ -74,7 +74,7 @@ kernel_line="not run"
 if [ "$run_bench" = 1 ]; then
   # the fused conv kernel alone vs OpenEquivariance / cuEquivariance (MP-medium layer 2, ~540k edges)
   echo "== conv kernel benchmark (log $OUT/conv_kernel.log)"
-  timeout 240 python scripts/bench_conv_kernel.py --json "$OUT/conv_kernel.json" --repeats 20 \
+  timeout 240 python scripts/bench_kernels.py conv --json "$OUT/conv_kernel.json" --repeats 20 \
     > "$OUT/conv_kernel.log" 2>&1
   kernel_rc=$?
   [ "$kernel_rc" = 0 ] && kernel_line="ok" || kernel_line="exit $kernel_rc (see $OUT/conv_kernel.log)"
@@ -84,7 +84,7 @@ sc_line="not run"
 if [ "$run_bench" = 1 ]; then
   # the fused symmetric contraction alone vs mace's module (MP-medium/large product blocks)
   echo "== symmetric contraction benchmark (log $OUT/sc_kernel.log)"
-  timeout 180 python scripts/bench_symmetric_contraction.py --json "$OUT/sc_kernel.json" \
+  timeout 180 python scripts/bench_kernels.py symmetric-contraction --json "$OUT/sc_kernel.json" \
     > "$OUT/sc_kernel.log" 2>&1
   sc_rc=$?
   [ "$sc_rc" = 0 ] && sc_line="ok" || sc_line="exit $sc_rc (see $OUT/sc_kernel.log)"
@@ -95,7 +95,7 @@ if [ "$run_bench" = 1 ]; then
   # one call inside a CUDA graph (mace-accel's GraphedCall vs cuEquivariance captured by hand)
   # and ASE MD steps/s (MACEAccelCalculator vs mace's MACECalculator with cuEquivariance)
   echo "== CUDA-graph and MD benchmark (log $OUT/graphs.log)"
-  timeout 300 python scripts/bench_graphs.py --sizes 256,2048 --dtypes float32,float64 \
+  timeout 300 python scripts/bench_model.py graphs --sizes 256,2048 --dtypes float32,float64 \
     --md 256,864 --json "$OUT/graphs.json" > "$OUT/graphs.log" 2>&1
   graphs_rc=$?
   [ "$graphs_rc" = 0 ] && graphs_line="ok" || graphs_line="exit $graphs_rc (see $OUT/graphs.log)"

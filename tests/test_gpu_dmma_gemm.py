@@ -1,7 +1,7 @@
-"""The float64 tensor-core GEMM kernels on the GPU (sm_90): equal to a float64 product to
-rounding for every catalog shape, ragged row counts and other geometries, gradients and double
+"""The float64 tensor-core GEMM kernel on the GPU (sm_90): equal to a float64 product to
+rounding for every catalog shape, ragged row counts and another geometry, gradients and double
 backward through the op, bit-identical repeats, CUDA-graph capture, checks before launch, and
-the radial MLP's last layer and the folded conv on them."""
+the folded conv on it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-needs_sm90 = pytest.mark.skipif(not _sm90(), reason="the DMMA GEMM kernels are sm_90's")
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="the DMMA GEMM kernel is sm_90's")
 
 
 def _operands(spec, m, seed=0):
@@ -29,8 +29,7 @@ def _operands(spec, m, seed=0):
     h = torch.nn.functional.silu(torch.randn(m, spec.narrow, generator=gen,
                                              dtype=torch.float64) * 2)
     w = torch.randn(spec.narrow, spec.wide, generator=gen, dtype=torch.float64) / spec.narrow ** 0.5
-    g = torch.randn(m, spec.wide, generator=gen, dtype=torch.float64)
-    return h.cuda(), w.cuda(), g.cuda()
+    return h.cuda(), w.cuda()
 
 
 def _close(a, b, scale):
@@ -42,51 +41,42 @@ def _close(a, b, scale):
 @needs_sm90
 @pytest.mark.parametrize("name", sorted(codegen.CATALOG))
 @pytest.mark.parametrize("m", [1, 37, 300, 70001])
-def test_forward_and_backward_equal_float64_products(name, m):
+def test_forward_equals_float64_products(name, m):
     spec = codegen.CATALOG[name]
-    h, w, g = _operands(spec, m)
+    h, w = _operands(spec, m)
     kernels = CudaDmmaGemm(spec, h.device)
     packed = pack(spec, w)
     _close(kernels.forward(h, packed), h @ w, 1.0)
-    _close(kernels.backward(g, packed), g @ w.t(), spec.wide ** 0.5)
 
 
 @needs_sm90
 @pytest.mark.parametrize("name", ["mp_l2", "ragged"])
-def test_other_geometries_give_the_same_bits(name):
+def test_another_geometry_gives_the_same_bits(name):
     spec = codegen.CATALOG[name]
-    h, w, g = _operands(spec, 5003, seed=1)
+    h, w = _operands(spec, 5003, seed=1)
     packed = pack(spec, w)
     default = CudaDmmaGemm(spec, h.device)
-    other = CudaDmmaGemm(spec, h.device, {d: codegen.TESTED_GEOMETRY[d][0]
-                                          for d in codegen.DIRECTIONS})
+    other = CudaDmmaGemm(spec, h.device, codegen.TESTED_GEOMETRY)
     assert torch.equal(default.forward(h, packed), other.forward(h, packed))
-    # the backward sums K in the same order whatever the chunking
-    assert torch.equal(default.backward(g, packed), other.backward(g, packed))
 
 
 @needs_sm90
 def test_repeats_are_bit_identical_and_graphs_capture():
     spec = codegen.CATALOG["mp_l1"]
-    h, w, g = _operands(spec, 20000, seed=2)
+    h, w = _operands(spec, 20000, seed=2)
     packed = autograd.pack_weight(w)
     first = autograd.mm(h, packed, w)
     assert torch.equal(first, autograd.mm(h, packed, w))
-    kernels = CudaDmmaGemm(spec, h.device)
-    graph, (fwd, bwd) = capture_graph(lambda: (autograd.mm(h, packed, w),
-                                               kernels.backward(g, packed)))
+    graph, fwd = capture_graph(lambda: autograd.mm(h, packed, w))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(fwd, first)
-    assert torch.equal(bwd, kernels.backward(g, packed))
 
 
 @needs_sm90
-@pytest.mark.parametrize("kernel_backward", [False, True])
-def test_gradients_and_double_backward(kernel_backward, monkeypatch):
-    monkeypatch.setattr(autograd, "KERNEL_BACKWARD", kernel_backward)
+def test_gradients_and_double_backward():
     spec = codegen.CATALOG["ragged"]
-    h, w, _ = _operands(spec, 400, seed=3)
+    h, w = _operands(spec, 400, seed=3)
     packed = autograd.pack_weight(w)
     x = h.clone().requires_grad_()
     ref = h.clone().requires_grad_()
@@ -108,7 +98,7 @@ def test_gradients_and_double_backward(kernel_backward, monkeypatch):
 @needs_sm90
 def test_bad_inputs_are_refused_before_launch():
     spec = codegen.CATALOG["small"]
-    h, w, _ = _operands(spec, 64)
+    h, w = _operands(spec, 64)
     kernels = CudaDmmaGemm(spec, h.device)
     packed = pack(spec, w)
     with pytest.raises(KernelError, match="float64"):
@@ -116,8 +106,8 @@ def test_bad_inputs_are_refused_before_launch():
     with pytest.raises(KernelError, match="shape"):
         kernels.forward(h[:, :-1].contiguous(), packed)
     with pytest.raises(KernelError, match="contiguous"):
-        kernels.backward(torch.randn(spec.wide, 64, dtype=torch.float64, device="cuda").t(),
-                         packed)
+        kernels.forward(torch.randn(spec.narrow, 64, dtype=torch.float64, device="cuda").t(),
+                        packed)
     with pytest.raises(KernelError, match="16-byte"):
         kernels.forward(torch.zeros(64 * spec.narrow + 1, dtype=torch.float64,
                                     device="cuda")[1:].view(64, spec.narrow), packed)

@@ -58,6 +58,8 @@ def test_fused_radial_mlp_hidden_layers_match_unpatched(dtype, monkeypatch):
 
     monkeypatch.setattr(radial_patch, "FUSED_MIN_EDGES", 0)
     monkeypatch.setattr(radial_patch, "FUSED_DTYPES", (torch.float32, torch.float64))
+    # cuBLAS GEMMs: on the 3xTF32 path, float32 runs the whole net in the radial_tc kernel
+    monkeypatch.setattr(radial_patch, "_TF32X3", False)
     calls = []
     real = silu_mlp_autograd.silu_mlp
     monkeypatch.setattr(silu_mlp_autograd, "silu_mlp",
@@ -65,11 +67,9 @@ def test_fused_radial_mlp_hidden_layers_match_unpatched(dtype, monkeypatch):
     model = build_architecture("mp-medium", dtype=dtype, device="cuda")
     for p in model.parameters():  # inference: no weight gradients (training keeps the GEMMs)
         p.requires_grad_(False)
-    # cuBLAS GEMMs: on the 3xTF32 path, float32 runs the whole net in the radial_tc kernel;
     # no tables (they replace the MLP in float32)
     mace_accel.accelerate(model, backend="cuda", verify=False,
-                          options=mace_accel.AccelOptions(fp32_gemm="cublas",
-                                                          radial_table=False))
+                          options=mace_accel.AccelOptions(radial_table=False))
     _assert_matches_unpatched(model, dtype)
     assert len(calls) == 2  # both interaction blocks
 

@@ -49,7 +49,7 @@ def test_forward_and_backward_as_accurate_as_cublas_fp32(name, m):
     for a, b, r in ((ours, cublas, ref), (ours_t, cublas_t, ref_t)):
         assert a.shape == r.shape
         # 3xTF32 keeps 22 of float32's 24 significant bits of each operand: a few times
-        # cuBLAS's float32 error (scripts/bench_tf32x3_gemm.py prints both), far inside the
+        # cuBLAS's float32 error (scripts/bench_kernels.py tf32x3-gemm prints both), far inside the
         # tolerance table's float32 forward (1e-5); a wrong fragment would be off by O(1)
         assert _err(a, r) < TOLERANCE and _err(a, r) <= 16 * _err(b, r) + 1e-7, \
             (_err(a, r), _err(b, r))

@@ -130,11 +130,23 @@ def test_console_script_runs(tmp_path):
         assert command in proc.stdout
 
 
-def test_bundled_model_is_declared_as_package_data():
+def setup_arguments(monkeypatch) -> dict:
+    """What setup.py passes to setuptools' ``setup`` (the packages it finds, the folders)."""
+    import runpy
+
+    import setuptools
+
+    seen = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: seen.update(kwargs))
+    runpy.run_path(str(REPO / "setup.py"))
+    return seen
+
+
+def test_bundled_model_is_declared_as_package_data(monkeypatch):
     import tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert "mace_accel.data" in project["tool"]["setuptools"]["packages"]
+    assert "mace_accel.data" in setup_arguments(monkeypatch)["packages"]
     patterns = project["tool"]["setuptools"]["package-data"]["mace_accel.data"]
     assert "*.model" in patterns and "*.json" in patterns
 
@@ -356,14 +368,13 @@ def test_cli_help_imports_no_torch(tmp_path):
     assert float(line[2]) < 2.0  # measured 0.2 s for the whole process on 2 CPU cores
 
 
-def test_every_subpackage_is_declared_for_a_wheel():
-    """pyproject's explicit package list has every package folder (an editable install finds
-    them anyway; a wheel would silently lack a missing one)."""
-    import tomllib
-
-    declared = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-                   ["packages"])
+def test_every_subpackage_is_declared_for_a_wheel(monkeypatch):
+    """setup.py finds every package folder, kernels/ and patches/ under mace_accel's name (an
+    editable install finds them anyway; a wheel would silently lack a missing one)."""
+    arguments = setup_arguments(monkeypatch)
     found = {".".join(p.parent.relative_to(REPO).parts)
              for p in (REPO / "mace_accel").rglob("__init__.py")}
     found |= {"mace_accel.kernels", "mace_accel.patches"}
-    assert found <= declared, f"missing from pyproject packages: {sorted(found - declared)}"
+    assert found <= set(arguments["packages"]), sorted(found - set(arguments["packages"]))
+    assert arguments["package_dir"] == {"mace_accel.kernels": "kernels",
+                                        "mace_accel.patches": "patches"}

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import mace_accel
-from mace_accel.errors import ConfigError
 from mace_accel.models.architectures import build_architecture, small_test_model
 from mace_accel.options import AccelOptions
 from mace_accel.patches import radial_overlap
@@ -46,12 +45,16 @@ def _is_member(m: torch.nn.Module) -> bool:
     return isinstance(m, _Member)
 
 
-def test_link_needs_the_option_the_cuda_backend_and_two_blocks():
+def test_link_needs_the_cuda_backend_and_two_blocks(monkeypatch):
     cuda = AccelOptions(backend="cuda")
-    for options, n in ((cuda.replace(overlap_radial=False), 2),
-                       (AccelOptions(backend="reference"), 2), (cuda, 1)):
+    for options, n in ((AccelOptions(backend="reference"), 2), (cuda, 1)):
         model = _Model(n)
         assert radial_overlap.link(model, options, _is_member) is None
+        assert all(b.overlap is None for b in model.blocks)
+    with monkeypatch.context() as m:
+        m.setattr(radial_overlap, "_OVERLAP", False)  # the tests' serial order
+        model = _Model(2)
+        assert radial_overlap.link(model, cuda, _is_member) is None
         assert all(b.overlap is None for b in model.blocks)
     model = _Model(3)
     group = radial_overlap.link(model, cuda, _is_member)
@@ -94,11 +97,6 @@ def test_start_forks_nothing_off_the_gpu():
     assert group.start(torch.randn(10, 4)) is False and not group._pending
 
 
-def test_overlap_option_is_checked():
-    with pytest.raises(ConfigError, match="overlap_radial"):
-        AccelOptions(overlap_radial="yes")
-
-
 def test_reference_backend_links_nothing_and_reports_no_overlap():
     model = small_test_model("RealAgnosticResidualInteractionBlock")
     report = mace_accel.accelerate(model, backend="reference", verify=False)
@@ -118,13 +116,14 @@ def _cu_ni_batch(model, n: int = 3):
     return atoms_to_batch(atoms, model_info(model), device="cuda")
 
 
-def _patched_pair(dtype, **options):
+def _patched_pair(dtype):
     """The same MACE-MP-medium model twice, patched with and without the overlap."""
     models = []
     for overlap in (True, False):
         model = build_architecture("mp-medium", dtype=dtype, device="cuda")
-        report = mace_accel.accelerate(model, options=AccelOptions(
-            backend="cuda", overlap_radial=overlap, **options))
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(radial_overlap, "_OVERLAP", overlap)
+            report = mace_accel.accelerate(model, options=AccelOptions(backend="cuda"))
         assert any("radial MLPs" in n for n in report.notes) == overlap
         models.append(model)
     return models

@@ -44,9 +44,9 @@ def evaluate(model: torch.nn.Module, batch: Dict[str, Tensor], compute_stress: b
 
     Equal to ``model(batch, training=False, compute_force=True, compute_stress=...)`` (mace's
     stress convention and its zeroing of the stress of a structure without a volume); the
-    stress costs a sum over edges instead of mace's displacement backward. A model accelerated
-    with ``lean_head=True`` runs its blocks through :func:`energy_head.forward` (fewer glue
-    kernels, per-structure energies summed deterministically); others run mace's forward.
+    stress costs a sum over edges instead of mace's displacement backward. A model mace-accel
+    accelerated runs its blocks through :func:`energy_head.forward` where that applies (fewer
+    glue kernels, per-structure energies summed deterministically); others run mace's forward.
     """
     plan = energy_head.lean_plan(model)
     if plan is not None:

@@ -26,7 +26,6 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
             problems tagged ``nvcc`` (see its catalog for why the others are left out).
     """
     from mace_accel.ops.conv_tp import codegen as conv_tp
-    from mace_accel.ops.conv_tp import hidden as conv_tp_hidden
     from mace_accel.ops.conv_tp import staged as conv_tp_staged
     from mace_accel.ops.dmma_gemm import codegen as dmma_gemm
     from mace_accel.ops.edge_features import codegen as edge_features_codegen
@@ -40,7 +39,6 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     from mace_accel.ops.tf32x3_gemm import codegen as tf32x3_gemm
 
     yield from conv_tp.catalog_sources(limits)
-    yield from conv_tp_hidden.catalog_sources(limits)
     yield from conv_tp_staged.catalog_sources(limits)
     yield from dmma_gemm.catalog_sources(limits)
     yield from edge_features_codegen.catalog_sources(limits)

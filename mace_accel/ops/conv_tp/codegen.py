@@ -67,7 +67,7 @@ def fwd_path_lines(seg: SegmentPlan, p: PathPlan, w_value: str,
 # (the per-receiver outer product, contracted with the CG tensor once per node at the store):
 # one FMA per (a, b) pair an edge, instead of forming ``u[a][k] = sum_b C y_b`` per CG term and
 # ``sum_a x[a] u[a][k]`` per (a, k) pair. The 128x1o segment of MACE-MP-medium keeps 60.
-# Only the staged forward gains (scripts/bench_conv_staged.py); the plain forwards lose (the
+# Only the staged forward gains (scripts/bench_kernels.py conv-staged); the plain forwards lose (the
 # accumulators cost them occupancy), so they keep ``u``.
 OUTER_FWD_VALUES = 64
 
@@ -137,7 +137,7 @@ def _fwd_lines(seg: SegmentPlan, w_value: Optional[Callable[[PathPlan], str]] = 
 # larger than the L2 at scale: they are loaded and stored with the evict-first hints, so the
 # lines the kernels reuse (the gathered node features, the node's output gradient) stay: a
 # few percent of the fwd+bwd time on large graphs in both dtypes, with the same bits
-# (scripts/bench_conv_kernel.py).
+# (scripts/bench_kernels.py conv).
 def _stream_load(address: str) -> str:
     return f"__ldcs({address})"
 
@@ -165,7 +165,7 @@ HOIST_G_WORDS = 48
 # 128x1o segment of MACE-MP-medium holds 60. With ``h`` held, each edge costs one FMA per
 # (a, b) pair for d(x)/d(w) and one for d(y), instead of re-forming ``u[a][k] = sum_b C y_b``
 # and ``x[a] g[k]`` per CG term (the backward is bound by issuing those instructions;
-# scripts/bench_conv_staged.py).
+# scripts/bench_kernels.py conv-staged).
 HOIST_H_VALUES = 64
 
 

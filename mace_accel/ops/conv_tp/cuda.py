@@ -19,7 +19,6 @@ from mace_accel.ops.conv_tp.codegen import (
     render_forward,
     render_sender_sum,
 )
-from mace_accel.ops.conv_tp import hidden as hidden_fwd
 from mace_accel.ops.conv_tp import staged
 from mace_accel.ops.conv_tp.staged import DEFAULT_STAGING, STAGED_MIN_EDGES
 from mace_accel.ops.conv_tp.schedule import ConvPlan, KernelPlan, edge_chunks, plan_kernels
@@ -28,7 +27,6 @@ from mace_accel.ops.graph import KernelGraph, ReceiverRows
 from mace_accel.ops.runtime import (
     INT32_MAX,
     Kernel,
-    check_aligned,
     check_tensor,
     kernel_device,
     device_limits,
@@ -83,8 +81,6 @@ class CudaConvPrimitives:
         self._shared_optin = limits.max_shared_per_block_optin
         self._launch_cache: Dict[tuple, list] = {}  # see _launches
         self._kernels: Dict[str, Kernel] = {}
-        self._hidden_plans: Dict[int, hidden_fwd.HiddenForwardPlan] = {}
-        self._fragment_index: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         # columns no path writes must read as zeros (e3nn semantics)
         self._out_all_written = {p.i_out for p in spec.paths} == set(range(len(spec.irreps_out)))
         self._in1_all_read = {p.i_in1 for p in spec.paths} == set(range(len(spec.irreps_in1)))
@@ -210,62 +206,6 @@ class CudaConvPrimitives:
             k.launch(n1 - n0, plan.threads,
                      (*(ptr(t) for t in xyw), ptr(graph.sender), ptr(graph.recv_ptr[n0:]),
                       ptr(graph.recv_perm), ptr(out[n0:]), i32(n1 - n0)) + extra)
-
-    # -- the forward that applies the radial MLP's last layer itself (float64, sm_90) ----------
-    def hidden_plan(self, hidden: int) -> hidden_fwd.HiddenForwardPlan:
-        """The hidden-input forward's plan for ``hidden``-wide activations."""
-        plan = self._hidden_plans.get(hidden)
-        if plan is None:
-            plan = self._hidden_plans[hidden] = hidden_fwd.plan_hidden_forward(
-                self.spec, self.plan, hidden)
-        return plan
-
-    def hidden_unsupported(self, hidden: int) -> Optional[str]:
-        """Why :meth:`forward_hidden` cannot run ``hidden``-wide activations here, or None."""
-        return hidden_fwd.unsupported_reason(self.hidden_plan(hidden))
-
-    def fragment_index(self, hidden: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """:func:`~.hidden.fragment_index` of the plan, on this device (built once)."""
-        index = self._fragment_index.get(hidden)
-        if index is None:
-            index = self._fragment_index[hidden] = tuple(
-                t.to(self.device) for t in hidden_fwd.fragment_index(self.hidden_plan(hidden)))
-        return index
-
-    def forward_hidden(self, n: int, graph: KernelGraph, x: torch.Tensor, y: torch.Tensor,
-                       h: torch.Tensor, frag: torch.Tensor, write_w: bool
-                       ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``(out [n, dim_out], w [E, weight_numel] or None)``: the conv of ``x``, ``y`` and
-        ``w = h @ W_last``, ``h [E, hidden]`` (rows: edge ids), ``frag``: ``W_last`` packed by
-        :func:`~.hidden.pack` with :meth:`fragment_index`; ``w`` written only if ``write_w``."""
-        hidden = int(h.shape[1]) if h.dim() == 2 else -1
-        plan = self.hidden_plan(hidden)
-        why = hidden_fwd.unsupported_reason(plan)
-        if why is not None:
-            raise KernelError(f"{self.spec.describe()}: {why}")
-        self._check(n, graph, x=x, y=y)
-        e = graph.n_edges
-        check_tensor("h", h, (e, hidden), self.dtype, self.device)
-        check_tensor("frag", frag, (plan.job_offsets()[-1],), self.dtype, self.device)
-        check_aligned("h", h, plan.describe())  # read as aligned pairs
-        check_aligned("frag", frag, plan.describe())
-        out = self.new_output(n)
-        w = torch.empty((e, self.spec.weight_numel), dtype=self.dtype,
-                        device=self.device) if write_w else None
-        if n == 0:
-            return out, w
-        name = hidden_fwd.kernel_name(plan)
-        k = self._kernels.get(name)
-        if k is None:
-            k = self._kernels[name] = Kernel(hidden_fwd.render_hidden_forward(plan), name,
-                                             self.device, self.arch,
-                                             dynamic_shared=plan.shared_bytes)
-        jobs = len(plan.jobs)
-        per = hidden_fwd.nodes_per_block(n, jobs, k.resident_blocks(plan.threads) * self._sms)
-        k.launch(-(-n // per) * jobs, plan.threads,
-                 (ptr(x), ptr(y), ptr(h), ptr(frag), ptr(graph.sender), ptr(graph.recv_ptr),
-                  ptr(graph.recv_perm), ptr(out), ptr(w), i32(n), i32(per)))
-        return out, w
 
     def backward(self, n: int, graph: KernelGraph, x: torch.Tensor, y: torch.Tensor,
                  w: torch.Tensor, g: torch.Tensor, needs: Tuple[bool, bool, bool]):

@@ -144,8 +144,9 @@ GEMMS = ("cublas", "tf32x3", "dmma")
 
 class LastLayer:
     """``h @ W_last`` and ``g @ W_last^T`` on cuBLAS or on our tensor-core kernels (``gemm``:
-    one of :data:`GEMMS`; 3xTF32 in float32, DMMA in float64 with ``W_last`` packed once per op
-    call). Separate GEMM launches of the radial MLP's layer: profiled as radial-MLP work."""
+    one of :data:`GEMMS`; 3xTF32 in float32 both ways, DMMA in float64 for ``h @ W_last`` with
+    ``W_last`` packed once per op call, its ``g @ W_last^T`` on cuBLAS, faster there). Separate
+    GEMM launches of the radial MLP's layer: profiled as radial-MLP work."""
 
     def __init__(self, w: Tensor, gemm: str) -> None:
         if gemm not in GEMMS:
@@ -161,8 +162,6 @@ class LastLayer:
 
     def mm_t(self, g: Tensor) -> Tensor:
         with part_range(RADIAL_MLP):
-            if self.kind == "dmma":
-                return dmma.mm_t(g, self.packed, self.w)
             return tf32x3.mm_t(g, self.w) if self.kind == "tf32x3" else torch.mm(g, self.w.t())
 
     def weight_grad(self, h: Tensor, gw: Tensor) -> Tensor:
@@ -171,26 +170,13 @@ class LastLayer:
             return torch.mm(h.t(), gw)
 
 
-def forward_hidden(x: Tensor, y: Tensor, h: Tensor, frag: Tensor, graph: List[Tensor],
-                   n_nodes: int, key: str, deterministic: bool,
-                   write_w: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    """The conv forward that applies the last layer in its own kernel (CUDA):
-    ``(out, w or None)``, see :meth:`~mace_accel.ops.conv_tp.cuda.CudaConvPrimitives.
-    forward_hidden`."""
-    cuda = conv_autograd._cuda(key, x, deterministic)
-    return cuda.forward_hidden(n_nodes, KernelGraph(*graph), x, y, h, frag, write_w)
-
-
 @torch.library.custom_op("mace_accel::folded_conv_tp", mutates_args=())
-def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, frag: Tensor,
-                      graph: List[Tensor], n_nodes: int, key: str, backend: str,
-                      deterministic: bool, gemm: str, max_edges: int) -> Tensor:
-    """``[n_nodes, dim_out]`` = ``conv(x, y, h @ w_last)``, the weights never kept: made inside
-    the conv forward's kernel where ``frag`` (:func:`~.hidden.pack` of ``w_last``) is given, else
+def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, graph: List[Tensor],
+                      n_nodes: int, key: str, backend: str, deterministic: bool, gemm: str,
+                      max_edges: int) -> Tensor:
+    """``[n_nodes, dim_out]`` = ``conv(x, y, h @ w_last)``, the weights never kept: made
     ``max_edges`` edges at a time (``gemm``: which kernels run their GEMMs,
     :class:`LastLayer`)."""
-    if frag.numel():
-        return forward_hidden(x, y, h, frag, graph, n_nodes, key, deterministic, False)[0]
     rows_of = _Rows(key, backend, graph, n_nodes, x, deterministic)
     last = LastLayer(w_last, gemm)
     out = rows_of.new_output(x)
@@ -202,7 +188,7 @@ def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, frag: Ten
 
 
 @folded_conv_tp_op.register_fake
-def _(x, y, h, w_last, frag, graph, n_nodes, key, backend, deterministic, gemm, max_edges):
+def _(x, y, h, w_last, graph, n_nodes, key, backend, deterministic, gemm, max_edges):
     return x.new_empty((n_nodes, registry.lookup(key).dim_out))
 
 
@@ -244,7 +230,7 @@ def _(x, y, h, w_last, g, graph, n_nodes, key, backend, deterministic, gemm, max
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, y, h, w_last, frag, graph, n_nodes, key, backend, deterministic, gemm, max_edges = inputs
+    x, y, h, w_last, graph, n_nodes, key, backend, deterministic, gemm, max_edges = inputs
     ctx.save_for_backward(x, y, h, w_last)
     ctx.static = (graph, n_nodes, key, backend, deterministic)
     ctx.gemm, ctx.max_edges = gemm, max_edges
@@ -270,7 +256,7 @@ def composed_backward(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, g: Tensor
 def _backward(ctx, g):
     x, y, h, w_last = ctx.saved_tensors
     need_x, need_y, need_h, need_w = ctx.needs_input_grad[:4]
-    none = (None, [None] * len(ctx.static[0])) + (None,) * 6  # frag, graph, the static args
+    none = ([None] * len(ctx.static[0]),) + (None,) * 6  # graph, the static args
     if g is None or not (need_x or need_y or need_h or need_w):
         return (None,) * 4 + none
     g = g.contiguous()
@@ -292,7 +278,7 @@ folded_conv_tp_op.register_autograd(_backward, setup_context=_setup)
 def folded_conv_tp(key: str, graph: ConvGraph, node_feats: Tensor, edge_attrs: Tensor,
                    hidden: Tensor, w_last: Tensor, backend: str = "cuda",
                    deterministic: bool = True, max_edges: Optional[int] = None,
-                   gemm: str = "cublas", frag: Optional[Tensor] = None) -> Tensor:
+                   gemm: str = "cublas") -> Tensor:
     """Differentiable ``conv(node_feats, edge_attrs, hidden @ w_last)`` ``[n_nodes, dim_out]``
     without storing the per-edge weights.
 
@@ -304,14 +290,9 @@ def folded_conv_tp(key: str, graph: ConvGraph, node_feats: Tensor, edge_attrs: T
         gemm: what runs the weights' GEMMs, one of :data:`GEMMS`: cuBLAS, or our
             tensor-core kernels (CUDA; ``"tf32x3"`` float32, ``"dmma"`` float64 on sm_90: the
             caller checks they run there); the create_graph backward composes torch ops.
-        frag: :func:`~mace_accel.ops.conv_tp.hidden.pack` of ``w_last``: the forward applies
-            the last layer inside its kernel (CUDA, float64 on sm_90: the caller checks
-            :meth:`~mace_accel.ops.conv_tp.cuda.CudaConvPrimitives.hidden_unsupported`); the
-            backward still recomputes the weights chunk by chunk.
     """
     if max_edges is None:
         max_edges = chunk_edges(w_last.shape[1], w_last.dtype, w_last.device)
-    frag = w_last.new_empty((0,)) if frag is None else frag
     return folded_conv_tp_op(node_feats.contiguous(), edge_attrs.contiguous(),
-                             hidden.contiguous(), w_last, frag, graph.tensors(backend),
+                             hidden.contiguous(), w_last, graph.tensors(backend),
                              graph.n_nodes, key, backend, deterministic, gemm, int(max_edges))

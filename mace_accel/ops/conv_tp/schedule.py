@@ -251,7 +251,7 @@ def _max_group_threads(dtype: str, direction: str) -> int:
     registers each, without spills (the nvcc test of the catalog checks). Its forward runs one
     input segment per launch: the blocks of one launch then do equal work, where a shared block
     waits for its slowest segment. float32 gains little from that and loses on small graphs,
-    so it shares blocks (scripts/bench_conv_kernel.py, MACE-MP-medium layer 2).
+    so it shares blocks (scripts/bench_kernels.py conv, MACE-MP-medium layer 2).
     """
     if dtype == "float32":
         return 512

@@ -57,7 +57,7 @@ class Staging(NamedTuple):
 
 
 # How each direction's kernels stage their rows, by dtype; None: the plain kernels, which load
-# each edge's rows into registers one edge ahead. Chosen by scripts/bench_conv_staged.py on
+# each edge's rows into registers one edge ahead. Chosen by scripts/bench_kernels.py conv-staged on
 # large graphs (MACE-MP-medium layer 2); the float64 forward stays plain: staged, it was slower.
 DEFAULT_STAGING: Dict[str, Dict[str, Optional[Staging]]] = {
     "float32": {"forward": Staging(8, 2, by_segment=True), "backward": Staging(4, 2)},

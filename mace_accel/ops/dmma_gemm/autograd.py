@@ -1,12 +1,13 @@
 """The radial MLP's last layer ``h @ W`` in float64 as a ``torch.library`` custom op on the DMMA
-kernels.
+kernel.
 
 ``W [narrow, wide]`` is passed as it is and packed (:func:`pack_weight`; the caller caches the
 buffer with the weight). One op, ``mm_op(a, packed, w, forward)``, both ways, each the other's
 backward, so double backward (training on forces) runs through them too: ``forward``:
-``a [M, narrow] W`` on the DMMA kernel; else ``a [M, wide] W^T``, on cuBLAS unless
-:data:`KERNEL_BACKWARD` (measured slower, see there). No gradient reaches ``W``, so the callers
-take this path only when no weight gradient is asked for (inference), or compute it themselves.
+``a [M, narrow] W`` on the DMMA kernel; else ``a [M, wide] W^T`` on cuBLAS (on MACE-MP's last
+layers cuBLAS's ``g W^T`` beat a DMMA kernel's best geometry, while the forward kernel beats
+cuBLAS's forward). No gradient reaches ``W``, so the callers take this path only when no weight
+gradient is asked for (inference), or compute it themselves.
 """
 
 from __future__ import annotations
@@ -24,10 +25,6 @@ if TYPE_CHECKING:
     from mace_accel.ops.dmma_gemm.cuda import CudaDmmaGemm
 
 FAMILY = "dmma_gemm"
-# ``g W^T`` on the DMMA kernel rather than cuBLAS: off. On MACE-MP's last layers cuBLAS's
-# backward beats the kernel's best geometry, while the forward kernel beats cuBLAS's forward
-# (scripts/bench_dmma_gemm.py). The kernel stays tested and benchmarked (the same script).
-KERNEL_BACKWARD = False
 Tensor = torch.Tensor
 
 
@@ -40,14 +37,11 @@ def _kernels(narrow: int, wide: int, device: torch.device) -> "CudaDmmaGemm":
 
 
 def _mm(a: Tensor, packed: Tensor, w: Tensor, forward: bool) -> Tensor:
-    """``a [M, narrow] W`` (``forward``, the DMMA kernel) or ``a [M, wide] W^T`` (cuBLAS unless
-    :data:`KERNEL_BACKWARD`)."""
-    narrow, wide = int(w.shape[0]), int(w.shape[1])
-    if not forward and not KERNEL_BACKWARD:
+    """``a [M, narrow] W`` (``forward``, the DMMA kernel) or ``a [M, wide] W^T`` (cuBLAS)."""
+    if not forward:
         return torch.mm(a, w.t())
-    kernels = _kernels(narrow, wide, a.device)
-    a = aligned16(a)  # the kernels copy 16-byte pairs
-    return kernels.forward(a, packed) if forward else kernels.backward(a, packed)
+    kernels = _kernels(int(w.shape[0]), int(w.shape[1]), a.device)
+    return kernels.forward(aligned16(a), packed)  # the kernel copies 16-byte pairs
 
 
 @torch.library.custom_op("mace_accel::dmma_mm", mutates_args=())
@@ -100,8 +94,3 @@ def linear(h: Tensor, packed: Tensor, w: Tensor) -> Tensor:
 def mm(a: Tensor, packed: Tensor, w: Tensor) -> Tensor:
     """``a [M, narrow] @ w``, no autograd (inside other ops' forward)."""
     return _mm(a.contiguous(), packed, w, True)
-
-
-def mm_t(g: Tensor, packed: Tensor, w: Tensor) -> Tensor:
-    """``g [M, wide] @ w^T``, no autograd (inside other ops' backward)."""
-    return _mm(g.contiguous(), packed, w, False)

@@ -1,37 +1,32 @@
-"""The launch plans and CUDA sources of a :class:`~.spec.DmmaGemmSpec` (template
-``kernels/dmma_gemm/gemm.cu.j2``), forward and backward.
+"""The launch plan and CUDA source of a :class:`~.spec.DmmaGemmSpec` (template
+``kernels/dmma_gemm/gemm.cu.j2``): the forward ``a [M, narrow] W``.
 
-Why: cuBLAS runs these float64 GEMMs on the same DMMA units, but with K = 64 (the forward) or
-N = 64 (the backward) its tiles fall far from the memory floor: on MACE-MP-medium's large
-graphs its backward ``[E, 1280] x [1280, 64]`` reads its input and its forward writes well below
-the HBM bandwidth (``scripts/bench_dmma_gemm.py``). Both are streams through memory
-with ~16 flops a byte, below the DMMA units' ~20 flops a byte on an H100, so each kernel keeps
-the narrow side on chip and streams the wide one once:
-
-* forward: a warp holds its ``MT x 16`` rows of ``a [M, narrow]`` as A fragments in registers
-  and walks the output columns 8 at a time, ``W``'s fragments streamed through shared memory
-  (cp.async, a ring of ``stages`` chunks of ``chunk`` column tiles shared by the block's warps);
-* backward: a warp accumulates its ``MT x 16`` rows of ``[M, narrow]`` in registers while its
-  rows of ``g [M, wide]`` and ``W^T``'s fragments stream through the same ring.
+Why: cuBLAS runs this float64 GEMM on the same DMMA units, but with K = 64 its tiles fall far
+from the memory floor: on MACE-MP-medium's large graphs its forward writes well below the HBM
+bandwidth (``scripts/bench_kernels.py dmma-gemm``). The product is a stream through memory with ~16
+flops a byte, below the DMMA units' ~20 flops a byte on an H100, so the kernel keeps the narrow
+side on chip and streams the wide one once: a warp holds its ``MT x 16`` rows of
+``a [M, narrow]`` as A fragments in registers and walks the output columns 8 at a time, ``W``'s
+fragments streamed through shared memory (cp.async, a ring of ``stages`` chunks of ``chunk``
+column tiles shared by the block's warps). The backward ``g W^T`` stays on cuBLAS, which beat
+a kernel of the same design on these shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 from mace_accel.ops.dmma_gemm.spec import DmmaGemmSpec
 from mace_accel.ops.limits import DEFAULT_SMS, LARGE_GRAPH_EDGES, OPTIN_SHARED, DeviceLimits
 from mace_accel.ops.templates import render
 
 ARCH = "sm_90"  # m16n8k8 in float64 is Hopper's (PTX ISA 7.8)
-DIRECTIONS = ("forward", "backward")
 SHARED_LIMIT = OPTIN_SHARED  # an sm_90 block's dynamic shared memory, opted in (ARCH only)
-# (warps, m-tiles per warp, column tiles per stage, stages) by direction: the fastest measured
-# at 539k edges on an H100 (scripts/bench_dmma_gemm.py): forward
-# 64 -> 1280 2.33 ms with 16 warps of one m-tile (8 warps of two: 2.49-2.63 ms; 12 warps:
-# 2.51-2.55 ms), backward 2.34 ms with 8 warps of two m-tiles (16 warps of one: 2.54 ms)
-DEFAULT_GEOMETRY = {"forward": (16, 1, 2, 4), "backward": (8, 2, 4, 2)}
+# (warps, m-tiles per warp, column tiles per stage, stages): the fastest measured at 539k edges
+# on an H100 (scripts/bench_kernels.py dmma-gemm): 64 -> 1280 2.33 ms with 16 warps of one m-tile
+# (8 warps of two: 2.49-2.63 ms; 12 warps: 2.51-2.55 ms)
+DEFAULT_GEOMETRY = (16, 1, 2, 4)
 # below SMALL_ROWS rows the forward takes blocks of 4 warps (64 rows): 16-warp blocks of 256
 # rows leave SMs idle (20k edges: 79 blocks for 132 SMs). Measured (the same script): 64 -> 1280
 # at 20k edges 111 us vs 131 us (cuBLAS 121 us), at 44k 223 vs 255 us (cuBLAS 268 us); at 87k the
@@ -42,11 +37,10 @@ SMALL_GEOMETRY = (4, 1, 2, 4)
 
 @dataclasses.dataclass(frozen=True)
 class DmmaGemmPlan:
-    """What the template prints for one direction of a spec."""
+    """What the template prints for one spec."""
 
     spec_key: str
     arch: str
-    direction: str
     narrow: int
     wide: int
     tn: int
@@ -63,10 +57,8 @@ class DmmaGemmPlan:
 
     @property
     def stage_d2(self) -> int:
-        """double2 of a ring stage: the W chunk, and in the backward each warp's rows of
-        ``g`` for it."""
-        w = self.chunk * self.tn * 32
-        return w if self.direction == "forward" else w + self.warps * self.mt * self.chunk * 64
+        """double2 of a ring stage: the W chunk."""
+        return self.chunk * self.tn * 32
 
     @property
     def shared_bytes(self) -> int:
@@ -87,30 +79,25 @@ class DmmaGemmPlan:
         return max(1, min(-(-m // self.block_rows), multiprocessors * resident))
 
     def describe(self) -> str:
-        shape = (f"[M, {self.narrow}] x [{self.narrow}, {self.wide}]" if
-                 self.direction == "forward" else f"[M, {self.wide}] x [{self.wide}, "
-                                                  f"{self.narrow}]")
-        return (f"float64 DMMA GEMM {shape}, {self.warps} warps x {self.mt} m-tiles, "
-                f"{self.stages} stages of {self.chunk} column tiles")
+        return (f"float64 DMMA GEMM [M, {self.narrow}] x [{self.narrow}, {self.wide}], "
+                f"{self.warps} warps x {self.mt} m-tiles, {self.stages} stages of {self.chunk} "
+                "column tiles")
 
 
-def plan_kernel(spec: DmmaGemmSpec, direction: str, arch: str = ARCH,
-                geometry: Tuple[int, int, int, int] = None) -> DmmaGemmPlan:
-    """The plan of ``spec``'s ``direction`` kernel: :data:`DEFAULT_GEOMETRY`, or ``geometry``
+def plan_kernel(spec: DmmaGemmSpec, arch: str = ARCH,
+                geometry: Optional[Tuple[int, int, int, int]] = None) -> DmmaGemmPlan:
+    """The plan of ``spec``'s kernel: :data:`DEFAULT_GEOMETRY`, or ``geometry``
     ``(warps, m-tiles per warp, column tiles per stage, stages)`` (benchmarks).
 
     Raises:
-        ValueError: an unknown direction, a geometry out of range, or one whose ring does not
-            fit the shared memory.
+        ValueError: a geometry out of range, or one whose ring does not fit the shared memory.
     """
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    warps, mt, chunk, stages = geometry or DEFAULT_GEOMETRY[direction]
+    warps, mt, chunk, stages = geometry or DEFAULT_GEOMETRY
     if not (1 <= warps <= 32 and 1 <= mt <= 4 and chunk >= 1 and stages >= 2):
         raise ValueError(f"geometry {(warps, mt, chunk, stages)}: want 1-32 warps, 1-4 m-tiles, "
                          "a chunk of at least one tile and at least two stages")
-    plan = DmmaGemmPlan(spec.key(), arch, direction, spec.narrow, spec.wide, spec.tn, spec.tw,
-                        warps, mt, chunk, stages)
+    plan = DmmaGemmPlan(spec.key(), arch, spec.narrow, spec.wide, spec.tn, spec.tw, warps, mt,
+                        chunk, stages)
     if plan.shared_bytes > SHARED_LIMIT:
         raise ValueError(f"geometry {(warps, mt, chunk, stages)} needs {plan.shared_bytes} bytes "
                          f"of shared memory, over {SHARED_LIMIT}")
@@ -118,7 +105,7 @@ def plan_kernel(spec: DmmaGemmSpec, direction: str, arch: str = ARCH,
 
 
 def kernel_name(plan: DmmaGemmPlan) -> str:
-    return (f"mace_dmma_gemm_{plan.spec_key}_{plan.direction}_w{plan.warps}m{plan.mt}"
+    return (f"mace_dmma_gemm_{plan.spec_key}_forward_w{plan.warps}m{plan.mt}"
             f"c{plan.chunk}s{plan.stages}")
 
 
@@ -135,8 +122,8 @@ CATALOG = {
     "small": DmmaGemmSpec(16, 96),
     "ragged": DmmaGemmSpec(37, 302),
 }
-# geometries besides the defaults the GPU tests run (and CI compiles)
-TESTED_GEOMETRY = {"forward": ((8, 2, 4, 4),), "backward": ((16, 1, 2, 4),)}
+# a geometry besides the defaults the GPU tests run (and CI compiles): two m-tiles a warp
+TESTED_GEOMETRY = (8, 2, 4, 4)
 
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
@@ -145,9 +132,7 @@ def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
     if limits.arch != ARCH:
         return
     for name, spec in sorted(CATALOG.items()):
-        for direction in DIRECTIONS:
-            small = (SMALL_GEOMETRY,) if direction == "forward" else ()
-            for geometry in (None, *small, *TESTED_GEOMETRY[direction]):
-                plan = plan_kernel(spec, direction, limits.arch, geometry)
-                tail = "" if geometry is None else "_" + "x".join(map(str, geometry))
-                yield f"dmma_gemm/{name}_{direction}{tail}", render_kernel(plan)
+        for geometry in (None, SMALL_GEOMETRY, TESTED_GEOMETRY):
+            plan = plan_kernel(spec, limits.arch, geometry)
+            tail = "" if geometry is None else "_" + "x".join(map(str, geometry))
+            yield f"dmma_gemm/{name}_forward{tail}", render_kernel(plan)

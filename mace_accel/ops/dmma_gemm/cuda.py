@@ -1,5 +1,5 @@
-"""The CUDA side of the DMMA GEMMs: the forward and backward kernel of one spec on one device,
-launched on torch's current stream (they allocate only their output; graph-capturable)."""
+"""The CUDA side of the DMMA GEMM: the kernel of one spec on one device, launched on torch's
+current stream (it allocates only its output; graph-capturable)."""
 
 from __future__ import annotations
 
@@ -25,13 +25,12 @@ Tensor = torch.Tensor
 
 
 class CudaDmmaGemm:
-    """``a [M, narrow] W`` and ``g [M, wide] W^T`` of one :class:`DmmaGemmSpec` on one device
-    (float64, sm_90); the forward below :data:`~.codegen.SMALL_ROWS` rows in smaller blocks;
-    ``geometry``: per direction a ``(warps, m-tiles, chunk, stages)`` other than the default for
-    every row count (benchmarks and tests)."""
+    """``a [M, narrow] W`` of one :class:`DmmaGemmSpec` on one device (float64, sm_90), below
+    :data:`~.codegen.SMALL_ROWS` rows in smaller blocks; ``geometry``: a ``(warps, m-tiles,
+    chunk, stages)`` other than the default for every row count (benchmarks and tests)."""
 
     def __init__(self, spec: DmmaGemmSpec, device: torch.device,
-                 geometry: Optional[Dict[str, Tuple[int, int, int, int]]] = None) -> None:
+                 geometry: Optional[Tuple[int, int, int, int]] = None) -> None:
         self.spec = spec
         self.device = kernel_device(torch.float64, device)
         arch = device_limits(self.device).arch
@@ -39,41 +38,30 @@ class CudaDmmaGemm:
             raise KernelError(f"{spec.describe()}: the float64 tensor-core GEMM kernels are for "
                               f"{codegen.ARCH}, this GPU is {arch}")
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        geometry = geometry or {}
-        self.plans = {d: codegen.plan_kernel(spec, d, arch, geometry.get(d))
-                      for d in codegen.DIRECTIONS}
-        self.plans["forward_small"] = codegen.plan_kernel(
-            spec, "forward", arch, geometry.get("forward", codegen.SMALL_GEOMETRY))
+        self.plans = {"forward": codegen.plan_kernel(spec, arch, geometry),
+                      "forward_small": codegen.plan_kernel(
+                          spec, arch, geometry or codegen.SMALL_GEOMETRY)}
         self._kernels: Dict[str, Kernel] = {}
         self._resident: Dict[str, int] = {}  # blocks an SM holds, read off the loaded kernel
 
     def forward(self, a: Tensor, packed: Tensor) -> Tensor:
         """``[M, wide]`` = ``a [M, narrow] W`` (``packed``: :func:`~.spec.pack` of ``W``)."""
         small = a.dim() == 2 and a.shape[0] < codegen.SMALL_ROWS
-        return self._run("forward_small" if small else "forward", a, packed, self.spec.narrow,
-                         self.spec.wide)
-
-    def backward(self, g: Tensor, packed: Tensor) -> Tensor:
-        """``[M, narrow]`` = ``g [M, wide] W^T``."""
-        return self._run("backward", g, packed, self.spec.wide, self.spec.narrow)
-
-    def _run(self, which: str, a: Tensor, packed: Tensor, width_in: int,
-             width_out: int) -> Tensor:
+        which = "forward_small" if small else "forward"
         s, plan = self.spec, self.plans[which]
         m = int(a.shape[0]) if a.dim() == 2 else -1
-        check_tensor("a", a, (m, width_in), torch.float64, self.device, s.describe())
+        check_tensor("a", a, (m, s.narrow), torch.float64, self.device, s.describe())
         check_tensor("packed weight", packed, (s.packed_numel,), torch.float64, self.device,
                      s.describe())
         check_aligned("a", a, plan.describe())
         check_aligned("packed weight", packed, plan.describe())
         check_rows(m, plan.block_rows, plan.describe())
-        out = torch.empty((m, width_out), dtype=torch.float64, device=self.device)
+        out = torch.empty((m, s.wide), dtype=torch.float64, device=self.device)
         if m == 0:
             return out
-        section = packed[s.section_numel:] if which == "backward" else packed
         kernel = self._kernel(which)
         kernel.launch(plan.grid(m, self.sms, self._resident[which]), plan.threads,
-                      (ptr(a), ptr(section), ptr(out), i32(m)))
+                      (ptr(a), ptr(packed), ptr(out), i32(m)))
         return out
 
     def _kernel(self, which: str) -> Kernel:

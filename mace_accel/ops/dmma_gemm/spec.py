@@ -1,16 +1,12 @@
-"""The problem of one DMMA GEMM pair and the weight's fragment buffer.
+"""The problem of one DMMA GEMM and the weight's fragment buffer.
 
 ``W [narrow, wide]`` (the radial MLP's last layer: ``narrow`` the hidden width, at most
-:data:`MAX_NARROW`; ``wide`` the TP weight count) is multiplied both ways: the forward
-``a [M, narrow] W`` and the backward ``g [M, wide] W^T``. The kernels read ``W`` from one flat
-buffer (:func:`pack`), ``W`` zero-padded to multiples of :data:`~mace_accel.ops.silu_mlp.spec.
-FRAG`, as ``mma.sync`` m16n8k8 B fragments in the order each kernel streams them:
-
-* the forward's: per tile of 8 output columns, per tile of 8 of K (``narrow``), per lane the
-  pair of :func:`~mace_accel.ops.silu_mlp.spec.fragments` (K permuted within each tile, so an
-  A fragment loaded as row pairs fits as it stands);
-* then the backward's: ``W^T``'s fragments, per tile of 8 of K (``wide``), per tile of 8 output
-  columns (``narrow``), per lane.
+:data:`MAX_NARROW`; ``wide`` the TP weight count) multiplies ``a [M, narrow]``. The kernel reads
+``W`` from one flat buffer (:func:`pack`), ``W`` zero-padded to multiples of
+:data:`~mace_accel.ops.silu_mlp.spec.FRAG`, as ``mma.sync`` m16n8k8 B fragments in the order it
+streams them: per tile of 8 output columns, per tile of 8 of K (``narrow``), per lane the pair
+of :func:`~mace_accel.ops.silu_mlp.spec.fragments` (K permuted within each tile, so an A
+fragment loaded as row pairs fits as it stands).
 
 Zero padding changes no result: padded K rows of ``W`` are zero, and padded output columns are
 not stored.
@@ -44,8 +40,7 @@ def unsupported_reason(narrow: int, wide: int) -> Optional[str]:
 
 @dataclasses.dataclass(frozen=True)
 class DmmaGemmSpec:
-    """``W [narrow, wide]``: the forward ``[M, narrow] -> [M, wide]``, the backward
-    ``[M, wide] -> [M, narrow]``."""
+    """``W [narrow, wide]``: ``[M, narrow] -> [M, wide]``."""
 
     narrow: int
     wide: int
@@ -69,13 +64,9 @@ class DmmaGemmSpec:
         return padded(self.wide, FRAG) // FRAG
 
     @property
-    def section_numel(self) -> int:
-        """Doubles of one direction's fragments."""
-        return self.tn * self.tw * 64
-
-    @property
     def packed_numel(self) -> int:
-        return 2 * self.section_numel
+        """Doubles of the fragment buffer."""
+        return self.tn * self.tw * 64
 
     def describe(self) -> str:
         return f"float64 tensor-core GEMM [M, {self.narrow}] x [{self.narrow}, {self.wide}]"
@@ -91,6 +82,4 @@ def pack(spec: DmmaGemmSpec, w: torch.Tensor) -> torch.Tensor:
         raise UnsupportedModelError(f"{spec.describe()}: weight of shape {tuple(w.shape)}, "
                                     f"expected {(spec.narrow, spec.wide)}")
     full = zero_padded(w, spec.tn * FRAG, spec.tw * FRAG)
-    forward = fragments(full).view(spec.tn, spec.tw, 32, 2).transpose(0, 1).reshape(-1)
-    backward = fragments(full.t())
-    return torch.cat([forward, backward]).contiguous()
+    return fragments(full).view(spec.tn, spec.tw, 32, 2).transpose(0, 1).reshape(-1).contiguous()

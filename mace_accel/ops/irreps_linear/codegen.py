@@ -14,8 +14,9 @@ from mace_accel.ops.templates import RealType, render
 # static shared memory per block (at most STATIC_SHARED): the staged input tile, then the
 # warps' partial sums (one buffer)
 TILE_BYTES = 32 * 1024
-# default geometry, the fastest of scripts/bench_irreps_linear.py's ``--variants`` (MACE-MP maps
-# at 280 and 6,912 nodes): 4 nodes per tile, 2 output channels per thread where blocks are wide
+# default geometry, the fastest of ``scripts/bench_kernels.py irreps-linear --variants``
+# (MACE-MP maps at 280 and 6,912 nodes): 4 nodes per tile, 2 output channels per thread where
+# blocks are wide
 TILE_NODES = 4
 # warps splitting the input channels of a block (each warp takes every KS-th u)
 MAX_K_SPLIT = 4

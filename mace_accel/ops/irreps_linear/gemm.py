@@ -25,7 +25,7 @@ Tensor = torch.Tensor
 # float64 maps with shared weights run here from this many nodes: the kernel's multiply-adds
 # run on the FMA units, cuBLAS's on the DMMA tensor cores, which overtake it on the MP message
 # map between 700 and 1,200 nodes (its transpose ties at ~1,200, the 256-wide map crosses
-# earlier, the small readout stays on the kernel; scripts/bench_irreps_linear.py). This path
+# earlier, the small readout stays on the kernel; scripts/bench_kernels.py irreps-linear). This path
 # takes 3-5 launches per output block, so small cells (the 256-atom graph: 280 nodes) keep the
 # kernel's one.
 MIN_NODES_FLOAT64 = 1024

@@ -15,7 +15,7 @@ from mace_accel.ops.templates import RealType, render
 # 539k-edge graph over a 2048-cell table has ~260 edges a cell) and chunks of at most this many
 # vectors of a row, one vector a thread: the forward's blocks take a whole row where it fits
 # in 640 (rows written whole: a little faster than in 256-vector chunks,
-# scripts/bench_radial_table.py; 640 threads keep two blocks an SM), the sorted backward's
+# scripts/bench_kernels.py radial-table; 640 threads keep two blocks an SM), the sorted backward's
 # walk the row in chunks of 256 (more blocks an SM)
 TABLE_EDGES = 64
 FORWARD_MAX_CHUNK = 640

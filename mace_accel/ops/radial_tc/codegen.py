@@ -9,7 +9,7 @@ pre-activations; the backward runs the 3xTF32 GEMMs with SiLU epilogues
 (:mod:`mace_accel.ops.tf32x3_gemm`) on them (on sm_90 the forward is :mod:`.wgmma`'s and the
 input gradient one kernel, :mod:`.wgmma_backward`).
 
-Against the layer-by-layer 3xTF32 kernels it replaces (``scripts/bench_radial_tc.py``,
+Against the layer-by-layer 3xTF32 kernels it replaces (``scripts/bench_kernels.py radial-tc``,
 MACE-MP's 10 -> 64 -> 64 -> 64 -> 1280 and 512-wide nets) the forward is a little faster on
 small graphs and takes about two thirds of their time on large ones. Two backward kernels were
 tried and dropped: one that recomputed the hidden layers (178 KB of shared memory, one block per

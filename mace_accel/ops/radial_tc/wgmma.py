@@ -22,7 +22,7 @@ The ``mma.sync`` kernel splits every operand fragment again for every tile it me
 the weights as float32; it runs far below the TF32 peak, bound by issue and latency. This one
 is faster on MACE-MP's 64 -> 1280 last layer, on small and large graphs, and on large ones
 Nsight Compute puts it near the L2's throughput (every block streams both TF32 parts of the last
-layer's weights from L2); ``scripts/bench_radial_tc.py --kernels`` times the two. Tried and
+layer's weights from L2); ``scripts/bench_kernels.py radial-tc --kernels`` times the two. Tried and
 slower: one accumulator over all tiles unrolled
 (instruction-cache misses), a loop with two accumulators across iterations or computed stage
 addresses (ptxas serializes the wgmmas, C7514), three stages of 64 columns or two warpgroups
@@ -168,7 +168,7 @@ def plan_kernel(spec: RadialSpec, wg: int = 1, stages: int = STAGES, bn: int = B
 def default_variant(spec: RadialSpec) -> Tuple[int, int, int, int]:
     """``(wg, stages, bn, splits)`` for ``spec``: one warpgroup, :data:`STAGES` stages, and the
     tile width of :data:`BN_CHOICES` that pads the last layer least (ties: the wider).
-    On MACE-MP's 10-64-64-64-1280 net (``scripts/bench_radial_tc.py --kernels``) 40 columns
+    On MACE-MP's 10-64-64-64-1280 net (``scripts/bench_kernels.py radial-tc --kernels``) 40 columns
     win on small graphs and 32 on large ones; the small case (a 256-atom call, latency-bound)
     decides: 40."""
     def padded_columns(bn: int) -> int:

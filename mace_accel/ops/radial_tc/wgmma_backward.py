@@ -24,12 +24,12 @@ is written: ``g W_L^T`` (``[E, 64]``) and the hidden layers' gradients stay in r
   load latency was the largest stall in Nsight Compute's samples).
 
 About two thirds of the time of the 3xTF32 layer kernels it replaces, on small and large graphs
-and both of MACE-MP's output widths (``scripts/bench_radial_tc.py --backward``, its 10-64-64-64
-nets). Still latency-bound (Nsight Compute, two warpgroups a block: on small graphs most cycles
-have no eligible warp). Tried and slower: ``g`` read straight into registers one pair of chunks ahead (no
-shared memory for it; only two stages of weights then fit the registers left); two
-warpgroups sharing each chunk of weights (one block per SM); the hidden layers' weights kept
-in shared memory for the whole launch (fewer stages, one block per SM).
+and both of MACE-MP's output widths (``scripts/bench_kernels.py radial-tc --backward``, its
+10-64-64-64 nets). Still latency-bound (Nsight Compute, two warpgroups a block: on small graphs
+most cycles have no eligible warp). Tried and slower: ``g`` read straight into registers one pair
+of chunks ahead (no shared memory for it; only two stages of weights then fit the registers
+left); two warpgroups sharing each chunk of weights (one block per SM); the hidden layers'
+weights kept in shared memory for the whole launch (fewer stages, one block per SM).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ G_PAD = 4  # floats of padding per row of g in shared memory (spreads a warp's r
 # the default: one warpgroup, two pairs of chunks in flight, two blocks per SM (102 KB of shared
 # memory and 250 registers each with MACE-MP's nets): independent blocks beat two warpgroups
 # sharing each chunk of weights, and deeper stages (six, eight) gained nothing
-# (scripts/bench_radial_tc.py --backward)
+# (scripts/bench_kernels.py radial-tc --backward)
 WG, STAGES = 1, 4
 DEFAULT_VARIANT = (WG, STAGES)
 # (wg, stages) besides the default that the GPU tests run (and CI compiles)

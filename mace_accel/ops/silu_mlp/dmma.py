@@ -7,7 +7,7 @@ to match when they are packed, :func:`~.spec.fragments`), so nothing between ``x
 the output touches memory, and no lane exchanges data. The weights' fragments are copied once
 per block into shared memory. The SiLU runs as a loop over each lane's own values in a shared
 slab: written once per register, its exp and reciprocal made the kernel too large for the
-instruction cache (28k instructions against the loop's 2.5k; scripts/bench_silu_mlp.py).
+instruction cache (28k instructions against the loop's 2.5k; scripts/bench_kernels.py silu-mlp).
 
 Two backward kernels give ``d x``: by default from the slopes ``silu'(z)`` the forward kept
 (``[E, sum of hidden widths]`` doubles, read once: the backward is a stream through memory), or,
@@ -19,7 +19,7 @@ SiLU passes between them, every ``[E, 64]`` pre-activation and activation writte
 the SIMT kernels of :mod:`.codegen` keep them on chip but run on the FMA units, slower still.
 Here the products run on the DMMA units with only ``x``, the output and the kept slopes passing
 through memory, and the backward from the slopes streams near the copy bandwidth
-(``scripts/bench_silu_mlp.py`` times these against the GEMM path).
+(``scripts/bench_kernels.py silu-mlp`` times these against the GEMM path).
 """
 
 from __future__ import annotations

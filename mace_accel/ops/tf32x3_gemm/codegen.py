@@ -6,7 +6,7 @@ memory: wide outputs (the forward, ``n`` in the hundreds) take 64 x 128 tiles (8
 of 16 along K three deep), narrow ones (the backward's ``d h``, ``n`` = hidden width, K in the
 thousands) 64 x 64 tiles (4 warps, slices of 32 two deep).
 
-Against torch.mm on cuBLAS's float32 kernels (``scripts/bench_tf32x3_gemm.py``, MACE-MP's
+Against torch.mm on cuBLAS's float32 kernels (``scripts/bench_kernels.py tf32x3-gemm``, MACE-MP's
 64 -> 1280 layer): faster on small graphs and in the backward, on par in the large forward.
 Relative L-infinity error against a float64 product: 2-4e-7 (cuBLAS 4e-7 forward, 0.7-1.9e-6 backward). Tried and slower: 128 x
 128 tiles (16 warps), 64 x 64 forward tiles, 32 x 128 tiles.

@@ -1,0 +1,955 @@
+"""Single kernels against their alternatives, one family at a time (GPU machine).
+
+    python scripts/bench_kernels.py FAMILY [options]
+    python scripts/bench_kernels.py FAMILY --help      # what FAMILY measures, its options
+
+Same process, same inputs, CUDA events, medians after warm-up (mace_accel.bench.timing). Small
+kernels run LAUNCHES calls to a CUDA graph, replayed, so launch costs do not hide them. Errors
+are relative L-infinity errors against float64 (or the named reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import sys
+from functools import partial
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from mace_accel.bench.backends import failure_status
+from mace_accel.bench.timing import graph_ms_per_launch, time_calls
+
+LAUNCHES = 10
+say = partial(print, flush=True)
+FAMILIES: Dict[str, Tuple[Callable, tuple]] = {}
+
+
+def family(name: str, *options: Tuple[tuple, dict]) -> Callable:
+    """Register ``run(args)`` as the family ``name`` with its options (:func:`opt`); its
+    docstring is the family's help."""
+    def register(run: Callable) -> Callable:
+        FAMILIES[name] = (run, options)
+        return run
+    return register
+
+
+def opt(*flags: str, **kwargs) -> Tuple[tuple, dict]:
+    return flags, kwargs
+
+
+def _list(item: Callable) -> Callable[[str], list]:
+    return lambda text: [item(t) for t in text.split(",") if t]
+
+
+ints, names = _list(int), _list(str)
+dtypes = _list(lambda name: getattr(torch, name))
+
+
+def dname(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def event_ms(fn: Callable, repeats: int, warmup: int = 5) -> float:
+    """Median milliseconds of one call of ``fn``."""
+    return time_calls(fn, "cuda", warmup, repeats).median_ms
+
+
+def graph_ms(fn: Callable, repeats: int) -> float:
+    """Median milliseconds per call of ``fn``, LAUNCHES calls captured in one CUDA graph."""
+    return graph_ms_per_launch(fn, LAUNCHES, repeats)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return float((out.detach().double() - ref).abs().max() / ref.abs().max())
+
+
+def rates(ms: float, flops: float = 0.0, moved: float = 0.0) -> str:
+    """``ms`` in microseconds, with the TFLOP/s of ``flops`` and the GB/s of ``moved`` bytes."""
+    text = f"{ms * 1e3:8.1f} us"
+    if flops:
+        text += f" {flops / ms / 1e9:6.2f} TFLOP/s"
+    if moved:
+        text += f" {moved / ms / 1e6:6.0f} GB/s"
+    return text
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    a = torch.empty(2 * 1024**3 // 4, dtype=torch.float32, device="cuda").normal_()
+    b = torch.empty_like(a)
+    ms = event_ms(partial(b.copy_, a), repeats=10, warmup=3)
+    del a, b
+    return 2 * 2 * 1024**3 / (ms * 1e-3)
+
+
+def fcc_graph(cells: int, r_max: float = 6.0) -> Tuple[int, torch.Tensor]:
+    """``(atoms, edge_index)`` of a rattled fcc Cu supercell of ``cells``^3 cubic cells
+    (12: 6,912 atoms, ~539k edges at r_max = 6 Å)."""
+    import ase.build
+    import numpy as np
+    from mace.data.neighborhood import get_neighborhood
+
+    atoms = ase.build.bulk("Cu", "fcc", a=3.61, cubic=True).repeat((cells,) * 3)
+    atoms.rattle(0.05, seed=0)
+    edge_index, *_ = get_neighborhood(atoms.positions, cutoff=r_max, pbc=(True,) * 3,
+                                      cell=np.asarray(atoms.cell))
+    return len(atoms), torch.as_tensor(edge_index, dtype=torch.int64, device="cuda")
+
+
+def conv_inputs(spec, n_nodes: int, n_edges: int, dtype: torch.dtype) -> tuple:
+    """``(x [N, dim_in1], y [E, dim_in2], w [E, weight_numel], g [N, dim_out])``, seeded."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = ((n_nodes, spec.dim_in1), (n_edges, spec.dim_in2), (n_edges, spec.weight_numel),
+              (n_nodes, spec.dim_out))
+    return tuple(torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+                 for shape in shapes)
+
+
+# ---------------------------------------------------------------------------------------------
+# the convolution
+
+def _conv_backends(problem, dtype: torch.dtype) -> tuple:
+    """``({name: module with MACE's fused call (x, y, w, edge_index)}, {name: why not}, spec)``."""
+    from mace.modules import wrapper_ops
+    from mace.tools.scatter import scatter_sum
+
+    from mace_accel.ops.conv_tp.spec import make_e3nn_conv_tp, spec_from_e3nn
+    from mace_accel.options import AccelOptions
+    from mace_accel.patches.conv_tp import FusedConvTP
+
+    tp = make_e3nn_conv_tp(*problem).to(device="cuda", dtype=dtype)
+    backends, status = {}, {}
+
+    class E3nnConv(torch.nn.Module):
+        def forward(self, x, y, w, ei):
+            return scatter_sum(tp(x[ei[0]], y, w), ei[1], dim=0, dim_size=x.shape[0])
+
+    backends["e3nn"] = E3nnConv()
+    backends["mace-accel"] = FusedConvTP(tp, spec_from_e3nn(tp), AccelOptions(backend="cuda"))
+    backends["mace-accel-atomic"] = FusedConvTP(
+        tp, spec_from_e3nn(tp), AccelOptions(backend="cuda", deterministic=False))
+    instructions = [(i.i_in1, i.i_in2, i.i_out, i.connection_mode, i.has_weight)
+                    for i in tp.instructions]
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the anchors' wrappers read it (benchmark only)
+    try:
+        for name, kwargs in (
+            ("oeq", dict(oeq_config=wrapper_ops.OEQConfig(enabled=True, optimize_all=True,
+                                                          conv_fusion="atomic"))),
+            ("cueq", dict(cueq_config=wrapper_ops.CuEquivarianceConfig(
+                enabled=True, layout="mul_ir", group="O3_e3nn", optimize_all=True,
+                conv_fusion=True))),
+        ):
+            if not getattr(wrapper_ops, "OEQ_AVAILABLE" if name == "oeq" else "CUET_AVAILABLE"):
+                status[name] = "not installed"
+                continue
+            try:
+                module = wrapper_ops.TensorProduct(tp.irreps_in1, tp.irreps_in2, tp.irreps_out,
+                                                   instructions=instructions, **kwargs)
+                backends[name] = module.to("cuda")
+            except Exception as exc:  # report, never drop silently
+                status[name] = f"failed: {type(exc).__name__}: {exc}"
+    finally:
+        torch.set_default_dtype(old)
+    return backends, status, spec_from_e3nn(tp)
+
+
+def _timed_row(row: dict, fwd: Callable, fwd_bwd: Callable, repeats: int) -> dict:
+    """``row`` with the forward and forward + backward times, or why they did not run."""
+    try:
+        row["fwd_ms"] = event_ms(fwd, repeats)
+        row["fwd_bwd_ms"] = event_ms(fwd_bwd, repeats)
+        row["status"] = "ok"
+    except Exception as exc:  # a backend that cannot run is reported, the others still run
+        row["status"] = failure_status(exc)[:300]
+    torch.cuda.empty_cache()
+    return row
+
+
+def _last_layer_rows(spec, n_nodes: int, edge_index, x, y, g, repeats: int,
+                     hidden: int = 64) -> List[dict]:
+    """The conv with the radial MLP's last layer in front: weights kept vs recomputed."""
+    from mace_accel.ops.conv_tp import autograd
+    from mace_accel.ops.conv_tp.folded import folded_conv_tp
+    from mace_accel.ops.graph import graph_from_edge_index
+
+    key = autograd.register_spec(spec)
+    graph = graph_from_edge_index(edge_index, n_nodes)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(edge_index.shape[1], hidden, device="cuda", dtype=x.dtype, generator=gen)
+    w_last = torch.randn(spec.weight_numel, hidden, device="cuda", dtype=x.dtype,
+                         generator=gen).t() / hidden ** 0.5
+    calls = {"mace-accel+last layer": lambda a, b, c: autograd.conv_tp(key, graph, a, b,
+                                                                       c @ w_last),
+             "mace-accel folded": lambda a, b, c: folded_conv_tp(key, graph, a, b, c, w_last)}
+    rows = []
+    for name, call in calls.items():
+        xr, yr, hr = (t.detach().clone().requires_grad_(True) for t in (x, y, h))
+
+        def fwd():
+            with torch.no_grad():
+                return call(x, y, h)
+
+        row = _timed_row({"dtype": dname(x.dtype), "backend": name}, fwd,
+                         lambda: torch.autograd.grad(call(xr, yr, hr), (xr, yr, hr), g), repeats)
+        if row["status"] == "ok":
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            out = call(xr, yr, hr)  # the autograd graph holds what the backward needs
+            torch.cuda.synchronize()
+            row["kept_MB"] = (torch.cuda.memory_allocated() - before
+                              - out.numel() * out.element_size()) / 2**20
+            del out
+        rows.append(row)
+    return rows
+
+
+def _conv_table(results: dict) -> None:
+    say(f"\nconv kernel, {results['problem']}, {results['n_edges']} edges, {results['gpu']}")
+    say(f"{'dtype':8} {'backend':21} {'fwd ms':>8} {'fwd+bwd ms':>11} {'%roof':>6} "
+        f"{'vs e3nn':>8} {'vs best other':>13}  status")
+    for dtype in sorted({r["dtype"] for r in results["rows"]}):
+        rows = [r for r in results["rows"] if r["dtype"] == dtype]
+        ok = {r["backend"]: r["fwd_bwd_ms"] for r in rows if r.get("status") == "ok"}
+        others = [ms for b, ms in ok.items() if not b.startswith("mace-accel") and b != "e3nn"]
+        for r in rows:
+            head = f"{dtype:8} {r['backend']:21}"
+            if r.get("status") != "ok":
+                say(f"{head} {'':>8} {'':>11} {'':>6} {'':>8} {'':>13}  {r['status']}")
+            elif "kept_MB" in r:  # the rows with the radial MLP's last layer in front
+                say(f"{head} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:11.3f} {'':>6} {'':>8} "
+                    f"{'':>13}  ok, kept for the backward {r['kept_MB']:.0f} MB")
+            else:
+                vs_e3nn = ok["e3nn"] / r["fwd_bwd_ms"] if "e3nn" in ok else math.nan
+                vs_best = min(others) / r["fwd_bwd_ms"] if others else math.nan
+                say(f"{head} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:11.3f} "
+                    f"{100 * r['roofline_fraction']:5.0f}% {vs_e3nn:7.2f}x {vs_best:12.2f}x  ok")
+
+
+@family("conv",
+        opt("--problem", default="mp-medium-l2", help="conv_tp catalog problem"),
+        opt("--cells", type=int, default=12, help="fcc Cu cells a side (12: ~539k edges)"),
+        opt("--dtypes", type=dtypes, default="float32,float64", help="comma-separated"),
+        opt("--json", help="also write the rows to this file"))
+def conv(args) -> None:
+    """The fused conv TP against OpenEquivariance, cuEquivariance and e3nn.
+
+    A catalog problem (MACE-MP-medium layer 2: 128x0e+128x1o x sh(3) -> 10 paths) on the graph
+    of an fcc Cu supercell at r_max = 6 Å: forward, and forward + backward (gradients to
+    node_feats, edge_attrs and tp_weights), deterministic and atomic (deterministic=False);
+    the fraction of the HBM roofline (fewest bytes over the time, against a device copy
+    measured here). Two more rows put the radial MLP's last layer (64 -> weight_numel) in
+    front, as a patched model runs it: "mace-accel+last layer" keeps the per-edge TP weights
+    for the backward, "mace-accel folded" (mace_accel.ops.conv_tp.folded) recomputes them
+    chunk by chunk; "kept" is what each keeps for the backward beyond its inputs.
+    """
+    import mace_accel._e3nn_compat as compat
+    from mace_accel.ops.conv_tp.catalog import CATALOG
+    from mace_accel.ops.conv_tp.schedule import count_flops_bytes
+
+    compat.import_mace()
+    n_nodes, edge_index = fcc_graph(args.cells)
+    n_edges = int(edge_index.shape[1])
+    bw = copy_bandwidth()
+    results = {"problem": args.problem, "n_nodes": n_nodes, "n_edges": n_edges,
+               "copy_bandwidth_GBps": bw / 1e9, "gpu": torch.cuda.get_device_name(), "rows": []}
+    say(f"{args.problem}: {n_nodes} nodes, {n_edges} edges; copy bandwidth {bw / 1e9:.0f} GB/s")
+    for dtype in args.dtypes:
+        backends, status, spec = _conv_backends(CATALOG[args.problem].irreps, dtype)
+        x, y, w, g = conv_inputs(spec, n_nodes, n_edges, dtype)
+        roof = count_flops_bytes(spec, n_nodes, n_edges, dname(dtype))
+        ref = None
+        for name, module in backends.items():
+            xr, yr, wr = (t.detach().clone().requires_grad_(True) for t in (x, y, w))
+
+            def fwd(module=module):
+                with torch.no_grad():
+                    return module(x, y, w, edge_index)
+
+            row = {"dtype": dname(dtype), "backend": name}
+            try:
+                out = fwd().double()
+            except Exception as exc:
+                results["rows"].append({**row, "status": failure_status(exc)[:300]})
+                continue
+            if name == "e3nn":
+                ref = out
+            elif ref is not None:
+                row["fwd_rel_err_vs_e3nn"] = float((out - ref).norm() / ref.norm())
+            _timed_row(row, fwd, lambda m=module, xr=xr, yr=yr, wr=wr: torch.autograd.grad(
+                m(xr, yr, wr, edge_index), (xr, yr, wr), g), args.repeats)
+            if row["status"] == "ok":
+                both = roof["fwd_bytes"] + roof["bwd_bytes"]
+                row["roofline_fraction"] = both / (row["fwd_bwd_ms"] * 1e-3) / bw
+                row["fwd_roofline_fraction"] = roof["fwd_bytes"] / (row["fwd_ms"] * 1e-3) / bw
+            results["rows"].append(row)
+        results["rows"] += [{"dtype": dname(dtype), "backend": name, "status": why}
+                            for name, why in status.items()]
+        results["rows"] += _last_layer_rows(spec, n_nodes, edge_index, x, y, g, args.repeats)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    _conv_table(results)
+
+
+def _staging(shape: str) -> dict:
+    """``SHAPE`` for both directions or ``FWD:BWD``, each ``plain`` (the register-prefetch
+    kernels) or ``EDGESxSTAGES`` (``u<n>``: unroll n; a trailing ``s``: one input segment per
+    launch); a ``/...`` suffix is read by :func:`_codegen_knobs`."""
+    from mace_accel.ops.conv_tp.staged import Staging
+
+    def one(text: str):
+        if text == "plain":
+            return None
+        body, _, unroll = text.rstrip("s").partition("u")
+        edges, stages = (int(v) for v in body.split("x"))
+        return Staging(edges, stages, int(unroll or 0), text.endswith("s"))
+
+    fwd, _, bwd = shape.split("/")[0].partition(":")
+    return {"forward": one(fwd), "backward": one(bwd or fwd)}
+
+
+def _codegen_knobs(shape: str, defaults: dict) -> dict:
+    """The codegen constants a shape's suffix sets: ``/h0`` the backward reads the node's output
+    gradient per edge (HOIST_G_WORDS = 0), ``/H<n>`` it holds ``h`` up to n values
+    (HOIST_H_VALUES), ``/O0`` the forward forms ``u`` per edge (OUTER_FWD_VALUES = 0)."""
+    knobs = dict(defaults)
+    for part in shape.split("/")[1:]:
+        if part == "h0":
+            knobs["HOIST_G_WORDS"] = 0
+        elif part.startswith("H"):
+            knobs["HOIST_H_VALUES"] = int(part[1:])
+        elif part == "O0":
+            knobs["OUTER_FWD_VALUES"] = 0
+    return knobs
+
+
+@family("conv-staged",
+        opt("--problem", default="mp-medium-l2", help="conv_tp catalog problem"),
+        opt("--cells", type=ints, default="12,4", help="fcc Cu cells a side, comma-separated"),
+        opt("--shapes", type=names, default="plain,4x3,2x4,8x2",
+            help="comma-separated stage shapes, e.g. plain,4x2u2,8x2s,plain:4x2,4x2/h0"),
+        opt("--dtypes", type=dtypes, default="float32,float64", help="comma-separated"))
+def conv_staged(args) -> None:
+    """The conv kernels with rows staged in shared memory (ops/conv_tp/staged.py) by shape.
+
+    For each stage shape (edges per tile x stages; "plain": the register-prefetch kernels;
+    FWD:BWD apart; suffixes /h0, /H<n>, /O0 change codegen's HOIST_G_WORDS, HOIST_H_VALUES,
+    OUTER_FWD_VALUES): forward, deterministic backward (all three gradients, the per-sender
+    sum included) and atomic backward times, the fraction of the HBM roofline of forward +
+    backward (count_flops_bytes over a device copy measured here), and whether every output
+    is bit-identical to the first shape's.
+    """
+    from mace_accel.ops.conv_tp import codegen
+    from mace_accel.ops.conv_tp.catalog import CATALOG
+    from mace_accel.ops.conv_tp.cuda import CudaConvPrimitives
+    from mace_accel.ops.conv_tp.schedule import count_flops_bytes
+    from mace_accel.ops.conv_tp.spec import make_spec
+    from mace_accel.ops.graph import KernelGraph, graph_from_edge_index
+
+    needs = (True, True, True)
+    defaults = {k: getattr(codegen, k)
+                for k in ("HOIST_G_WORDS", "HOIST_H_VALUES", "OUTER_FWD_VALUES")}
+    bw = copy_bandwidth()
+    say(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
+    spec = make_spec(*CATALOG[args.problem].irreps)
+    for cells in args.cells:
+        n, edge_index = fcc_graph(cells)
+        graph = KernelGraph(*graph_from_edge_index(edge_index, n).tensors("cuda"))
+        e = edge_index.shape[1]
+        for dtype in args.dtypes:
+            x, y, w, g = conv_inputs(spec, n, e, dtype)
+            both = sum(count_flops_bytes(spec, n, e, dname(dtype))[k]
+                       for k in ("fwd_bytes", "bwd_bytes"))
+            ref = None
+            say(f"\n{args.problem} {dname(dtype)} {n} atoms {e} edges")
+            say(f"{'shape':>12} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'roof':>5} "
+                f"{'atomic bwd':>10} {'f+b atomic':>10} {'roof':>5}  bits")
+            for shape in args.shapes:
+                # the kernels are rendered on their first call, below, with these constants
+                for k, v in _codegen_knobs(shape, defaults).items():
+                    setattr(codegen, k, v)
+                prims = CudaConvPrimitives(spec, dtype, torch.device("cuda"),
+                                           staging=_staging(shape))
+                atomic = CudaConvPrimitives(spec, dtype, torch.device("cuda"),
+                                            deterministic=False, staging=_staging(shape))
+                prims.staged_min_edges = atomic.staged_min_edges = 0  # the shape at any size
+                res = [prims.forward(n, graph, x, y, w), *prims.backward(n, graph, x, y, w, g,
+                                                                         needs)]
+                agx = atomic.backward(n, graph, x, y, w, g, needs)[0]
+                for k, v in defaults.items():
+                    setattr(codegen, k, v)
+                if ref is None:
+                    ref, same = res, "reference"
+                else:
+                    diffs = [float((a - b).abs().max()) for a, b in zip(res, ref)]
+                    same = "identical" if max(diffs) == 0 else f"DIFFER {diffs}"
+                adiff = float((agx - ref[1]).abs().max() / ref[1].abs().max())
+                ran = ",".join(sorted({("staged " if "_st" in k else "plain ") + k.split("_")[2]
+                                       for k in prims._kernels if "sender" not in k}))
+                t_f = event_ms(lambda: prims.forward(n, graph, x, y, w), args.repeats)
+                t_b = event_ms(lambda: prims.backward(n, graph, x, y, w, g, needs), args.repeats)
+                t_a = event_ms(lambda: atomic.backward(n, graph, x, y, w, g, needs),
+                               args.repeats)
+                say(f"{shape:>12} {t_f:8.3f} {t_b:8.3f} {t_f + t_b:8.3f} "
+                    f"{100 * both / ((t_f + t_b) * 1e-3) / bw:4.0f}% {t_a:10.3f} "
+                    f"{t_f + t_a:10.3f} {100 * both / ((t_f + t_a) * 1e-3) / bw:4.0f}%  "
+                    f"{ran}, {same} (atomic d x {adiff:.1e})")
+                torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# the node-wise ops
+
+@family("irreps-linear",
+        opt("--nodes", type=ints, default="280,2048,6912", help="comma-separated node counts"),
+        opt("--maps", type=names, default="message,skip89",
+            help="irreps_linear catalog maps (each also transposed)"),
+        opt("--variants", type=names, default="",
+            help="other kernel geometries tile_nodes:k_split:v_tile, comma-separated"),
+        opt("--dtypes", type=dtypes, default="float32,float64", help="comma-separated"))
+def irreps_linear(args) -> None:
+    """The equivariant linear kernels against the torch reference and cuBLAS GEMMs.
+
+    The catalog's maps at node counts of MACE-MP cells (280: a 256-atom cell padded; 6,912
+    atoms), in CUDA graphs, with the FLOP rate and the bytes each launch moves; --variants
+    times other geometries of the generated kernel (irreps_linear.codegen.plan_kernel).
+    """
+    from mace_accel.ops.irreps_linear import autograd, codegen, gemm
+    from mace_accel.ops.irreps_linear.catalog import CATALOG
+    from mace_accel.ops.irreps_linear.cuda import CudaIrrepsLinear
+
+    def kernel(spec, dtype, geometry=None) -> CudaIrrepsLinear:
+        k = CudaIrrepsLinear(spec, dtype, torch.device("cuda"))
+        k.gemm_min_nodes = 2 ** 62  # the generated kernel at every size
+        if geometry:
+            tile, split, v_tile = (int(v) for v in geometry.split(":"))
+            k.plan = codegen.plan_kernel(spec, k.plan.dtype, k.plan.arch, tile_nodes=tile,
+                                         k_split=split, v_tile=v_tile)
+        return k
+
+    for dtype in args.dtypes:
+        for name in args.maps:
+            for label, spec in ((name, CATALOG[name]), (name + "_t", CATALOG[name].transposed())):
+                autograd.register_spec(spec)
+                real = torch.finfo(dtype).bits // 8
+                macs = sum(spec.in_blocks[i.i_in].size * spec.out_blocks[i.i_out].mul
+                           for i in spec.instructions)
+                for nodes in args.nodes:
+                    gen = torch.Generator(device="cuda").manual_seed(0)
+                    x = torch.randn(nodes, spec.dim_in, device="cuda", dtype=dtype, generator=gen)
+                    w = torch.randn(spec.weight_numel, device="cuda", dtype=dtype,
+                                    generator=gen) * 0.1
+                    elem = torch.randint(0, spec.num_elements, (nodes,), device="cuda",
+                                         dtype=torch.int32, generator=gen)
+                    rows = {"kernel": partial(kernel(spec, dtype).apply, x, w, elem),
+                            "torch reference": lambda: autograd.reference(spec, x, w, elem)}
+                    if gemm.runs_on(spec):
+                        rows["cuBLAS GEMMs"] = partial(gemm.apply, spec, x, w)
+                    for geometry in args.variants:
+                        try:
+                            rows[f"kernel {geometry}"] = partial(
+                                kernel(spec, dtype, geometry).apply, x, w, elem)
+                        except ValueError as exc:  # a geometry the shared memory cannot hold
+                            say(f"{dname(dtype):8s} {label:8s} kernel {geometry}: {exc}")
+                    moved = (nodes * (spec.dim_in + spec.dim_out) + spec.weight_numel) * real
+                    for row, fn in rows.items():
+                        ms = graph_ms(fn, args.repeats)
+                        say(f"{dname(dtype):8s} {label:8s} {nodes:6d} nodes  {row:18s} "
+                            f"{rates(ms, 2 * macs * nodes, moved)}")
+
+
+@family("symmetric-contraction",
+        opt("--problems", type=names, default="mp-medium-p1,mp-large-p1,mp-medium-p2",
+            help="symmetric_contraction catalog problems"),
+        opt("--nodes", type=int, default=6912, help="node count"),
+        opt("--dtypes", type=dtypes, default="float32,float64", help="comma-separated"),
+        opt("--json", help="also write the rows to this file"))
+def symmetric_contraction(args) -> None:
+    """The fused symmetric contraction against mace's own module.
+
+    Forward, and forward + backward to the node features (what an energy + forces call
+    needs), with the bytes each pass must move and the share of the HBM roofline reached
+    (against a device copy measured here).
+    """
+    from mace_accel.ops.symmetric_contraction.catalog import build
+    from mace_accel.options import AccelOptions
+    from mace_accel.patches.product_blocks import FusedSymmetricContraction
+
+    bw, rows, nodes = copy_bandwidth(), [], args.nodes
+    for name in args.problems:
+        for dtype in args.dtypes:
+            module, spec = build(name, "float64")
+            module = module.to("cuda", dtype)
+            for p in module.parameters():  # inference: gradients of the inputs only
+                p.requires_grad_(False)
+            fused = FusedSymmetricContraction(module, spec, AccelOptions(backend="cuda"))
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(nodes, spec.num_features, spec.num_components, device="cuda",
+                            dtype=dtype, generator=gen)
+            elem = torch.randint(0, spec.num_elements, (nodes,), device="cuda", generator=gen)
+            y = torch.nn.functional.one_hot(elem, spec.num_elements).to(dtype)
+            g = torch.randn(nodes, spec.dim_out, device="cuda", dtype=dtype, generator=gen)
+            xg = x.clone().requires_grad_(True)
+            with torch.no_grad():
+                want = module(x, y)
+                err = float((fused(x, y) - want).norm() / want.norm())
+            size = torch.finfo(dtype).bits // 8
+            x_bytes, out_bytes = x.numel() * size, nodes * spec.dim_out * size
+            r = {"problem": name, "dtype": dname(dtype), "nodes": nodes, "spec": spec.describe(),
+                 "rel_err_vs_mace": err, "roofline_fwd_ms": (x_bytes + out_bytes) / bw * 1e3,
+                 "roofline_fwd_bwd_ms": (3 * x_bytes + 2 * out_bytes) / bw * 1e3}
+            for label, m in (("mace", module), ("fused", fused)):
+                r[f"{label}_fwd_ms"] = event_ms(partial(m, x, y), args.repeats)
+                r[f"{label}_fwd_bwd_ms"] = event_ms(
+                    lambda m=m: torch.autograd.grad(m(xg, y), xg, g), args.repeats)
+            r["fwd_bwd_share_of_roofline"] = r["roofline_fwd_bwd_ms"] / r["fused_fwd_bwd_ms"]
+            rows.append(r)
+            say(f"symmetric contraction, {name} {r['dtype']} N={nodes}: "
+                f"fwd mace {r['mace_fwd_ms']:.3f} ms fused {r['fused_fwd_ms']:.3f} ms | "
+                f"fwd+bwd mace {r['mace_fwd_bwd_ms']:.3f} fused {r['fused_fwd_bwd_ms']:.3f} ms "
+                f"({r['mace_fwd_bwd_ms'] / r['fused_fwd_bwd_ms']:.1f}x; roofline "
+                f"{r['roofline_fwd_bwd_ms']:.3f} ms = {100 * r['fwd_bwd_share_of_roofline']:.0f}%)"
+                f" err {err:.1e}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the radial MLP and its GEMMs
+
+R_MAX, BASIS, P = 6.0, 8, 6  # MACE's Bessel embedding with its polynomial cutoff
+
+
+def _embedding(r: torch.Tensor) -> torch.Tensor:
+    """MACE's Bessel basis times its polynomial cutoff, ``[E, BASIS]``."""
+    n = torch.arange(1, BASIS + 1, dtype=r.dtype, device=r.device)
+    bessel = (2 / R_MAX) ** 0.5 * torch.sin(n * math.pi * r[:, None] / R_MAX) / r[:, None]
+    x = r / R_MAX
+    cut = (1 - (P + 1) * (P + 2) / 2 * x ** P + P * (P + 2) * x ** (P + 1)
+           - P * (P + 1) / 2 * x ** (P + 2)) * (r < R_MAX)
+    return bessel * cut[:, None]
+
+
+def _column_major(k: int, n: int, dtype=torch.float32) -> torch.Tensor:
+    """A random ``[k, n]`` weight stored as the model keeps it (the transpose of a row-major
+    ``[n, k]``)."""
+    return (torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5).t().contiguous().t()
+
+
+@family("radial-table",
+        opt("--edges", type=ints, default="20000,539000", help="comma-separated edge counts"),
+        opt("--outs", type=ints, default="512,1280", help="output widths of the MLP"),
+        opt("--dtypes", type=dtypes, default="float32",
+            help="float64: the quintic table alone (no float64 MLP kernel to compare)"))
+def radial_table(args) -> None:
+    """The tabulated radial MLP (ops/radial_table) against the whole-MLP kernels it replaces.
+
+    A Bessel x polynomial-cutoff embedding (MACE's: 8 functions, r_max 6 Å) into a random
+    SiLU MLP 8-64-64-64-n_out, lengths drawn as in a dense solid (density ~ r^2 from 1.8 Å):
+    the table's forward (with and without the sort by length) and backward d r against the
+    wgmma MLP kernels' forward and d x (ops/radial_tc; the mma.sync ones off sm_90), their
+    errors against the float64 MLP, and the bandwidth of the [E, n_out] tensor written or read.
+    """
+    from mace_accel.ops import radial_mlp
+    from mace_accel.ops.radial_table import autograd as table_ops
+    from mace_accel.ops.radial_table.order import length_order
+    from mace_accel.ops.radial_table.table import SPECS, build_table
+    from mace_accel.ops.radial_tc.cuda import CudaRadialMLP
+    from mace_accel.ops.radial_tc.spec import RadialSpec
+
+    for dtype in args.dtypes:
+        for n_out in args.outs:
+            torch.manual_seed(0)
+            widths = (BASIS, 64, 64, 64, n_out)
+            w64 = [torch.randn(a, b, dtype=torch.float64, device="cuda") / a ** 0.5
+                   for a, b in zip(widths[:-1], widths[1:])]
+
+            def net64(r: torch.Tensor) -> torch.Tensor:
+                return radial_mlp.reference(_embedding(r), w64)
+
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            table = build_table(net64, R_MAX, w64[0], SPECS[dtype], dtype)
+            t1.record()
+            torch.cuda.synchronize()
+            coeffs = table.coeffs.to(dtype).contiguous()
+            kernels = table_ops._kernels(coeffs)
+            for edges in args.edges:
+                r64 = (R_MAX * torch.rand(edges, device="cuda", dtype=torch.float64) ** (1 / 3)
+                       ).clamp(min=1.8)
+                r = r64.to(dtype)
+                g = torch.randn(edges, n_out, device="cuda", dtype=dtype)
+                rr = r64.clone().requires_grad_(True)
+                ref = net64(rr)  # float64 truth: the weights and d r of <g, w>
+                (dref,) = torch.autograd.grad(ref, rr, g.double())
+                ref = ref.detach()
+                order = length_order(r, R_MAX)
+                fwd = partial(kernels.forward, r, order, coeffs, table.inv_h)
+                bwd = partial(kernels.backward, g, r, order, coeffs, table.inv_h)
+                runs = [("table fwd + sort", lambda: table_ops.lookup(
+                             r, length_order(r, R_MAX), coeffs, table.inv_h), ref),
+                        ("table fwd, sorted", fwd, None),
+                        ("table fwd, unsorted", partial(kernels.forward, r, torch.arange(
+                            edges, device="cuda"), coeffs, table.inv_h), None),
+                        ("table bwd d r", bwd, dref)]
+                if dtype == torch.float32:
+                    mlp = CudaRadialMLP(RadialSpec(widths), r.device)
+                    packed = mlp.pack([w.float().t().contiguous().t() for w in w64])
+                    x = _embedding(r)
+                    z = mlp.forward(x, packed)[1]
+                    runs.insert(0, ("MLP fwd (wgmma)", lambda: mlp.forward(x, packed)[0], ref))
+                    runs.insert(4, ("MLP bwd d x (wgmma)", partial(mlp.backward, g, z, packed),
+                                    None))
+                say(f"n_out {n_out}, {edges} edges: {table.describe(dtype)}; built in "
+                    f"{t0.elapsed_time(t1):.0f} ms")
+                base = {}
+                for name, fn, want in runs:
+                    ms = graph_ms(fn, args.repeats)
+                    base.setdefault(name.split()[1], ms)  # the first fwd / bwd: the ratios' base
+                    say(f"  {name:22s} {rates(ms)} ({ms / base[name.split()[1]]:4.2f}x) "
+                        f"{edges * n_out * r.element_size() / ms / 1e6:6.0f} GB/s of w"
+                        + ("" if want is None else f"  err {rel_err(fn(), want):.1e}"))
+
+
+def _whole_vs_layers(widths, weights, x, g, repeats: int) -> None:
+    """The whole-net kernel through ``radial_mlp`` against the layer-by-layer 3xTF32 kernels."""
+    from mace_accel.ops import radial_mlp
+    from mace_accel.ops.radial_tc import apply as radial_tc
+    from mace_accel.ops.radial_tc.spec import RadialSpec
+    from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
+
+    key = radial_tc.register_spec(RadialSpec(tuple(widths)))
+    whole = radial_mlp.WholeNet(key, radial_tc.pack_weights(key, weights))
+    nets = {"whole": lambda t: radial_mlp.radial_mlp(t, weights, tf32x3=True, whole=whole),
+            "layers": lambda t: tf32x3.linear(radial_mlp.radial_mlp(
+                t, weights[:-1], last_act=True, tf32x3=True), weights[-1])}
+    xr, x64 = x.clone().requires_grad_(True), x.double().requires_grad_(True)
+    ref = radial_mlp.reference(x64, [w.double() for w in weights])
+    (gref,) = torch.autograd.grad(ref, x64, g.double())
+    for name, net in nets.items():
+        fwd = partial(net, x)
+        both = lambda net=net: torch.autograd.grad(net(xr), xr, g)[0]  # noqa: E731
+        say(f"{_mlp_label(widths, x.shape[0], name)} fwd {graph_ms(fwd, repeats) * 1e3:8.1f} us"
+            f"  fwd+bwd {graph_ms(both, repeats) * 1e3:8.1f} us  err fwd "
+            f"{rel_err(fwd(), ref):.1e} bwd {rel_err(both(), gref):.1e}")
+
+
+def _mlp_label(widths, edges: int, name: str) -> str:
+    return f"{'->'.join(map(str, widths)):22s} E={edges:7d} {name:12s}"
+
+
+def _mlp_rates(widths, edges: int, ms: float, base: float) -> str:
+    """Time, the TF32 rate (three products a multiply-add), the bandwidth of the [E, n_out]
+    tensor written or read, the ratio to ``base``."""
+    macs = sum(a * b for a, b in zip(widths[:-1], widths[1:]))
+    return f"{rates(ms, 6 * edges * macs, edges * widths[-1] * 4)} ({ms / base:4.2f}x)"
+
+
+def _forward_kernels(widths, weights, x, kernels: List[str], repeats: int) -> None:
+    """The forward kernels on the same inputs (the first is the ratios' base)."""
+    from mace_accel.ops import radial_mlp
+    from mace_accel.ops.radial_tc.cuda import CudaRadialMLP
+    from mace_accel.ops.radial_tc.spec import RadialSpec
+
+    pre64, ref = radial_mlp.pre_activations(x.double(), [w.double() for w in weights])
+    base = None
+    for name in kernels:
+        layout, _, variant = name.partition(":")
+        kernel = CudaRadialMLP(RadialSpec(tuple(widths)), x.device, layout=layout, variant=tuple(
+            int(v) for v in variant.split("x")) if variant else None)
+        packed = kernel.pack(weights)
+        out, z = kernel.forward(x, packed)
+        bias = float((out.double() - ref).sum() / ref.abs().sum())
+        zerr = max(rel_err(z[i, :, :p.shape[1]], p) for i, p in enumerate(pre64))
+        ms = graph_ms(lambda: kernel.forward(x, packed), repeats)
+        base = base or ms
+        say(f"{_mlp_label(widths, x.shape[0], name)} {_mlp_rates(widths, x.shape[0], ms, base)}"
+            f"  err {rel_err(out, ref):.1e} z {zerr:.1e} bias {bias:+.1e}  {kernel.describe()}")
+        del out, z
+
+
+def _backward_kernels(widths, weights, x, g, variants: List[str], repeats: int) -> None:
+    """``d x`` on the layer kernels, then on the wgmma backward kernel in ``variants``."""
+    from mace_accel.ops import radial_mlp
+    from mace_accel.ops.radial_tc.cuda import CudaRadialMLP
+    from mace_accel.ops.radial_tc.spec import RadialSpec
+
+    x64 = x.double().requires_grad_(True)
+    (gref,) = torch.autograd.grad(radial_mlp.reference(x64, [w.double() for w in weights]),
+                                  x64, g.double())
+    with torch.no_grad():
+        pre, _ = radial_mlp.pre_activations(x, weights, tf32x3=True)
+    no_w = [False] * len(weights)
+
+    def layers() -> torch.Tensor:
+        with torch.no_grad():
+            return radial_mlp.vjp(x, weights, pre, g, False, True, no_w, tf32x3=True)[0]
+
+    runs = [("layers", layers, "3xTF32 layer kernels")]
+    for variant in variants:
+        kernel = CudaRadialMLP(RadialSpec(tuple(widths)), x.device, layout="wgmma",
+                               backward_variant=tuple(int(v) for v in variant.split("x")))
+        packed = kernel.pack(weights)
+        z = kernel.forward(x, packed)[1]
+        runs.append((f"wgmma:{variant}", partial(kernel.backward, g, z, packed),
+                     f"wgmma backward, {kernel.backward_plan.threads} threads"))
+    base = None
+    for name, fn, what in runs:
+        ms = graph_ms(fn, repeats)
+        base = base or ms
+        say(f"{_mlp_label(widths, x.shape[0], name)} {_mlp_rates(widths, x.shape[0], ms, base)}"
+            f"  err {rel_err(fn(), gref):.1e}  {what}")
+
+
+@family("radial-tc",
+        opt("--edges", type=ints, default="20000,539000", help="comma-separated edge counts"),
+        opt("--hidden", type=ints, default="10,64,64,64", help="widths before the last layer"),
+        opt("--outs", type=ints, default="512,1280", help="output widths"),
+        opt("--kernels", type=names, default="",
+            help="compare these forward kernels instead (e.g. mma,wgmma,wgmma:1x4x32x1)"),
+        opt("--backward", type=names, default="",
+            help="compare the layer kernels' d x with these wgmma backward variants instead "
+                 "(WGxSTAGES, e.g. 1x4,2x4)"))
+def radial_tc(args) -> None:
+    """The whole-radial-MLP kernels (ops/radial_tc) against the layer-by-layer kernels.
+
+    By default the whole-net forward against the 3xTF32 GEMMs with SiLU epilogues it
+    replaces, forward and forward + backward (d x), errors against float64. --kernels: the
+    forward kernels against each other (mma.sync "mma", "wgmma" in the variant that runs or
+    wgmma:WGxSTAGESxBNxSPLITS), each one's error (output, pre-activations, and the signed error
+    summed over all outputs: a bias), bandwidth of the output and TF32 rate (three products a
+    multiply-add). --backward: the input gradient alone, the 3xTF32 layer kernels against the
+    wgmma backward kernel in WGxSTAGES variants, bandwidth of the gradient read.
+    """
+    torch.manual_seed(0)
+    for n_out in args.outs:
+        widths = tuple(args.hidden) + (n_out,)
+        weights = [_column_major(a, b) for a, b in zip(widths[:-1], widths[1:])]
+        for edges in args.edges:
+            x = torch.randn(edges, widths[0], device="cuda")
+            g = torch.randn(edges, n_out, device="cuda")
+            if args.kernels:
+                _forward_kernels(widths, weights, x, args.kernels, args.repeats)
+            elif args.backward:
+                _backward_kernels(widths, weights, x, g, args.backward, args.repeats)
+            else:
+                _whole_vs_layers(widths, weights, x, g, args.repeats)
+
+
+@family("silu-mlp",
+        opt("--edges", type=ints, default="21248,65536,131072,539136",
+            help="comma-separated edge counts (21,248: a 256-atom MP-medium cell; 539,136: "
+                 "6,912 atoms)"),
+        opt("--widths", type=ints, default="8,64,64,64", help="the hidden layers' widths"),
+        opt("--dtypes", type=dtypes, default="float32,float64", help="comma-separated"))
+def silu_mlp(args) -> None:
+    """The radial MLP's hidden layers: the fused SiLU MLP kernels against GEMM + SiLU.
+
+    Forward + d x of the fused kernels (mace_accel.ops.silu_mlp) and of the GEMM + SiLU path
+    (mace_accel.ops.radial_mlp), eager and in CUDA graphs, and each fused kernel alone, with
+    the FLOPs and the bytes it moves. In float64 on the DMMA kernels also: the forward that
+    keeps the slopes, the backward from them, the FMA-unit (SIMT) kernels, other geometries,
+    and how far the DMMA outputs are from the SIMT ones.
+    """
+    from mace_accel.bench.timing import graph_replay
+    from mace_accel.ops import radial_mlp
+    from mace_accel.ops.silu_mlp import autograd
+    from mace_accel.ops.silu_mlp.cuda import CudaSiluMLP
+    from mace_accel.ops.silu_mlp.spec import SiluMLPSpec, pack_weights
+
+    widths = tuple(args.widths)
+    spec = SiluMLPSpec(widths)
+    key = autograd.register_spec(spec)
+    macs = sum(a * b for a, b in zip(widths[:-1], widths[1:]))
+    for dtype in args.dtypes:
+        for edges in args.edges:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            x = torch.randn(edges, widths[0], device="cuda", dtype=dtype, generator=gen)
+            weights = [torch.randn(a, b, device="cuda", dtype=dtype, generator=gen) / a ** 0.5
+                       for a, b in zip(widths[:-1], widths[1:])]
+            g = torch.randn(edges, widths[-1], device="cuda", dtype=dtype, generator=gen)
+            packed = pack_weights(spec, weights)
+            xr = x.clone().requires_grad_(True)
+
+            def gemm_path():
+                torch.autograd.grad(radial_mlp.radial_mlp(xr, weights, last_act=True), xr, g)
+
+            def fused_path():
+                torch.autograd.grad(autograd.silu_mlp(key, xr, packed, "cuda"), xr, g)
+
+            cuda = autograd._cuda(key, x)
+            rows = {"GEMM + SiLU, fwd + d x": gemm_path, "fused, fwd + d x": fused_path,
+                    "GEMM + SiLU, in a graph": graph_replay(gemm_path),
+                    "fused, in a graph": graph_replay(fused_path),
+                    "fused forward kernel": partial(cuda.forward, x, packed),
+                    "fused backward kernel": partial(cuda.backward, x, packed, g)}
+            if dtype == torch.float64 and cuda.kind == "dmma":
+                simt = CudaSiluMLP(spec, dtype, x.device, kind="simt")
+                slopes = cuda.forward(x, packed, keep_slopes=True)[1]
+                rows.update({
+                    "DMMA forward, slopes kept": partial(cuda.forward, x, packed,
+                                                         keep_slopes=True),
+                    "DMMA backward from slopes": partial(cuda.backward_kept, slopes, packed, g),
+                    "SIMT forward kernel": partial(simt.forward, x, packed),
+                    "SIMT backward kernel": partial(simt.backward, x, packed, g)})
+                for variant in ({"forward_warps": 12}, {"unroll": 4},
+                                {"forward_warps": 12, "unroll": 4}, {"forward_warps": 4}):
+                    other = CudaSiluMLP(spec, dtype, x.device, variant=variant)
+                    label = ",".join(f"{k}={v}" for k, v in variant.items())
+                    rows[f"DMMA {label} fwd"] = partial(other.forward, x, packed,
+                                                        keep_slopes=True)
+                want_gx = simt.backward(x, packed, g)
+                say(f"   DMMA vs SIMT kernels: max |d out| "
+                    f"{(cuda.forward(x, packed) - simt.forward(x, packed)).abs().max():.2e}, "
+                    f"max |d gx| {(cuda.backward(x, packed, g) - want_gx).abs().max():.2e}, "
+                    f"from the kept slopes "
+                    f"{(cuda.backward_kept(slopes, packed, g) - want_gx).abs().max():.2e}")
+            for name, fn in rows.items():
+                say(f"{dname(dtype):8s} {edges:7d} edges {name:26s} "
+                    f"{event_ms(fn, args.repeats, warmup=3):7.3f} ms")
+            moved = edges * (2 * widths[0] + 2 * widths[-1]) * (torch.finfo(dtype).bits // 8)
+            # the forward; the backward recomputes it and back-propagates: three products
+            say(f"   fused: {6 * edges * macs / 1e9:.2f} GFLOP, {moved / 1e6:.0f} MB through "
+                f"memory")
+
+
+GEMM_SHAPE = (opt("--hidden", type=int, default=64, help="the narrow side"),
+              opt("--widths", type=ints, default="512,1280", help="the wide side (per edge)"))
+
+
+def _time_gemms(rows: Dict[str, Callable], e: int, k: int, n: int, real_bytes: int,
+                reference: Callable[[str], torch.Tensor], repeats: int) -> None:
+    """One line per GEMM of ``rows`` (``[e, k] x [k, n]`` or its transpose): the time, the
+    rates, the error against ``reference(name)``."""
+    for name, fn in rows.items():
+        ms = graph_ms(fn, repeats)
+        say(f"E={e:7d} {k}->{n:5d} {name:42s} "
+            f"{rates(ms, 2 * e * k * n, real_bytes * (e * (k + n) + k * n))}  err "
+            f"{rel_err(fn(), reference(name)):.1e}")
+
+
+@family("tf32x3-gemm",
+        opt("--edges", type=ints, default="20000,160000,539000", help="rows (edges)"),
+        *GEMM_SHAPE,
+        opt("--variants", type=names, default="",
+            help="other tile geometries bm:bn:bk:warps_m:warps_n:stages, comma-separated"))
+def tf32x3_gemm(args) -> None:
+    """The 3xTF32 GEMM kernels against torch.mm (cuBLAS float32).
+
+    The radial MLP's last-layer shapes, forward h @ W and backward g @ W^T, W column-major as
+    the model keeps it, in CUDA graphs, each with its error against float64.
+    """
+    from mace_accel.ops.tf32x3_gemm import codegen
+    from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
+    from mace_accel.ops.tf32x3_gemm.spec import GemmSpec
+
+    k = args.hidden
+    geometries = [None] + [tuple(int(v) for v in s.split(":")) for s in args.variants]
+    for n in args.widths:
+        w = _column_major(k, n)
+        for e in args.edges:
+            h, g = torch.randn(e, k, device="cuda"), torch.randn(e, n, device="cuda")
+            exact = {"fwd": h.double() @ w.double(), "bwd": g.double() @ w.double().t()}
+            rows = {"cublas fwd": partial(torch.mm, h, w),
+                    "cublas bwd": partial(torch.mm, g, w.t())}
+            for geometry in geometries:
+                for label, spec, a in (("fwd", GemmSpec(k, n, "nk"), h),
+                                       ("bwd", GemmSpec(n, k, "kn"), g)):
+                    try:
+                        kernel = CudaGemm(spec, h.device)
+                        if geometry is not None:
+                            kernel.plan = codegen.plan_kernel(spec, kernel.plan.arch, geometry)
+                    except ValueError as exc:
+                        say(f"  skip {geometry}: {exc}")
+                        continue
+                    rows[f"3xtf32 {label} {geometry or 'default'}"] = partial(kernel.apply, a,
+                                                                              w.t())
+            _time_gemms(rows, e, k, n, 4, lambda name: exact["fwd" if "fwd" in name else "bwd"],
+                        args.repeats)
+
+
+@family("dmma-gemm",
+        opt("--edges", type=ints, default="20000,539000", help="rows (edges)"),
+        *GEMM_SHAPE,
+        opt("--geometries", type=names, default="",
+            help="other geometries warps:m_tiles:chunk:stages, comma-separated"))
+def dmma_gemm(args) -> None:
+    """The float64 DMMA GEMM kernel against torch.mm (cuBLAS float64, the same tensor cores).
+
+    The radial MLP's last-layer forward h @ W (sm_90), W column-major as the model keeps it,
+    in CUDA graphs, each with its error against cuBLAS.
+    """
+    from mace_accel.ops.dmma_gemm.cuda import CudaDmmaGemm
+    from mace_accel.ops.dmma_gemm.spec import DmmaGemmSpec, pack
+
+    k = args.hidden
+    for n in args.widths:
+        spec = DmmaGemmSpec(k, n)
+        w = _column_major(k, n, torch.float64)
+        packed = pack(spec, w)
+        kernels = {"default": CudaDmmaGemm(spec, w.device)}
+        for text in args.geometries:
+            try:
+                kernels[text] = CudaDmmaGemm(spec, w.device,
+                                             tuple(int(v) for v in text.split(":")))
+            except ValueError as exc:
+                say(f"  skip {text}: {exc}")
+        for e in args.edges:
+            h = torch.randn(e, k, device="cuda", dtype=torch.float64)
+            ref = torch.mm(h, w)
+            rows = {"cublas": partial(torch.mm, h, w),
+                    **{f"dmma {label}": partial(kernel.forward, h, packed)
+                       for label, kernel in kernels.items()}}
+            _time_gemms(rows, e, k, n, 8, lambda name: ref, args.repeats)
+
+
+@family("gemm-layouts",
+        opt("--edges", type=int, default=539136, help="rows (edges)"),
+        opt("--dtypes", type=dtypes, default="float32,float64", help="comma-separated"))
+def gemm_layouts(args) -> None:
+    """Which weight layout cuBLAS runs fastest for the radial MLP's GEMMs.
+
+    [E, k] @ [k, n] with the weight row-major or as the transpose of a row-major matrix, for
+    the forward (k = 64) and the backward (n = 64) shapes.
+    """
+    e = args.edges
+    for dtype in args.dtypes:
+        for k, n in ((64, 1280), (64, 512), (64, 64), (1280, 64), (512, 64)):
+            a = torch.randn(e, k, device="cuda", dtype=dtype)
+            w = torch.randn(k, n, device="cuda", dtype=dtype)
+            layouts = {"row-major W": w, "W = (W^T row-major).t()": w.t().contiguous().t()}
+            times = {label: event_ms(partial(torch.mm, a, b), args.repeats, warmup=3)
+                     for label, b in layouts.items()}
+            say(f"{dname(dtype):8s} [E,{k}]@[{k},{n}]: " + ", ".join(
+                f"{label} {rates(ms, 2 * e * k * n)}" for label, ms in times.items()))
+
+
+def main(argv=None) -> int:
+    formatter = type("Formatter", (argparse.RawDescriptionHelpFormatter,
+                                   argparse.ArgumentDefaultsHelpFormatter), {})
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    families = parser.add_subparsers(dest="family", required=True, metavar="FAMILY")
+    for name, (run, options) in FAMILIES.items():
+        doc = inspect.getdoc(run)
+        sub = families.add_parser(name, help=doc.splitlines()[0], description=doc,
+                                  formatter_class=formatter)
+        sub.add_argument("--repeats", type=int, default=20, help="timed calls or replays")
+        for flags, kwargs in options:
+            sub.add_argument(*flags, **kwargs)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: these benchmarks need one", file=sys.stderr)
+        return 2
+    FAMILIES[args.family][0](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
