@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny MACE models, two small structures, and skipping of GPU tests."""
+"""Shared fixtures: tiny MACE models, two small structures, the rendered kernel catalog; skipping
+of GPU tests and leaving out of slow ones."""
 
 from __future__ import annotations
 
@@ -9,14 +10,70 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true",
+                     help="also run the tests marked slow (left out unless -m names slow)")
+
+
+def pytest_sessionstart(session):
+    """Import mace (and through it the optional backends it probes) before any test runs.
+    OpenEquivariance keeps the exception of its failed extension build in a module global; its
+    traceback holds the frames of whatever first imported it: a test's frame would keep that
+    test's models and radial tables on the GPU for the rest of the session."""
+    from mace_accel._e3nn_compat import import_mace
+
+    import_mace()
+    import mace.modules  # noqa: F401  (imports mace's wrapper_ops, which probe the backends)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip tests marked ``gpu`` when torch sees no CUDA device."""
+    """Leave out the tests marked ``slow`` (reported as deselected) unless ``--run-slow`` is
+    given or the ``-m`` expression names ``slow``; skip those marked ``gpu`` when torch sees no
+    CUDA device."""
+    if not (config.getoption("--run-slow") or "slow" in (config.getoption("markexpr") or "")):
+        slow = [item for item in items if item.get_closest_marker("slow") is not None]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_BACKGROUND = []  # work started by test modules, until its poll() says it has finished
+
+
+def pytest_collection_finish(session):
+    """Once the run's tests are known, a test module with a ``start_background(items)`` gets its
+    selected tests, to start work that runs beside the others (tests/test_kernels_compile.py:
+    rendering and nvcc, at the lowest priority)."""
+    if session.config.option.collectonly:
+        return
+    by_module = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if hasattr(module, "start_background"):
+            by_module.setdefault(module, []).append(item)
+    started = (module.start_background(items) for module, items in by_module.items())
+    _BACKGROUND.extend(work for work in started if work is not None)
+
+
+def pytest_runtest_setup(item):
+    """Poll the background work: once finished, it gives back what it held (torch's threads)."""
+    _BACKGROUND[:] = [work for work in _BACKGROUND if not work.poll()]
+
+
+@pytest.fixture(scope="session")
+def rendered_catalog():
+    """``{name: CUDA source}`` of every kernel of the catalog
+    (:func:`mace_accel.ops.sources.catalog_sources`), rendered once, by the first test that
+    asks (collection renders nothing)."""
+    from mace_accel.ops.sources import catalog_sources
+
+    return dict(catalog_sources())
 
 
 @pytest.fixture(scope="session")
@@ -82,3 +139,34 @@ def model_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("model") / "cuni.model"
     torch.save(model, path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory(request):
+    """After each GPU test: collect the test's objects and hand torch's cached blocks back to
+    the driver, so that one test's peak (radial tables, 6,912-atom calls) is not held by
+    torch's allocator when a later test's kernels allocate through CuPy or the driver.
+    ``MACE_ACCEL_GPU_MEMORY_LOG=path`` appends each GPU test's live memory afterwards (and the
+    largest tensors still alive), to find what a test leaves behind."""
+    yield
+    if "gpu" not in request.keywords or not torch.cuda.is_available():
+        return
+    import gc
+    import os
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    path = os.environ.get("MACE_ACCEL_GPU_MEMORY_LOG")
+    if path:
+        live = torch.cuda.memory_allocated()
+        lines = [f"{request.node.nodeid}: {live / 2**30:.2f} GiB live"]
+        if live > 2**31:
+            big = sorted((o for o in gc.get_objects() if torch.is_tensor(o) and o.is_cuda
+                          and o.numel() * o.element_size() > 2**26),
+                         key=lambda t: -t.numel() * t.element_size())[:5]
+            for t in big:
+                owners = [type(r).__name__ for r in gc.get_referrers(t)][:6]
+                lines.append(f"    {tuple(t.shape)} {t.dtype} held by {owners}")
+        with open(path, "a") as f:
+            f.write("\n".join(lines) + "\n")

@@ -14,9 +14,9 @@ from mace_accel.ops.sources import source_hashes
 PINS = Path(__file__).parent / "data" / "kernel_sources.json"
 
 
-def test_generated_kernel_sources_match_their_pins():
+def test_generated_kernel_sources_match_their_pins(rendered_catalog):
     stored = json.loads(PINS.read_text())
-    current = source_hashes()
+    current = source_hashes(sources=rendered_catalog)
     added = sorted(set(current) - set(stored))
     removed = sorted(set(stored) - set(current))
     changed = sorted(k for k in set(current) & set(stored) if current[k] != stored[k])
@@ -26,11 +26,11 @@ def test_generated_kernel_sources_match_their_pins():
         f"{removed[:10]}")
 
 
-def test_pins_catch_a_changed_kernel(monkeypatch):
+def test_pins_catch_a_changed_kernel(rendered_catalog, monkeypatch):
     """The check has teeth: one changed character in a template changes the pins."""
     from mace_accel.ops import templates
 
-    before = source_hashes()
+    before = source_hashes(sources=rendered_catalog)
     original = templates._source
 
     def edited(name: str) -> str:

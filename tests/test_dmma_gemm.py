@@ -11,7 +11,6 @@ import torch
 from mace_accel.errors import UnsupportedModelError
 from mace_accel.ops.dmma_gemm import autograd, codegen
 from mace_accel.ops.dmma_gemm.spec import DmmaGemmSpec, pack, unsupported_reason
-from mace_accel.ops.sources import PIN_LIMITS, catalog_sources
 from mace_accel.ops.silu_mlp.spec import FRAG
 
 from dmma_emulation import load, mma, store
@@ -88,10 +87,10 @@ def test_plans_fit_and_bad_geometry_is_refused():
         codegen.plan_kernel(spec, geometry=(8, 2, 4, 1))
 
 
-def test_sources_are_in_the_catalog_and_only_for_sm90():
-    names = [n for n, _ in catalog_sources(PIN_LIMITS) if n.startswith("dmma_gemm/")]
+def test_sources_are_in_the_catalog_and_only_for_sm90(rendered_catalog):
+    names = [n for n in rendered_catalog if n.startswith("dmma_gemm/")]
     assert len(names) == len(codegen.CATALOG) * 3  # default, small, tested geometry
-    src = dict(catalog_sources(PIN_LIMITS))["dmma_gemm/mp_l2_forward"]
+    src = rendered_catalog["dmma_gemm/mp_l2_forward"]
     assert "mma.sync.aligned.m16n8k8.row.col.f64" in src and "cp.async" in src
     from mace_accel.ops.limits import DeviceLimits
     assert list(codegen.catalog_sources(DeviceLimits(arch="sm_80"))) == []

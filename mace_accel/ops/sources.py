@@ -1,14 +1,15 @@
 """Every generated kernel source of every op family's catalog, by name.
 
-One list for the three places that need it: the nvcc compile test (CI compiles each for sm_90 and
-fails on errors, spills or stack frames), the pinned-source test (a hash per kernel, so a change
-to generated code is deliberate), and ``scripts/pin_kernels.py`` (which rewrites the pins).
+One list for the three places that need it: the nvcc compile test (CI compiles one kernel of each
+kind for sm_90, every kernel with ``--run-slow``, and fails on errors, spills or stack frames),
+the pinned-source test (a hash per kernel, so a change to generated code is deliberate), and
+``scripts/pin_kernels.py`` (which rewrites the pins).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 from mace_accel.ops.limits import STATIC_SHARED, DeviceLimits
 
@@ -53,7 +54,9 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     yield from tf32x3_gemm.catalog_sources(limits)
 
 
-def source_hashes(limits: DeviceLimits = PIN_LIMITS) -> Dict[str, str]:
-    """``{name: sha256 of the source}`` of :func:`catalog_sources`."""
-    return {name: hashlib.sha256(src.encode()).hexdigest() for name, src in
-            catalog_sources(limits)}
+def source_hashes(limits: DeviceLimits = PIN_LIMITS,
+                  sources: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """``{name: sha256 of the source}`` of :func:`catalog_sources`, or of ``sources`` (``{name:
+    source}`` already rendered: rendering the whole catalog takes a while)."""
+    pairs = sources.items() if sources is not None else catalog_sources(limits)
+    return {name: hashlib.sha256(src.encode()).hexdigest() for name, src in pairs}

@@ -17,6 +17,7 @@ Layouts are e3nn's:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Any, Tuple
 
@@ -219,8 +220,18 @@ def make_spec(irreps_in1: str, irreps_in2: str, irreps_target: str) -> TPSpec:
     """Build the MACE conv-TP spec for the given irreps (as MACE's blocks do), via e3nn.
 
     ``irreps_target`` filters the outputs exactly like MACE's ``tp_out_irreps_with_instructions``.
-    Used by tests, benchmarks and the kernel catalog.
+    Used by tests, benchmarks and the kernel catalog. Built once per arguments and torch default
+    dtype (e3nn makes its 3j buffers, hence the spec's CG values, in that dtype): e3nn's tensor
+    product with its generated code is most of the time the kernel catalog takes to render.
     """
+    import torch
+
+    return _make_spec(irreps_in1, irreps_in2, irreps_target, torch.get_default_dtype())
+
+
+@functools.lru_cache(maxsize=None)
+def _make_spec(irreps_in1: str, irreps_in2: str, irreps_target: str, dtype: Any) -> TPSpec:
+    del dtype  # part of the cache key only
     return spec_from_e3nn(make_e3nn_conv_tp(irreps_in1, irreps_in2, irreps_target))
 
 
