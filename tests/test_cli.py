@@ -497,6 +497,9 @@ def test_convert_of_a_model_that_itself_gives_nan(tmp_path, capsys):
 
 
 # -- clean streams ------------------------------------------------------------------------------
+# repeats test_commands_print_no_library_notices (a fresh process without mace's notices) and
+# test_info_json_and_does_not_modify (the JSON)
+@pytest.mark.slow
 def test_info_json_is_valid_json_in_a_fresh_process(plain_model, tmp_path):
     """mace prints a cuequivariance notice on stdout when imported; it must not reach ours."""
     exe = shutil.which("mace-accel")

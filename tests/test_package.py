@@ -261,6 +261,8 @@ def test_docs_speak_of_the_product():
     assert not dated, dated
 
 
+# repeats test_python_entry_points_keep_stdout_clean (the calculator's loads the default model)
+@pytest.mark.slow
 def test_import_mace_keeps_stdout_clean(tmp_path):
     """mace prints a cuequivariance notice on stdout at import; import_mace swallows it (and
     only it), so `mace-accel info --json` stays JSON."""
