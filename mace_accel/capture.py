@@ -235,6 +235,18 @@ def fill_static(entry: _Captured, batch: Dict[str, Tensor], pad: float) -> Set[s
     return written
 
 
+def keep_edge_orderings(entry: _Captured) -> None:
+    """Before a capture: keep the edge orderings (CSRs: two stable sorts) that the eager call
+    before it built from ``entry``'s static ``edge_index`` outside the graph, which reads them;
+    :func:`fill_static` rebuilds them in place when the edges change (MD: a new neighbour
+    list). Where no fused op built them, they are built inside the graph."""
+    n_pad = int(entry.inputs["positions"].shape[0])
+    entry.edges = cached_graph(entry.inputs["edge_index"], n_pad)
+    entry.edge_keys = tuple(entry.edges._derived) if entry.edges is not None else ()
+    if entry.edges is None:
+        forget_cached_graph()
+
+
 class GraphedCall:
     """Energy + forces (+ stress) of ``model`` through CUDA graphs, one per shape bucket.
 
@@ -339,13 +351,7 @@ class GraphedCall:
         with torch.cuda.stream(side):
             self._run(entry.inputs, compute_stress)
         torch.cuda.current_stream().wait_stream(side)
-        # the edge orderings (CSRs: two stable sorts) the warm-up built
-        # from the static edge_index stay outside the graph, which reads them; _fill rebuilds
-        # them in place when the edges change (MD: when the neighbour list is rebuilt)
-        entry.edges = cached_graph(entry.inputs["edge_index"], key[0])
-        entry.edge_keys = tuple(entry.edges._derived) if entry.edges is not None else ()
-        if entry.edges is None:  # nothing to keep (no fused op built them): built in the graph
-            forget_cached_graph()
+        keep_edge_orderings(entry)
         try:
             with torch.cuda.graph(entry.graph, pool=self._pool):
                 # the shortest-distance check needs no result of the model: beside it

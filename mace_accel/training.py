@@ -42,11 +42,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from mace_accel.capture import (_Captured, fill_static, graphs_unavailable_reason, n_structures,
-                                padded_shape, static_inputs)
+from mace_accel.capture import (_Captured, fill_static, graphs_unavailable_reason,
+                                keep_edge_orderings, n_structures, padded_shape,
+                                static_inputs)
 from mace_accel.errors import InputError
 from mace_accel.models.batch import model_info
-from mace_accel.ops.graph import cached_graph, forget_cached_graph
+from mace_accel.ops.graph import forget_cached_graph
 from mace_accel.state import epoch, radial_embeddings
 
 log = logging.getLogger(__name__)
@@ -268,11 +269,7 @@ class TrainingStep:
         entry.graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        n_pad = entry.inputs["positions"].shape[0]
-        # the edge orderings the eager step built stay outside the graph, which reads them;
-        # fill_static rebuilds them in place when a batch brings other edges
-        entry.edges = cached_graph(entry.inputs["edge_index"], n_pad)
-        entry.edge_keys = tuple(entry.edges._derived) if entry.edges is not None else ()
+        keep_edge_orderings(entry)
         try:
             with torch.cuda.graph(entry.graph, pool=self._pool):
                 bucket.loss = self._padded_step(bucket)
