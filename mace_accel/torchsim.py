@@ -48,7 +48,8 @@ try:
     from torch_sim.models.interface import ModelInterface
 except ImportError as exc:  # an optional extra: the module imports, the model says what to do
     ModelInterface = torch.nn.Module  # type: ignore[misc,assignment]
-    _TORCH_SIM_MISSING: Optional[ImportError] = exc
+    # without its traceback: that would hold the frames of whatever imported this module
+    _TORCH_SIM_MISSING: Optional[ImportError] = exc.with_traceback(None)
 else:
     _TORCH_SIM_MISSING = None
 

@@ -161,12 +161,16 @@ def tables_of(user, name: str, params: List[Tensor], make_function: Callable[[],
                                  torch.zeros(1, dtype=torch.float64, device=like.device),
                                  limited, dtype)
         except TableError as err:
+            # a new error, not ``err``: the cache keeps what is returned, and err's traceback
+            # would keep the build's float64 tensors (gigabytes) alive with the model
             if limited.max_cells < spec.max_cells:
                 return TableError(f"{err} ({count} tables of a finer grid would take more than "
                                   f"{budget / 2 ** 30:.1f} GB, {TABLE_MEMORY_FRACTION:.3g} of "
                                   "the GPU's memory)")
-            return err
-        return table, table.coeffs.to(dtype).contiguous()
+            return TableError(str(err))
+        # only the coefficients in the model's dtype are kept (not the float64 build as well)
+        table = dataclasses.replace(table, coeffs=table.coeffs.to(dtype).contiguous())
+        return table, table.coeffs
 
     got = user._derived(key, params, like.dtype, build)
     if isinstance(got, TableError):

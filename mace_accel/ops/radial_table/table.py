@@ -61,7 +61,8 @@ class TableError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RadialTable:
-    """``coeffs [tables * cells, degree + 1, n]`` (float64): per cell the polynomial's
+    """``coeffs [tables * cells, degree + 1, n]`` (float64 as built; a model keeps them in
+    its dtype): per cell the polynomial's
     coefficients in ``s``, ``tables`` tables of the same grid laid end to end (one per pair of
     species where the weights depend on the pair); ``r_max``; ``max_error``,
     ``max_slope_error``: the errors of the values and the slopes found between the nodes,
