@@ -343,6 +343,8 @@ class GraphedCall:
             log.debug("mace-accel: dropped the CUDA graph of bucket %s", old[:3])
         entry = _Captured(torch.cuda.CUDAGraph(), self._static_inputs(key, batch), {}, 0, 0)
         self._fill(entry, batch)
+        if not self._graphs:  # torch frees a pool with its last graph: its handle is stale
+            self._pool = None
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # warm up on a side stream (compiles the kernels, initialises cuBLAS), then capture

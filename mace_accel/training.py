@@ -266,6 +266,8 @@ class TrainingStep:
 
     def _capture(self, bucket: _Bucket) -> None:
         entry = bucket.entry
+        if not any(b.entry.graph is not None for b in self._buckets.values()):
+            self._pool = None  # torch frees a pool with its last graph: its handle is stale
         entry.graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

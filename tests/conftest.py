@@ -4,10 +4,17 @@ of GPU tests and leaving out of slow ones."""
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import pytest
 import torch
+
+# The GPU tests build many multi-gigabyte radial tables in one process. With torch's fixed-size
+# segments, a few tensors that outlive a test pin the freed segments they sit in, and a later
+# build runs out of memory beside 100+ GiB reserved but free; expandable segments hand freed
+# pages back. (Read when CUDA is first used; a value set by the caller is kept.)
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def pytest_addoption(parser):
@@ -141,18 +148,18 @@ def model_file(tmp_path_factory):
     return path
 
 
-@pytest.fixture(autouse=True)
-def _release_gpu_memory(request):
-    """After each GPU test: collect the test's objects and hand torch's cached blocks back to
-    the driver, so that one test's peak (radial tables, 6,912-atom calls) is not held by
-    torch's allocator when a later test's kernels allocate through CuPy or the driver.
-    ``MACE_ACCEL_GPU_MEMORY_LOG=path`` appends each GPU test's live memory afterwards (and the
-    largest tensors still alive), to find what a test leaves behind."""
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After each GPU test, once pytest has let go of its fixtures: collect the test's objects
+    and hand torch's cached blocks back to the driver, so that one test's peak (radial tables,
+    6,912-atom calls) is not held by torch's allocator when a later test's kernels allocate
+    through CuPy or the driver. ``MACE_ACCEL_GPU_MEMORY_LOG=path`` appends each GPU test's live
+    and reserved memory afterwards (and the largest tensors still alive), to find what a test
+    leaves behind."""
     yield
-    if "gpu" not in request.keywords or not torch.cuda.is_available():
+    if "gpu" not in item.keywords or not torch.cuda.is_available():
         return
     import gc
-    import os
 
     gc.collect()
     torch.cuda.synchronize()
@@ -160,7 +167,8 @@ def _release_gpu_memory(request):
     path = os.environ.get("MACE_ACCEL_GPU_MEMORY_LOG")
     if path:
         live = torch.cuda.memory_allocated()
-        lines = [f"{request.node.nodeid}: {live / 2**30:.2f} GiB live"]
+        lines = [f"{item.nodeid}: {live / 2**30:.2f} GiB live, "
+                 f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved"]
         if live > 2**31:
             big = sorted((o for o in gc.get_objects() if torch.is_tensor(o) and o.is_cuda
                           and o.numel() * o.element_size() > 2**26),
