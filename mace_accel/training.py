@@ -290,11 +290,15 @@ class TrainingStep:
 
     def _current_fingerprint(self) -> Tuple:
         """What the captured steps baked in, read on the host: the surgery epoch, the radial
-        embeddings' pairs of elements, the storage of every parameter and buffer, and the
-        optimizer's groups, hyper-parameters and state tensors (by identity). Not the
-        tensors' versions: new values in the same storage are what a replay reads."""
+        embeddings' pairs of elements, the storage of every parameter and buffer, the
+        buffers' versions, and the optimizer's groups, hyper-parameters and state tensors (by
+        identity). Not the parameters' versions: new weights in the same storage are what a
+        replay reads. The buffers are the architecture's constants (r_max, the Bessel
+        frequencies, the distance transform's and ZBL's parameters, scale and shift), which
+        the fused kernels read on the host when they are made; nothing in a step writes them,
+        so new values there (``load_state_dict`` of another model) mean a new capture."""
         tensors = tuple(t.data_ptr() for t in self.model.parameters()) + tuple(
-            t.data_ptr() for t in self.model.buffers())
+            (t.data_ptr(), t._version) for t in self.model.buffers())
         groups = tuple(tuple((k, id(v) if torch.is_tensor(v) else v)
                              for k, v in sorted(g.items(), key=lambda kv: kv[0])
                              if k != "params")

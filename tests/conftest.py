@@ -169,6 +169,16 @@ def pytest_runtest_protocol(item, nextitem):
         live = torch.cuda.memory_allocated()
         lines = [f"{item.nodeid}: {live / 2**30:.2f} GiB live, "
                  f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved"]
+        if torch.cuda.memory_reserved() > 2**34:  # where the reserved memory sits
+            by_place = {}
+            for seg in torch.cuda.memory_snapshot():
+                place = (seg.get("stream"), tuple(seg.get("segment_pool_id") or ()))
+                total, used = by_place.get(place, (0, 0))
+                by_place[place] = (total + seg["total_size"], used + seg["allocated_size"])
+            for (stream, pool), (total, used) in sorted(by_place.items(),
+                                                        key=lambda kv: -kv[1][0])[:4]:
+                lines.append(f"    stream {stream} pool {pool}: {total / 2**30:.2f} GiB "
+                             f"reserved, {used / 2**30:.2f} GiB in use")
         if live > 2**31:
             big = sorted((o for o in gc.get_objects() if torch.is_tensor(o) and o.is_cuda
                           and o.numel() * o.element_size() > 2**26),
