@@ -35,6 +35,7 @@ import torch
 
 from mace_accel.models.outputs import evaluate as evaluate_model
 from mace_accel.ops.graph import ConvGraph, cached_graph, forget_cached_graph
+from mace_accel.ops.runtime import side_stream
 from mace_accel.state import StateWatch
 
 log = logging.getLogger(__name__)
@@ -348,7 +349,7 @@ class GraphedCall:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # warm up on a side stream (compiles the kernels, initialises cuBLAS), then capture
-        side = torch.cuda.Stream(device=batch["positions"].device)
+        side = side_stream("warm-up", batch["positions"].device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._run(entry.inputs, compute_stress)

@@ -48,6 +48,7 @@ from mace_accel.capture import (_Captured, fill_static, graphs_unavailable_reaso
 from mace_accel.errors import InputError
 from mace_accel.models.batch import model_info
 from mace_accel.ops.graph import forget_cached_graph
+from mace_accel.ops.runtime import side_stream
 from mace_accel.state import epoch, radial_embeddings
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ class TrainingStep:
         if bucket.entry.graph is None and bucket.seen >= 2:
             self._capture(bucket)
         if bucket.entry.graph is None:  # the bucket's first batch: eager, on a side stream
-            side = torch.cuda.Stream(device=batch["positions"].device)
+            side = side_stream("warm-up", batch["positions"].device)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 loss = self._padded_step(bucket)

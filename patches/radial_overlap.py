@@ -57,7 +57,7 @@ def later_shares(n_edges: int) -> Tuple[Optional[float], Optional[float]]:
 
 
 class RadialOverlap:
-    """The radial MLPs of one model, in block order, sharing one side stream per device.
+    """The radial MLPs of one model, in block order, on the process's radial side stream of their device.
 
     Args:
         members: the model's fused radial MLP modules in the order the blocks call them; each
@@ -69,10 +69,9 @@ class RadialOverlap:
     def __init__(self, members: List[torch.nn.Module]) -> None:
         self.members = list(members)
         self._pending: Dict[int, Tuple[Tensor, int, Tensor, torch.cuda.Event]] = {}
-        self._streams: Dict[int, torch.cuda.Stream] = {}
 
     def __getstate__(self) -> dict:
-        return {"members": self.members}  # streams, events and results stay in this process
+        return {"members": self.members}  # events and results stay in this process
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["members"])
@@ -119,7 +118,7 @@ class RadialOverlap:
         if len(indices) == 0 or not self.overlaps(x):
             return False
         main = torch.cuda.current_stream(x.device)
-        side = side_stream(self._streams, x.device)
+        side = side_stream("radial", x.device)
         if side == main:
             return False
         side.wait_stream(main)

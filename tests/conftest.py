@@ -10,13 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-# The GPU tests build many multi-gigabyte radial tables in one process. With torch's fixed-size
-# segments, a few tensors that outlive a test pin the freed segments they sit in, and a later
-# build runs out of memory beside 100+ GiB reserved but free; expandable segments hand freed
-# pages back. (Read when CUDA is first used; a value set by the caller is kept.)
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-
-
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true",
                      help="also run the tests marked slow (left out unless -m names slow)")

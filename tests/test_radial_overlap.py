@@ -82,14 +82,14 @@ def test_later_blocks_hold_a_share_of_the_gpu_only_on_small_calls():
     assert radial_overlap.later_shares(radial_overlap.SHARE_MAX_EDGES + 1) == (None, None)
 
 
-def test_overlap_pickles_without_streams_or_results():
+def test_overlap_pickles_without_results():
     model = _Model(2)
     group = radial_overlap.link(model, AccelOptions(backend="cuda"), _is_member)
     group._pending[1] = ("stale",)
     copy = pickle.loads(pickle.dumps(model))
     new = copy.blocks[0].overlap
     assert isinstance(new, RadialOverlap) and new is copy.blocks[1].overlap
-    assert new.members == list(copy.blocks) and not new._pending and not new._streams
+    assert new.members == list(copy.blocks) and not new._pending
 
 
 def test_start_forks_nothing_off_the_gpu():

@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from mace_accel.ops.runtime import side_stream
+
 CUDA_CLOCK = "cuda-events"
 HOST_CLOCK = "perf_counter"
 
@@ -175,7 +177,7 @@ def capture_graph(fn: Callable[[], Any], launches: int = 1) -> Tuple[Any, Any]:
     """``launches`` calls of ``fn`` captured in one CUDA graph, after one warm-up call on a side
     stream (kernels compiled, caches filled off the capture): ``(graph, the last call's output
     in the graph)``; ``graph.replay()`` rewrites that output."""
-    side = torch.cuda.Stream()
+    side = side_stream("warm-up", torch.device("cuda", torch.cuda.current_device()))
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()

@@ -335,7 +335,7 @@ def forward(model: torch.nn.Module, plan: HeadPlan, data: Dict[str, Tensor]) -> 
         return HeadOutputs(energy, node_energy, inter, vectors, lengths)
     # the energies feed no gradient: they run on a side stream beside the backward
     main = torch.cuda.current_stream(inter.device)
-    side = side_stream(_SIDE_STREAMS, inter.device)
+    side = side_stream("energies", inter.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         node_energy, energy = _energies(model, plan, *inputs, vectors.dtype)
@@ -366,7 +366,6 @@ def _overlap(model: torch.nn.Module):
     return group
 
 
-_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}  # the energies' side stream per device
 
 
 def _energies(model: torch.nn.Module, plan: HeadPlan, node_attrs: Tensor,

@@ -241,14 +241,20 @@ def _cupy_stream(handle: int, index: int):
     return cupy.cuda.ExternalStream(handle, index)
 
 
-def side_stream(streams: Dict[int, "torch.cuda.Stream"],
-                device: torch.device) -> "torch.cuda.Stream":
-    """The side stream of ``device`` kept in ``streams`` (one per device index; its owner's
-    cache), made on first use."""
+_SIDE_STREAMS: Dict[Tuple[str, int], "torch.cuda.Stream"] = {}
+
+
+def side_stream(purpose: str, device: torch.device) -> "torch.cuda.Stream":
+    """The process's side stream for ``purpose`` on ``device``, made on first use.
+
+    One per purpose and device for the whole process, not one per model or per call: torch's
+    allocator caches freed memory per stream (a radial-table build leaves tens of GB there, for
+    the next build to reuse) and keeps a cuBLAS workspace for every stream that ran a GEMM,
+    which would pin the memory of streams nobody uses any more."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = streams.get(index)
+    stream = _SIDE_STREAMS.get((purpose, index))
     if stream is None:
-        stream = streams[index] = torch.cuda.Stream(device=index)
+        stream = _SIDE_STREAMS[(purpose, index)] = torch.cuda.Stream(device=index)
     return stream
 
 
