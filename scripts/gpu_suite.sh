@@ -2,8 +2,10 @@
 # One command for the GPU machine: the GPU test suite, the standard side-by-side benchmark,
 # and a short summary printed LAST (where only the tail of the output is shown).
 #
-# Usage: bash scripts/gpu_suite.sh [--tests-only | --bench-only] [--quick] [--no-install]
+# Usage: bash scripts/gpu_suite.sh [--tests-only | --bench-only] [--part K/N] [--quick] [--no-install]
 #   --tests-only   only `python -m pytest -m gpu -q`          (log: $OUT/gpu_tests.log)
+#   --part K/N     only the K-th of N shares of the test files with GPU tests (the whole suite
+#                  takes longer than one 10-minute command: run --part 1/2, then --part 2/2)
 #   --bench-only   only the benchmark                          (JSON/PNG: $OUT/bench/)
 #   --quick        benchmark mpa0-medium float32 at 256,2048 atoms, 10 repeats
 #   --no-install   skip `pip install -e .`
@@ -16,18 +18,25 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
 TESTS_TIMEOUT="${TESTS_TIMEOUT:-180}"
 BENCH_TIME_LIMIT="${BENCH_TIME_LIMIT:-220}"
-run_tests=1; run_bench=1; quick=0; install=1
+run_tests=1; run_bench=1; quick=0; install=1; part="1/1"
 for arg in "$@"; do
+  if [ "${want_part:-0}" = 1 ]; then part="$arg"; want_part=0; continue; fi
   case "$arg" in
+    --part) want_part=1 ;;
+    --part=*) part="${arg#--part=}" ;;
     --tests-only) run_bench=0 ;;
     --bench-only) run_tests=0 ;;
     --quick) quick=1 ;;
     --no-install) install=0 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
-    *) echo "gpu_suite.sh: unknown argument '$arg' (use --tests-only, --bench-only, --quick," \
-            "--no-install)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "gpu_suite.sh: unknown argument '$arg' (use --tests-only, --bench-only, --part K/N," \
+            "--quick, --no-install)" >&2; exit 2 ;;
   esac
 done
+if ! [[ "$part" =~ ^([1-9][0-9]*)/([1-9][0-9]*)$ ]] || [ "${BASH_REMATCH[1]}" -gt "${BASH_REMATCH[2]}" ]; then
+  echo "gpu_suite.sh: --part takes K/N with 1 <= K <= N (e.g. --part 1/2), got '$part'" >&2; exit 2
+fi
+part_k=${BASH_REMATCH[1]}; part_n=${BASH_REMATCH[2]}
 if [ "$run_tests" = 0 ] && [ "$run_bench" = 0 ]; then
   echo "gpu_suite.sh: --tests-only and --bench-only exclude each other" >&2; exit 2
 fi
@@ -59,9 +68,14 @@ fi
 
 tests_line="not run"; tests_failures=""
 if [ "$run_tests" = 1 ]; then
-  echo "== GPU tests (timeout ${TESTS_TIMEOUT}s, log $OUT/gpu_tests.log)"
+  # the files with GPU tests (found, not listed), every N-th from the K-th in name order
+  mapfile -t test_files < <(grep -l "mark.gpu" tests/test_*.py | sort \
+                            | awk -v k="$part_k" -v n="$part_n" '(NR - k) % n == 0')
+  echo "== GPU tests, part $part of the files (${#test_files[@]} files, timeout" \
+       "${TESTS_TIMEOUT}s, log $OUT/gpu_tests.log)"
   timeout --signal=INT --kill-after=20 "$TESTS_TIMEOUT" \
-    python -m pytest -m gpu -q -rfE -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    python -m pytest -m gpu -q -rfE -p no:cacheprovider "${test_files[@]}" \
+    > "$OUT/gpu_tests.log" 2>&1
   tests_rc=$?
   tests_line=$(grep -E "[0-9]+ (passed|failed|error|errors|skipped|deselected)|no tests ran" \
                "$OUT/gpu_tests.log" | tail -n 1)
