@@ -239,6 +239,25 @@ def test_a_blocks_table_is_its_mlp_of_its_embedding(interaction, dtype, bound):
             mlp.backend != "cuda"
 
 
+def test_a_table_that_cannot_be_built_is_remembered_without_the_build():
+    """The error kept for weights that cannot be tabulated carries no traceback: its frames
+    would keep the build's float64 tensors (gigabytes on a GPU) alive with the model."""
+    model = _patched()
+    mlp = next(m for m in model.modules() if isinstance(m, FusedRadialMLP))
+
+    def wild(pairs):  # no table of the allowed cells is within the tolerance
+        return lambda r, which: torch.sin(400.0 * r)[:, None].expand(-1, 3)
+
+    with pytest.warns(RuntimeWarning, match="runs as an MLP, not as tables"):
+        got = table_patch.tables_of(mlp, "mlp", mlp.raw_weights(), lambda: wild, None,
+                                    torch.zeros(1, dtype=torch.float64))
+    assert got is None
+    kept = [v[1] for k, v in mlp._kernels.items()
+            if isinstance(k, str) and k.startswith("radial_table:mlp:")]
+    assert len(kept) == 1 and isinstance(kept[0], TableError)
+    assert kept[0].__traceback__ is None and kept[0].__context__ is None
+
+
 def test_bessel_like_embedding_needs_few_cells():
     """MACE's 8 Bessel functions up to 6 Å into a random SiLU net: 1024 cells at most."""
     g = torch.Generator().manual_seed(0)
