@@ -57,12 +57,6 @@ class FusedConvTP(FusedModule):
             return self.spec.describe() + FOLD_NOTE
         return self.spec.describe()
 
-    def _takes_hidden(self, tp_weights: torch.Tensor) -> bool:
-        """Whether ``tp_weights`` are the radial MLP's hidden activations ``[E, hidden]`` (the
-        last layer folded in here), not full TP weights: the MLP hands over full ones when it
-        ran whole (:meth:`~mace_accel.patches.radial_mlp.FusedRadialMLP.runs_whole`)."""
-        return self.radial is not None and not self.radial.is_full_output(tp_weights)
-
     def forward(self, node_feats: torch.Tensor, edge_attrs: torch.Tensor,
                 tp_weights: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
         """Message ``[n_nodes, dim_out]``.
@@ -72,19 +66,19 @@ class FusedConvTP(FusedModule):
             tp_weights: ``[n_edges, weight_numel]`` (``[n_edges, hidden]`` when the radial
             MLP's last layer is folded in); edge_index: ``[2, n_edges]`` (sender, receiver).
         """
-        hidden = self._takes_hidden(tp_weights)
+        # the radial MLP's route for this call says whether it handed over its hidden
+        # activations [E, hidden] (its last layer folded in here) or the full TP weights
+        route = None if self.radial is None else self.radial.route_for(tp_weights)
+        hidden = route is not None and not route.full_output
         self._check(node_feats, edge_attrs, tp_weights, edge_index,
                     self.radial.hs[-2] if hidden else self.spec.weight_numel)
         graph = graph_from_edge_index(edge_index, node_feats.shape[0], self.options.check_indices)
         run = dict(backend=self.options.backend, deterministic=self.options.deterministic)
         if hidden:
             w_last = self.radial.last_weight(tp_weights.dtype)
-            if folded.recompute_weights(self.options.recompute_tp_weights, tp_weights.shape[0],
-                                        self.spec.weight_numel, tp_weights.dtype,
-                                        tp_weights.device):
+            if route.recompute:
                 return folded.folded_conv_tp(self._key, graph, node_feats, edge_attrs,
-                                             tp_weights, w_last, **run,
-                                             gemm=self.radial.last_gemm(tp_weights))
+                                             tp_weights, w_last, **run, gemm=route.last_gemm)
             tp_weights = self.radial.last_layer(tp_weights, w_last)
         return autograd.conv_tp(self._key, graph, node_feats, edge_attrs, tp_weights, **run)
 

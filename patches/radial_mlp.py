@@ -9,6 +9,7 @@ gradient (inference), so a call (and a captured CUDA graph) runs only the GEMMs 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -74,6 +75,41 @@ class RadialMLPSpec:
                            f"{self.hs[-2]}]; the TP weights [E, {self.hs[-1]}] are recomputed "
                            "in the backward when large)")
         return head + f"the TP weights [E, {self.hs[-1]}] are written"
+
+
+@dataclasses.dataclass(frozen=True)
+class RadialRoute:
+    """How one call of a block's radial MLP runs: decided once per call by
+    :meth:`FusedRadialMLP.route`, followed by the MLP and read by the block's fused conv
+    (:meth:`FusedRadialMLP.route_for`), which neither decides again nor guesses from widths.
+
+    Attributes:
+        path: ``"table"`` (looked up in the radial tables), ``"whole"`` (the whole MLP in one
+            tensor-core kernel per pass), ``"hidden"`` (the hidden layers in one fused kernel
+            per pass, then the last layer's GEMM) or ``"layers"`` (a GEMM and a SiLU per layer).
+        full_output: the MLP hands over the TP weights ``[E, h_L]``; else (its last layer
+            folded into the conv) the hidden activations ``[E, h_{L-1}]``.
+        recompute: the TP weights are recomputed in the backward instead of kept (the folded
+            conv recomputes them; the fused hidden layers then keep no slopes either).
+        last_gemm: what runs the last layer's GEMMs: ``"tf32x3"``, ``"dmma"`` or ``"cublas"``.
+        n_edges, dtype, device: the call it was made for.
+        tables: ``(found, tables)`` for the ``"table"`` path (what
+            :func:`~mace_accel.patches.radial_table.lookup` takes), else None.
+    """
+
+    path: str
+    full_output: bool
+    recompute: bool
+    last_gemm: str
+    n_edges: int
+    dtype: torch.dtype
+    device: torch.device
+    tables: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
+
+    def fits(self, t: torch.Tensor) -> bool:
+        """Whether this route was made for a call on ``t``'s edges, dtype and device."""
+        return (int(t.shape[0]) == self.n_edges and t.dtype == self.dtype
+                and t.device == self.device)
 
 
 def _cuda_float32(x: torch.Tensor) -> bool:
@@ -253,10 +289,10 @@ class FusedRadialMLP(FusedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[E, h_L]`` per-edge TP weights of the radial features ``x [E, h0]``
-        (with ``fold_last``: ``[E, h_{L-1}]`` hidden activations, unless :meth:`runs_whole`;
-        the conv tells them apart by :meth:`is_full_output`). Where the model's radial MLPs are
-        linked (:mod:`~mace_accel.patches.radial_overlap`), a later block's may have been
-        started already beside the earlier blocks' work."""
+        (with ``fold_last``: ``[E, h_{L-1}]`` hidden activations, unless the call's
+        :meth:`route` gives the full weights; the conv reads it, :meth:`route_for`). Where the
+        model's radial MLPs are linked (:mod:`~mace_accel.patches.radial_overlap`), a later
+        block's may have been started already beside the earlier blocks' work."""
         if x.dim() != 2 or x.shape[1] != self.hs[0]:
             raise InputError(f"edge_feats must have shape [n_edges, {self.hs[0]}] for the "
                              f"radial MLP, got {tuple(x.shape)}")
@@ -268,25 +304,22 @@ class FusedRadialMLP(FusedModule):
         """:meth:`forward` on the current stream, ``x`` checked already; ``sm_share``,
         ``backward_sm_share``: the share of the GPU's multiprocessors the whole-MLP forward and
         backward kernels may hold (a launch beside other work; None: all)."""
-        found = self._table_input(x)
-        if found is not None:
-            tables = radial_table.tables_of(self, "mlp", self.raw_weights(),
-                                            lambda: radial_table.mlp_function(self),
-                                            found.pairs, x)
-            if tables is not None:
-                return radial_table.lookup(self, found, tables)
-        if self.runs_whole(x):
+        route = self.route(x)
+        if not torch.compiler.is_compiling():  # dynamo: the conv routes the call itself
+            # for the block's conv (route_for); with the kernels, never pickled or copied
+            self._kernels["route"] = dataclasses.replace(route, tables=None)
+        if route.path == "table":
+            return radial_table.lookup(self, *route.tables)
+        if route.path == "whole":
             return radial_mlp.radial_mlp(
                 x, self._weights(x.dtype), tf32x3=True,
                 whole=radial_mlp.WholeNet(self._whole_key(), self._packed_whole(x.dtype),
                                           sm_share, backward_sm_share))
-        if self._fused_hidden(x):
-            # the float64 kernels keep each layer's silu'(z) for the backward unless the conv
-            # recomputes its TP weights to save memory (then this recomputes too)
-            keep = not folded.recompute_weights(self.options.recompute_tp_weights,
-                                                int(x.shape[0]), self.hs[-1], x.dtype, x.device)
+        if route.path == "hidden":
+            # the float64 kernels keep each layer's silu'(z) for the backward unless the TP
+            # weights are recomputed to save memory (then this recomputes too)
             hidden = silu_mlp_autograd.silu_mlp(self._hidden_key(), x, self._packed(x.dtype),
-                                                self.backend, keep_slopes=keep)
+                                                self.backend, keep_slopes=not route.recompute)
             return hidden if self.fold_last else self.last_layer(hidden)
         weights, fast = self._weights(x.dtype), self._tf32x3()
         if self.fold_last:
@@ -300,35 +333,47 @@ class FusedRadialMLP(FusedModule):
     def _no_weight_grads(self) -> bool:
         return not grads_wanted(self.raw_weights())
 
-    def runs_whole(self, x: torch.Tensor) -> bool:
-        """Whether the whole MLP of ``x [E, h0]`` runs in the :mod:`~mace_accel.ops.radial_tc`
-        kernels: the 3xTF32 path (CUDA, float32, :meth:`_tf32x3`), widths they take, no
-        weight gradient asked for (training keeps the GEMMs), and, with ``fold_last``, the conv
-        keeping the TP weights rather than recomputing them chunk by chunk (then the conv
-        applies the last layer itself)."""
-        if not (self._tf32x3() and _cuda_float32(x) and whole_unsupported(self.hs) is None
-                and self._no_weight_grads()):
-            return False
-        return not self.fold_last or self._keeps_full_weights(x)
+    def _whole_kernels(self, x: torch.Tensor) -> bool:
+        """Whether the :mod:`~mace_accel.ops.radial_tc` kernels can run the whole MLP of
+        ``x [E, h0]``: the 3xTF32 path (CUDA, float32, :meth:`_tf32x3`), widths they take, no
+        weight gradient asked for (training keeps the GEMMs)."""
+        return (self._tf32x3() and _cuda_float32(x) and whole_unsupported(self.hs) is None
+                and self._no_weight_grads())
 
-    def _keeps_full_weights(self, x: torch.Tensor) -> bool:
-        """With ``fold_last``, whether the conv takes this module's full TP weights ``[E, h_L]``
-        for ``x`` rather than the hidden activations: it does not recompute the weights in its
-        backward (that starts from the hidden activations)."""
-        return self.hs[-1] != self.hs[-2] and not folded.recompute_weights(
-            self.options.recompute_tp_weights, int(x.shape[0]), self.hs[-1], x.dtype, x.device)
+    def route(self, x: torch.Tensor, tables: bool = True) -> RadialRoute:
+        """How the call on ``x [E, h0]`` runs (:class:`RadialRoute`), in order of preference:
+        the radial tables (``tables``, CUDA inference on the linked embedding's last output,
+        built on first use), the whole-MLP kernels, the fused hidden layers, the layers one by
+        one. With ``fold_last`` the first two only where the conv keeps the full TP weights."""
+        n, dtype, device = int(x.shape[0]), x.dtype, x.device
+        recompute = folded.recompute_weights(self.options.recompute_tp_weights, n,
+                                             self.hs[-1], dtype, device)
+        # the folded conv recomputes the TP weights from the hidden activations; where the
+        # widths are equal it could not tell full weights from hidden ones
+        keeps_full = not self.fold_last or (self.hs[-1] != self.hs[-2] and not recompute)
+        route = functools.partial(RadialRoute, recompute=recompute,
+                                  last_gemm=self.last_gemm(x), n_edges=n, dtype=dtype,
+                                  device=device)
+        found = radial_table.table_input(self, x) if tables and keeps_full else None
+        if found is not None:
+            built = radial_table.tables_of(self, "mlp", self.raw_weights(),
+                                           lambda: radial_table.mlp_function(self),
+                                           found.pairs, x)
+            if built is not None:
+                return route("table", True, tables=(found, built))
+        if keeps_full and self._whole_kernels(x):
+            return route("whole", True)
+        full = not self.fold_last
+        return route("hidden" if self._fused_hidden(x) else "layers", full)
 
-    def _table_input(self, x: torch.Tensor):
-        """What to look the TP weights up by (:func:`.radial_table.table_input`: the edge
-        lengths, and the edges' table slots), or None where the MLP runs."""
-        if self.fold_last and not self._keeps_full_weights(x):
-            return None
-        return radial_table.table_input(self, x)
-
-    def is_full_output(self, tp_weights: torch.Tensor) -> bool:
-        """With ``fold_last``, whether ``tp_weights`` (this module's output) holds the full TP
-        weights ``[E, h_L]`` (:meth:`runs_whole`) rather than the hidden ``[E, h_{L-1}]``."""
-        return tp_weights.dim() == 2 and tp_weights.shape[1] == self.hs[-1] != self.hs[-2]
+    def route_for(self, tp_weights: torch.Tensor) -> RadialRoute:
+        """The route of the call whose output ``tp_weights [E, ...]`` the block's conv was
+        handed (scaled by the cutoff, say): the one this module's last call made, or, under
+        ``torch.compile`` (which runs no tables), the same decision made again."""
+        route = self._kernels.get("route")
+        if torch.compiler.is_compiling() or route is None or not route.fits(tp_weights):
+            route = self.route(tp_weights, tables=False)
+        return route
 
     def _whole_key(self) -> str:
         return self._kernel_cache("whole_key", lambda: radial_tc.register_spec(

@@ -161,31 +161,46 @@ def test_when_the_whole_net_runs(monkeypatch):
     from mace_accel.patches import radial_mlp as patch
 
     x = torch.randn(5, 8, dtype=torch.float64)
-    assert not _fused_mlp().runs_whole(x)  # not a float32 CUDA tensor
+    assert _fused_mlp().route(x).path == "layers"  # not a float32 CUDA tensor
     monkeypatch.setattr(patch, "_cuda_float32", lambda t: True)
     fused = _fused_mlp()
     with torch.no_grad():
-        assert fused.runs_whole(x)
+        assert fused.route(x).path == "whole" and fused.route(x).full_output
     with torch.no_grad(), monkeypatch.context() as m:
         m.setattr(patch, "_TF32X3", False)
-        assert not fused.runs_whole(x)  # the 3xTF32 kernels switched off
-    assert not _fused_mlp(hs=(8, 128, 12)).runs_whole(x)  # too wide
+        assert fused.route(x).path == "layers"  # the 3xTF32 kernels switched off
+    assert _fused_mlp(hs=(8, 128, 12)).route(x).path == "layers"  # too wide
     for p in fused.parameters():
         p.requires_grad_(True)
-    assert not fused.runs_whole(x)  # training: weight gradients
+    assert fused.route(x).path == "layers"  # training: weight gradients
     with torch.no_grad():
-        assert fused.runs_whole(x)
+        assert fused.route(x).path == "whole"
     folded = _fused_mlp(recompute_tp_weights="always")
     folded.fold_last = True
-    with torch.no_grad():
-        assert not folded.runs_whole(x)  # the conv recomputes the TP weights itself
+    with torch.no_grad():  # the conv recomputes the TP weights itself: it takes the hidden
+        route = folded.route(x)
+        assert route.path == "layers" and not route.full_output and route.recompute
     folded = _fused_mlp(recompute_tp_weights="never")
     folded.fold_last = True
     with torch.no_grad():
-        assert folded.runs_whole(x)
-    assert folded.is_full_output(torch.zeros(5, 12)) and not folded.is_full_output(
-        torch.zeros(5, 16))
+        route = folded.route(x)
+        assert route.path == "whole" and route.full_output and not route.recompute
     assert "one tensor-core kernel" in fused.describe()
+
+
+def test_the_conv_follows_the_route_of_the_mlps_call():
+    """The folded conv reads the route of the call whose output it is handed (scaled, say),
+    and makes the same decision itself for a call its MLP did not route."""
+    folded = _fused_mlp(recompute_tp_weights="always")
+    folded.fold_last = True
+    x = torch.randn(7, 8, dtype=torch.float64)
+    with torch.no_grad():
+        hidden = folded(x)
+    assert hidden.shape == (7, 16)
+    route = folded.route_for(hidden * 0.5)
+    assert route is folded._kernels["route"] and not route.full_output and route.recompute
+    other = folded.route_for(torch.zeros(3, 16, dtype=torch.float64))  # another call's size
+    assert other is not route and other == folded.route(torch.zeros(3, 8, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("recompute", ["never", "always"])
