@@ -126,6 +126,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from mace_accel.surgery import accelerate
 
     src, dst = Path(args.input), Path(args.output)
+    if args.lammps:
+        return _convert_for_lammps(args, src, dst)
+    if args.head is not None:
+        raise InputError("--head is for --lammps (a calculator or a run picks its head itself)")
     options = AccelOptions(backend=args.backend, verify=not args.no_verify,
                            deterministic=not args.nondeterministic)
     check_model_input(src)
@@ -140,6 +144,35 @@ def cmd_convert(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         raise Interrupted(f"{dst} was not written") from None
     print(f"saved the accelerated model to {dst}")
+    return EXIT_OK
+
+
+def _convert_for_lammps(args: argparse.Namespace, src: Path, dst: Path) -> int:
+    """``convert --lammps``: the ML-IAP unified model file (the plain model, its head and
+    dtype; each LAMMPS rank accelerates it on its own GPU, or runs the reference on a CPU)."""
+    from mace_accel.lammps import LammpsModel
+    from mace_accel.models.checkpoint import load_model, save_object
+    from mace_accel.surgery import is_accelerated, revert
+
+    check_model_input(src)
+    check_output_file(dst, args.force, src, tag="mliap")
+    dtype = args.dtype or "float64"
+    try:
+        model = load_model(src, device="cpu")
+        if is_accelerated(model):
+            revert(model)
+        try:
+            made = LammpsModel(model, head=args.head, dtype=dtype)
+        except ValueError as exc:
+            raise InputError(f"{exc}; pass --head with one of them") from None
+        save_object(made, dst, overwrite=args.force)
+    except KeyboardInterrupt:
+        raise Interrupted(f"{dst} was not written") from None
+    print(f"saved the LAMMPS ML-IAP model to {dst} ({dtype}, elements "
+          f"{' '.join(made.element_types)}, cutoff {2 * made.rcutfac:g} Å). In the input file:")
+    print(f"  pair_style mliap unified {dst} 0 exchange {made.exchange_width}")
+    print(f"  pair_coeff * * {' '.join(made.element_types)}   "
+          "# one element per atom type, in the order of the types")
     return EXIT_OK
 
 
@@ -350,6 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "in the last bits)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the check against the unpatched model")
+    p.add_argument("--lammps", action="store_true",
+                   help="write a LAMMPS ML-IAP unified model file instead (pair_style mliap "
+                   "unified; needs a LAMMPS built by scripts/build_lammps.sh); default dtype "
+                   "float64")
+    p.add_argument("--head", default=None,
+                   help="with --lammps: the head of a multi-head model (default: its last)")
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     p.set_defaults(func=cmd_convert)
 

@@ -15,7 +15,7 @@ import pickle
 import warnings
 import zipfile
 from pathlib import Path
-from typing import List, Optional, Union
+from typing import Any, List, Optional, Union
 
 import torch
 
@@ -272,10 +272,20 @@ def save_model(model: torch.nn.Module, path: Union[str, Path], *, overwrite: boo
             ``overwrite=False`` and ``path`` exists (also when another process created it
             while this one was writing).
     """
-    from mace_accel.files import atomic_write
-
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"save_model expects a torch.nn.Module, got {type(model).__name__}")
+    return save_object(model, path, overwrite=overwrite)
+
+
+def save_object(obj: Any, path: Union[str, Path], *, overwrite: bool = True) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically, as :func:`save_model` (which it serves; also
+    the LAMMPS model file).
+
+    Raises:
+        OutputError: as :func:`save_model`.
+    """
+    from mace_accel.files import atomic_write
+
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
@@ -286,7 +296,7 @@ def save_model(model: torch.nn.Module, path: Union[str, Path], *, overwrite: boo
                           "exist; create it first")
     try:
         with atomic_write(path, "wb", overwrite=overwrite) as f:
-            torch.save(model, f)
+            torch.save(obj, f)
     except FileExistsError:
         raise OutputError(f"cannot save to {str(path)!r}: the file exists (perhaps another "
                           "process just wrote it) and was left as it is; choose another path "

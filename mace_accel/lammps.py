@@ -1,0 +1,180 @@
+"""The accelerated model inside LAMMPS: an ML-IAP unified model (``pair_style mliap unified``).
+
+LAMMPS owns the atoms, the domain decomposition, the neighbour lists and the MPI traffic; each
+rank calls :meth:`LammpsModel.compute_forces` with its local atoms, their ghosts, and the pairs
+``i -> j`` of its local atoms ``i`` (``rij = r_j - r_i``). The model runs mace's own forward in
+its LAMMPS mode (``lammps_mliap=True``) with the fused kernels inside: the node features of the
+ghost atoms, which the later interaction blocks read, come from their owners through the
+pair style's exchange between the blocks, and its backward sends the ghosts' gradients home.
+The energy of each local atom and the force of each pair go back to LAMMPS, which sums the
+forces on both atoms of a pair and the virial.
+
+The exchange is LAMMPS's: the KOKKOS build's, or on a plain LAMMPS the one
+``scripts/lammps/mliap-exchange.patch`` adds (``scripts/build_lammps.sh`` applies it). It
+works on host arrays, so on a GPU each exchange copies the features to the host and back.
+
+Write the file LAMMPS loads with ``mace-accel convert MODEL --lammps``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+
+try:  # the base class LAMMPS's Python coupling defines (absent where LAMMPS is not installed)
+    from lammps.mliap.mliap_unified_abc import MLIAPUnified
+except ImportError:  # the file is written without LAMMPS; LAMMPS loads it with its own
+    class MLIAPUnified:  # type: ignore[no-redef]
+        """Stand-in with the attributes LAMMPS reads."""
+
+        def __init__(self) -> None:
+            self.interface = None
+
+
+Tensor = torch.Tensor
+
+
+def local_rank() -> int:
+    """This process's rank among those of its host (Open MPI, MPICH, Slurm or torchrun)."""
+    for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"):
+        value = os.environ.get(name)
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def exchange_width(model: torch.nn.Module) -> int:
+    """The most values per atom an exchange carries: the widest node features that enter an
+    interaction block after the first (what ``pair_style mliap ... exchange N`` must allow)."""
+    widths = [int(block.node_feats_irreps.dim) for block in list(model.interactions)[1:]]
+    return max(widths, default=1)
+
+
+class _HostExchange:
+    """LAMMPS's exchange for node features that live on a GPU: through host copies (the
+    plain LAMMPS exchange reads and writes host arrays)."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def forward_exchange(self, feats: Tensor, out: Tensor, vec_len: int) -> None:
+        self._run(self.data.forward_exchange, feats, out, vec_len)
+
+    def reverse_exchange(self, grads: Tensor, out: Tensor, vec_len: int) -> None:
+        self._run(self.data.reverse_exchange, grads, out, vec_len)
+
+    @staticmethod
+    def _run(exchange, values: Tensor, out: Tensor, vec_len: int) -> None:
+        host = values.detach().to("cpu").contiguous()
+        result = torch.empty_like(host)
+        exchange(host, result, vec_len)
+        out.copy_(result)
+
+
+class LammpsModel(MLIAPUnified):
+    """An accelerated MACE model as LAMMPS's ML-IAP unified model.
+
+    Args:
+        model: a MACE model (the ``cpu`` copy is kept; each rank moves it to its device).
+        head: the head of a multi-head model (default: its last, as mace's).
+        dtype: ``"float64"`` or ``"float32"``, the precision the rank computes in.
+    """
+
+    def __init__(self, model: torch.nn.Module, head: Optional[str] = None,
+                 dtype: str = "float64") -> None:
+        super().__init__()
+        from ase.data import chemical_symbols
+
+        if dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be 'float32' or 'float64', not {dtype!r}")
+        heads: List[str] = list(getattr(model, "heads", None) or ["Default"])
+        head = heads[-1] if head is None else head
+        if head not in heads:
+            raise ValueError(f"the model has no head {head!r}; its heads: {', '.join(heads)}")
+        self.model = model.to("cpu")
+        self.dtype = dtype
+        self.head_index = heads.index(head)
+        numbers = [int(z) for z in model.atomic_numbers]
+        self.element_types = [chemical_symbols[z] for z in numbers]
+        self.ndescriptors = 1
+        self.nparams = 1
+        self.rcutfac = 0.5 * float(model.r_max)  # LAMMPS's cutoff: 2 x rcutfac
+        self.exchange_width = exchange_width(model)
+        self._device: Optional[torch.device] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_device"] = None  # each process picks its own
+        state.pop("interface", None)  # LAMMPS's coupling, set again on load
+        return state
+
+    # -- LAMMPS's calls ----------------------------------------------------------------------
+    def compute_descriptors(self, data: Any) -> None:
+        pass
+
+    def compute_gradients(self, data: Any) -> None:
+        pass
+
+    def compute_forces(self, data: Any) -> None:
+        """Energies of the local atoms and forces of the pairs, written into ``data``."""
+        if self._device is None:
+            self._prepare()
+        n_local, n_total = int(data.nlocal), int(data.ntotal)
+        if n_local == 0:
+            return
+        batch = self._batch(data, n_local, n_total)
+        out = self.model(batch, training=False, compute_force=False, compute_virials=False,
+                         compute_stress=False, compute_displacement=False,
+                         compute_edge_forces=True, lammps_mliap=True)
+        node_energy = out["node_energy"][:n_local].detach().to("cpu", torch.float64)
+        pair_forces = out["edge_forces"]
+        if pair_forces is None:  # no pairs
+            pair_forces = torch.zeros_like(batch["vectors"])
+        data.eatoms = node_energy.numpy()
+        data.energy = float(node_energy.sum())
+        if int(data.npairs) > 0:
+            data.update_pair_forces(
+                pair_forces.detach().to("cpu", torch.float64).contiguous().numpy())
+
+    # -- inside ------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        """Move the model to this rank's device (``cuda:<local rank>``, else the CPU) and
+        accelerate it there."""
+        from mace_accel._e3nn_compat import import_mace
+        from mace_accel.surgery import accelerate, is_accelerated
+
+        import_mace()
+        if torch.cuda.is_available():
+            device = torch.device("cuda", local_rank() % torch.cuda.device_count())
+        else:
+            device = torch.device("cpu")
+        model = self.model.to(device=device, dtype=getattr(torch, self.dtype))
+        for p in model.parameters():
+            p.requires_grad_(False)
+        if not is_accelerated(model):
+            accelerate(model, backend="cuda" if device.type == "cuda" else "reference")
+        self.model, self._device = model, device
+
+    def _batch(self, data: Any, n_local: int, n_total: int) -> Dict[str, Any]:
+        """mace's LAMMPS-mode input of this rank's atoms and pairs (sender ``j``, receiver
+        ``i``: a pair ``i -> j`` carries ``j``'s message to ``i``)."""
+        device, dtype = self._device, getattr(torch, self.dtype)
+        species = torch.as_tensor(data.elems, dtype=torch.int64)[:n_total].to(device)
+        pair_i = torch.as_tensor(data.pair_i, dtype=torch.int64)
+        pair_j = torch.as_tensor(data.pair_j, dtype=torch.int64)
+        exchange = data if device.type == "cpu" else _HostExchange(data)
+        return {
+            "vectors": torch.as_tensor(data.rij).to(device=device, dtype=dtype),
+            "node_attrs": torch.nn.functional.one_hot(
+                species, num_classes=len(self.element_types)).to(dtype),
+            "edge_index": torch.stack([pair_j, pair_i]).to(device),
+            "batch": torch.zeros(n_local, dtype=torch.int64, device=device),
+            "head": torch.tensor([self.head_index], dtype=torch.int64, device=device),
+            # read by models with charge and spin embeddings (mace's defaults), else unused
+            "total_charge": torch.zeros(1, dtype=dtype, device=device),
+            "total_spin": torch.ones(1, dtype=dtype, device=device),
+            "lammps_class": exchange,
+            "natoms": (n_local, n_total - n_local),
+        }

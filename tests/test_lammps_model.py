@@ -1,0 +1,175 @@
+"""mace_accel.lammps.LammpsModel against the ASE calculator, with a stand-in for what LAMMPS
+hands one rank: its local atoms, ghost copies of the atoms within the cutoff (periodic
+images), the pairs of its local atoms, and the pair style's exchange of per-atom rows between
+ghosts and owners. The energy, the forces (each ghost's added to its owner's, as LAMMPS's
+reverse communication does) and the virial of the pair forces must be the calculator's."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Dict, List, Tuple
+
+import numpy as np
+import pytest
+import torch
+
+from mace_accel import MACEAccelCalculator
+from mace_accel.lammps import LammpsModel, exchange_width
+
+REFERENCE = {"device": "cpu", "backend": "reference", "default_dtype": "float64"}
+
+
+class RankData:
+    """What LAMMPS's ML-IAP coupling gives one rank: ``nlocal`` local atoms (indices
+    ``owned`` of the structure) first, then ghosts (images of any atom within the cutoff of a
+    local one), the pairs of the local atoms, and the exchanges of the pair style."""
+
+    def __init__(self, atoms, owned: List[int], cutoff: float, species: Dict[int, int]) -> None:
+        from ase.neighborlist import neighbor_list
+
+        i, j, shifts = neighbor_list("ijS", atoms, cutoff)
+        pos, cell = atoms.get_positions(), np.asarray(atoms.cell)
+        local = {a: k for k, a in enumerate(owned)}
+        self.owner: List[int] = list(owned)  # structure index of every local and ghost atom
+        slots: Dict[Tuple[int, Tuple[int, ...]], int] = {(a, (0, 0, 0)): k
+                                                           for a, k in local.items()}
+        pair_i, pair_j, rij = [], [], []
+        for a, b, s in zip(i, j, shifts):
+            if a not in local:
+                continue
+            key = (int(b), tuple(int(v) for v in s))
+            if key not in slots:  # a ghost: another rank's atom or a periodic image
+                slots[key] = len(self.owner)
+                self.owner.append(int(b))
+            pair_i.append(local[a])
+            pair_j.append(slots[key])
+            rij.append(pos[b] + s @ cell - pos[a])
+        self.nlocal = len(owned)
+        self.ntotal = len(self.owner)
+        self.npairs = len(pair_i)
+        self.pair_i = np.asarray(pair_i, dtype=np.int32)
+        self.pair_j = np.asarray(pair_j, dtype=np.int32)
+        self.jatoms = self.pair_j
+        self.rij = np.asarray(rij, dtype=np.float64).reshape(-1, 3)
+        numbers = atoms.get_atomic_numbers()
+        self.elems = np.asarray([species[int(numbers[a])] for a in self.owner], dtype=np.int32)
+        self.forces = np.zeros((self.ntotal, 3))
+        self.eatoms = None
+        self.energy = None
+        self.exchanges = 0
+
+    def update_pair_forces(self, fij: np.ndarray) -> None:
+        np.add.at(self.forces, self.pair_i, fij)
+        np.add.at(self.forces, self.pair_j, -fij)
+        self.virial = -(self.rij[:, :, None] * fij[:, None, :]).sum(axis=0)
+
+    # the pair style's exchanges on one rank: every ghost is an image of a local atom
+    def forward_exchange(self, copy_from, copy_to, vec_len: int) -> None:
+        """Each ghost's row set to its owner's."""
+        self.exchanges += 1
+        rows = torch.as_tensor(copy_from).reshape(self.ntotal, vec_len)
+        out = torch.as_tensor(copy_to).reshape(self.ntotal, vec_len)
+        out.copy_(rows[torch.as_tensor(self.owner)])
+
+    def reverse_exchange(self, copy_from, copy_to, vec_len: int) -> None:
+        """Each ghost's row added to its owner's, the ghosts' rows zeroed."""
+        self.exchanges += 1
+        rows = torch.as_tensor(copy_from).reshape(self.ntotal, vec_len)
+        out = torch.as_tensor(copy_to).reshape(self.ntotal, vec_len)
+        out.copy_(rows)
+        out[: self.nlocal].index_add_(0, torch.as_tensor(self.owner[self.nlocal:]),
+                                      rows[self.nlocal:])
+        out[self.nlocal:] = 0
+
+
+def _species(model) -> Dict[int, int]:
+    return {int(z): k for k, z in enumerate(model.atomic_numbers)}
+
+
+def _calculator_results(model_file, atoms):
+    calc = MACEAccelCalculator(model_file, **REFERENCE)
+    atoms = atoms.copy()
+    atoms.calc = calc
+    return (atoms.get_potential_energy(), atoms.get_forces(),
+            -atoms.get_stress(voigt=False) * atoms.get_volume())
+
+
+def _run_one_rank(lammps_model: LammpsModel, atoms) -> RankData:
+    model = lammps_model.model
+    data = RankData(atoms, list(range(len(atoms))), float(model.r_max), _species(model))
+    lammps_model.compute_forces(data)
+    return data
+
+
+def _folded_forces(data: RankData, n_atoms: int) -> np.ndarray:
+    """Forces on the structure's atoms: each ghost's force added to its owner's (what
+    LAMMPS's reverse communication of forces does)."""
+    forces = np.zeros((n_atoms, 3))
+    np.add.at(forces, data.owner, data.forces)
+    return forces
+
+
+@pytest.fixture
+def lammps_model(model_file):
+    from mace_accel.models.checkpoint import load_model
+
+    model = load_model(model_file, dtype=torch.float64)
+    made = LammpsModel(model)
+    return pickle.loads(pickle.dumps(made))  # as LAMMPS loads the file
+
+
+def test_one_rank_equals_the_calculator(model_file, lammps_model, cu_atoms):
+    atoms = cu_atoms.copy()
+    atoms.numbers[[1, 4]] = 28  # Cu and Ni
+    energy, forces, virial = _calculator_results(model_file, atoms)
+    data = _run_one_rank(lammps_model, atoms)
+    assert data.ntotal > data.nlocal  # periodic images as ghosts
+    assert data.exchanges > 0  # the later blocks read the ghosts' features from their owners
+    assert data.energy == pytest.approx(energy, rel=1e-12, abs=1e-12)
+    np.testing.assert_allclose(data.eatoms.sum(), energy, rtol=1e-12)
+    np.testing.assert_allclose(_folded_forces(data, len(atoms)), forces, atol=1e-10)
+    np.testing.assert_allclose(data.virial, virial, atol=1e-9)
+
+
+def test_the_file_names_the_elements_cutoff_and_exchange(lammps_model):
+    assert lammps_model.element_types == ["Ni", "Cu"]
+    assert lammps_model.rcutfac == pytest.approx(0.5 * float(lammps_model.model.r_max))
+    assert lammps_model.exchange_width == exchange_width(lammps_model.model) == 16  # 4x0e+4x1o
+    assert lammps_model.ndescriptors == 1 and lammps_model.nparams == 1
+
+
+def test_bad_head_and_dtype_are_refused(model_file):
+    from mace_accel.models.checkpoint import load_model
+
+    model = load_model(model_file)
+    with pytest.raises(ValueError, match="no head 'pbe'"):
+        LammpsModel(model, head="pbe")
+    with pytest.raises(ValueError, match="float32' or 'float64"):
+        LammpsModel(model, dtype="float16")
+
+
+def test_convert_writes_the_file_lammps_loads(model_file, cu_atoms, tmp_path, capsys):
+    from mace_accel import cli
+
+    out = tmp_path / "cuni-mliap.pt"
+    assert cli.main(["convert", str(model_file), str(out), "--lammps"]) == 0
+    printed = capsys.readouterr().out
+    assert f"pair_style mliap unified {out} 0 exchange 16" in printed
+    assert "pair_coeff * * Ni Cu" in printed
+    made = torch.load(out, weights_only=False)  # what LAMMPS's coupling does
+    assert isinstance(made, LammpsModel) and made.dtype == "float64"
+    atoms = cu_atoms.copy()
+    energy, forces, _ = _calculator_results(model_file, atoms)
+    data = _run_one_rank(made, atoms)
+    assert data.energy == pytest.approx(energy, rel=1e-12, abs=1e-12)
+    np.testing.assert_allclose(_folded_forces(data, len(atoms)), forces, atol=1e-10)
+
+
+def test_convert_refuses_an_unknown_head_in_one_line(model_file, tmp_path, capsys):
+    from mace_accel import cli
+
+    out = tmp_path / "x.pt"
+    assert cli.main(["convert", str(model_file), str(out), "--lammps", "--head", "pbe"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no head 'pbe'" in err and "--head" in err
+    assert not out.exists()
