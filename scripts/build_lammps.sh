@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Build a LAMMPS with what mace-accel's ML-IAP model needs, for the Python that runs this script.
+#
+# Usage: bash scripts/build_lammps.sh SOURCE_DIR [BUILD_DIR]
+#   SOURCE_DIR  an unpacked LAMMPS source tree (the one with src/ and cmake/); the patches in
+#               scripts/lammps/ are applied to it first (skipped where already applied)
+#   BUILD_DIR   where to build (default: ~/.cache/mace-accel/lammps-build)
+# Packages: ML-IAP with its Python coupling (pair_style mliap unified), ML-SNAP (which ML-IAP
+# needs), PYTHON; MPI; a shared library. The `lammps` Python module is installed into the
+# environment of `python` on PATH: LAMMPS must be built for the Python that loads it.
+# Patches: mliap-exchange.patch (the ghost atoms' exchange between a model's layers, which
+# only the KOKKOS build has otherwise), mliap-neighbor-rows.patch (a crash with 2+ ranks).
+# Environment: JOBS (parallel compile jobs, default: the number of cores).
+set -euo pipefail
+
+if [ $# -lt 1 ] || [ ! -f "$1/cmake/CMakeLists.txt" ]; then
+  echo "build_lammps.sh: give an unpacked LAMMPS source tree (a folder with cmake/CMakeLists.txt)," \
+       "got '${1:-}'" >&2
+  exit 2
+fi
+src=$(cd "$1" && pwd)
+build=${2:-$HOME/.cache/mace-accel/lammps-build}
+python=$(command -v python || command -v python3)
+for tool in cmake mpicxx "$python"; do
+  command -v "$tool" > /dev/null || { echo "build_lammps.sh: $tool not found" \
+    "(needs cmake, an MPI compiler wrapper such as Open MPI's mpicxx, and Python)" >&2; exit 2; }
+done
+"$python" -c "import Cython" 2> /dev/null || { echo "build_lammps.sh: the Python coupling needs" \
+  "Cython in $python's environment: $python -m pip install cython" >&2; exit 2; }
+
+patches=$(cd "$(dirname "$0")/lammps" && pwd)
+for patch_file in "$patches"/*.patch; do
+  if patch -d "$src" -p1 -N --dry-run --silent < "$patch_file" > /dev/null 2>&1; then
+    patch -d "$src" -p1 -N --silent < "$patch_file"
+    echo "applied $(basename "$patch_file")"
+  elif patch -d "$src" -p1 -R --dry-run --silent < "$patch_file" > /dev/null 2>&1; then
+    echo "$(basename "$patch_file") is applied already"
+  else
+    echo "build_lammps.sh: $(basename "$patch_file") does not apply to $src (another LAMMPS" \
+         "version?); it was written for the 4 Jul 2026 release" >&2
+    exit 1
+  fi
+done
+
+mkdir -p "$build"
+cd "$build"
+cmake "$src/cmake" -D CMAKE_BUILD_TYPE=Release -D BUILD_SHARED_LIBS=on -D BUILD_MPI=on \
+  -D PKG_ML-IAP=on -D PKG_ML-SNAP=on -D PKG_PYTHON=on -D MLIAP_ENABLE_PYTHON=on \
+  -D Python_EXECUTABLE="$python" -D LAMMPS_EXCEPTIONS=on > cmake.log 2>&1 \
+  || { tail -n 30 cmake.log; echo "build_lammps.sh: cmake failed (log: $build/cmake.log)" >&2; exit 1; }
+cmake --build . -j "${JOBS:-$(nproc)}" > build.log 2>&1 \
+  || { tail -n 30 build.log; echo "build_lammps.sh: the build failed (log: $build/build.log)" >&2; exit 1; }
+cmake --build . --target install-python > install.log 2>&1 \
+  || { tail -n 30 install.log; echo "build_lammps.sh: installing the Python module failed" \
+       "(log: $build/install.log)" >&2; exit 1; }
+echo "LAMMPS built in $build (lmp: $build/lmp; Python module installed for $python)"

@@ -1,0 +1,79 @@
+"""One LAMMPS run of a structure with mace-accel's ML-IAP model, for tests/test_lammps.py; run
+under ``mpirun -np N`` for N ranks.
+
+    python tests/lammps_run.py MODEL.pt STRUCTURE.json OUT.json [--steps N]
+
+STRUCTURE.json: ``{"symbols", "positions", "cell", "masses", "elements", "exchange"}``
+(``elements`` and ``masses`` per LAMMPS atom type). OUT.json (written by rank 0): the potential energy (eV), the
+forces (eV/Å, in the structure's atom order), the virial pressure tensor (bar: xx, yy, zz, xy,
+xz, yz) and, with ``--steps``, the positions after that many NVE steps (1 fs).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv) -> int:
+    from lammps import lammps  # the build under test; under mpirun each rank joins the world
+
+    model, structure, out = argv[:3]
+    steps = int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 0
+    s = json.loads(Path(structure).read_text())
+    elements = s["elements"]
+    types = [elements.index(e) + 1 for e in s["symbols"]]
+    cell = np.asarray(s["cell"], dtype=float).tolist()
+    cell = [[float(v) for v in row] for row in cell]
+    if abs(cell[0][1]) + abs(cell[0][2]) + abs(cell[1][2]) > 1e-12:
+        raise SystemExit("lammps_run.py: give a cell in LAMMPS's lower-triangular form")
+    lmp = lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"])
+    import lammps.mliap
+
+    lammps.mliap.activate_mliappy(lmp)  # the ML-IAP Python coupling, in a Python-driven LAMMPS
+    lmp.commands_list([
+        "units metal", "atom_style atomic", "atom_modify map array", "boundary p p p",
+        f"region box prism 0 {cell[0][0]!r} 0 {cell[1][1]!r} 0 {cell[2][2]!r} "
+        f"{cell[1][0]!r} {cell[2][0]!r} {cell[2][1]!r} units box",
+        f"create_box {len(elements)} box",
+    ])
+    for t, p in zip(types, s["positions"]):
+        x, y, z = (float(v) for v in p)
+        lmp.command(f"create_atoms {t} single {x!r} {y!r} {z!r} units box remap yes")
+    lmp.commands_list(
+        [f"mass {i + 1} {m!r}" for i, m in enumerate(s["masses"])]
+        + [f"pair_style mliap unified {model} 0 exchange {s['exchange']}",
+           f"pair_coeff * * {' '.join(elements)}",
+           "neighbor 1.0 bin", "neigh_modify every 1 delay 0 check yes",
+           "compute virial all pressure NULL virial",
+           "thermo_style custom step pe c_virial[1] c_virial[2] c_virial[3] c_virial[4] "
+           "c_virial[5] c_virial[6]",
+           "run 0"])
+    result = {"energy": lmp.get_thermo("pe"),
+              "virial_bar": [lmp.extract_compute("virial", 0, 1)[i] for i in range(6)],
+              "ranks": lmp.extract_setting("world_size")}
+    forces = _gather(lmp, "f")
+    if steps:
+        lmp.commands_list(["velocity all create 300.0 4928459 mom yes rot yes dist gaussian",
+                           "timestep 0.001", "fix nve all nve", f"run {steps}"])
+        result["positions_after"] = _gather(lmp, "x").tolist()
+        result["energy_after"] = lmp.get_thermo("pe")
+    result["forces"] = forces.tolist()
+    if lmp.extract_setting("world_rank") == 0:
+        Path(out).write_text(json.dumps(result))
+    lmp.close()
+    lmp.lib.lammps_mpi_finalize()  # mpirun expects every rank to finalize MPI
+    return 0
+
+
+def _gather(lmp, name: str) -> np.ndarray:
+    """``[natoms, 3]`` of a per-atom array, every rank's local atoms, in atom-id order."""
+    values = lmp.gather_atoms(name, 1, 3)
+    return np.asarray(values[:], dtype=np.float64).reshape(-1, 3)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

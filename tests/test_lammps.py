@@ -1,0 +1,144 @@
+"""LAMMPS with mace-accel's ML-IAP model (``pair_style mliap unified``) on 1, 2 and 4 MPI ranks
+equals the ASE calculator: the energy, every force and the virial, for the bundled model and
+for an MPA-0-type model (Agnesi transform, ZBL, Density blocks); a short NVE trajectory is the
+same on 1 and 2 ranks. Needs a LAMMPS built by scripts/build_lammps.sh for this Python (the
+tests skip without one) and, for several ranks, mpirun."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mace_accel import MACEAccelCalculator
+
+pytestmark = pytest.mark.lammps
+RUN = Path(__file__).with_name("lammps_run.py")
+BAR_PER_EV_A3 = 1.602176634e6  # 1 eV/Å^3 in bar
+
+
+def _lammps_unavailable() -> str:
+    try:
+        from lammps import lammps
+    except ImportError:
+        return "the lammps Python module is not installed (bash scripts/build_lammps.sh SRC)"
+    lmp = lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"])
+    try:
+        if not lmp.has_package("ML-IAP") or not lmp.has_package("PYTHON"):
+            return "this LAMMPS has no ML-IAP with Python (bash scripts/build_lammps.sh SRC)"
+    finally:
+        lmp.close()
+    return ""
+
+
+@pytest.fixture(scope="module")
+def lammps_ready():
+    why = _lammps_unavailable()
+    if why:
+        pytest.skip(why)
+
+
+def _structure(atoms, made) -> dict:
+    from ase.data import atomic_masses, atomic_numbers
+
+    cell = np.asarray(atoms.cell)
+    return {"symbols": atoms.get_chemical_symbols(), "positions": atoms.positions.tolist(),
+            "cell": cell.tolist(), "elements": made.element_types,
+            "masses": [float(atomic_masses[atomic_numbers[e]]) for e in made.element_types],
+            "exchange": made.exchange_width}
+
+
+def _run(tmp_path: Path, model_path: Path, structure: dict, ranks: int, steps: int = 0) -> dict:
+    spec = tmp_path / f"structure-{ranks}-{steps}.json"
+    spec.write_text(json.dumps(structure))
+    out = tmp_path / f"out-{ranks}-{steps}.json"
+    command = [sys.executable, str(RUN), str(model_path), str(spec), str(out)]
+    if steps:
+        command += ["--steps", str(steps)]
+    if ranks > 1:
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            pytest.skip("mpirun not found")
+        command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(ranks)] + command
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _alloy(atoms_numbers, repeat=(3, 3, 3)):
+    """An fcc alloy of the model's elements in LAMMPS's cell form (a, b, c along x, xy, ...)."""
+    from ase.build import bulk
+
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat(repeat)
+    rng = np.random.default_rng(3)
+    atoms.numbers = rng.choice(atoms_numbers, size=len(atoms))
+    atoms.rattle(stdev=0.05, seed=4)
+    return atoms
+
+
+def _reference(model_file, atoms):
+    calc = MACEAccelCalculator(model_file, device="cpu", backend="reference",
+                               default_dtype="float64")
+    atoms = atoms.copy()
+    atoms.calc = calc
+    stress = atoms.get_stress(voigt=True)  # xx yy zz yz xz xy, eV/Å^3
+    return atoms.get_potential_energy(), atoms.get_forces(), stress
+
+
+def _check(result, energy, forces, stress, n_atoms):
+    assert result["energy"] == pytest.approx(energy, rel=1e-10, abs=1e-10)
+    np.testing.assert_allclose(np.asarray(result["forces"]), forces, atol=1e-9)
+    # LAMMPS's virial pressure (bar): -stress (xx yy zz xy xz yz)
+    want = -np.asarray([stress[0], stress[1], stress[2], stress[5], stress[4], stress[3]])
+    np.testing.assert_allclose(np.asarray(result["virial_bar"]) / BAR_PER_EV_A3, want,
+                               atol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, lammps_ready):
+    """The bundled model and an MPA-0-type model, as model files and as LAMMPS files."""
+    from mace_accel import cli
+    from mace_accel.models.architectures import build_model
+    from mace_accel.models.checkpoint import default_model_path, save_model
+
+    from fine_tuning import SMALL_DENSITY
+
+    folder = tmp_path_factory.mktemp("lammps")
+    made = {}
+    density = build_model(SMALL_DENSITY, dtype=torch.float64, seed=4)
+    save_model(density, folder / "density.model")
+    for name, path in (("bundled", default_model_path()), ("density", folder / "density.model")):
+        out = folder / f"{name}-mliap.pt"
+        assert cli.main(["convert", str(path), str(out), "--lammps"]) == 0
+        made[name] = (Path(path), out, torch.load(out, weights_only=False))
+    return made
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("name", ["bundled", "density"])
+def test_lammps_equals_the_calculator(files, tmp_path, name, ranks):
+    model_file, lammps_file, made = files[name]
+    numbers = [int(z) for z in made.model.atomic_numbers][:3]
+    atoms = _alloy(numbers)
+    energy, forces, stress = _reference(model_file, atoms)
+    result = _run(tmp_path, lammps_file, _structure(atoms, made), ranks)
+    assert result["ranks"] == ranks
+    _check(result, energy, forces, stress, len(atoms))
+
+
+def test_a_trajectory_is_the_same_on_one_and_two_ranks(files, tmp_path):
+    model_file, lammps_file, made = files["bundled"]
+    atoms = _alloy([int(z) for z in made.model.atomic_numbers])
+    structure = _structure(atoms, made)
+    one = _run(tmp_path, lammps_file, structure, 1, steps=10)
+    two = _run(tmp_path, lammps_file, structure, 2, steps=10)
+    np.testing.assert_allclose(two["positions_after"], one["positions_after"], atol=1e-9)
+    assert two["energy_after"] == pytest.approx(one["energy_after"], rel=1e-10)
