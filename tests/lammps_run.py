@@ -19,7 +19,7 @@ import numpy as np
 
 
 def main(argv) -> int:
-    from lammps import lammps  # the build under test; under mpirun each rank joins the world
+    from lammps import lammps, mliap  # the build under test; under mpirun each rank joins
 
     model, structure, out = argv[:3]
     steps = int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 0
@@ -31,9 +31,7 @@ def main(argv) -> int:
     if abs(cell[0][1]) + abs(cell[0][2]) + abs(cell[1][2]) > 1e-12:
         raise SystemExit("lammps_run.py: give a cell in LAMMPS's lower-triangular form")
     lmp = lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"])
-    import lammps.mliap
-
-    lammps.mliap.activate_mliappy(lmp)  # the ML-IAP Python coupling, in a Python-driven LAMMPS
+    mliap.activate_mliappy(lmp)  # the ML-IAP Python coupling, in a Python-driven LAMMPS
     lmp.commands_list([
         "units metal", "atom_style atomic", "atom_modify map array", "boundary p p p",
         f"region box prism 0 {cell[0][0]!r} 0 {cell[1][1]!r} 0 {cell[2][2]!r} "

