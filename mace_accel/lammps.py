@@ -9,9 +9,10 @@ pair style's exchange between the blocks, and its backward sends the ghosts' gra
 The energy of each local atom and the force of each pair go back to LAMMPS, which sums the
 forces on both atoms of a pair and the virial.
 
-The exchange is LAMMPS's: the KOKKOS build's, or on a plain LAMMPS the one
-``scripts/lammps/mliap-exchange.patch`` adds (``scripts/build_lammps.sh`` applies it). It
-works on host arrays, so on a GPU each exchange copies the features to the host and back.
+The exchange is LAMMPS's: on a plain LAMMPS the one ``scripts/lammps/mliap-exchange.patch``
+adds (``scripts/build_lammps.sh`` applies it), which works on host arrays, so on a GPU each
+exchange copies the features to the host and back; on a KOKKOS build its own, on the device
+(that path follows mace's ML-IAP object and is untested here).
 
 Write the file LAMMPS loads with ``mace-accel convert MODEL --lammps``.
 """
@@ -50,6 +51,13 @@ def exchange_width(model: torch.nn.Module) -> int:
     interaction block after the first (what ``pair_style mliap ... exchange N`` must allow)."""
     widths = [int(block.node_feats_irreps.dim) for block in list(model.interactions)[1:]]
     return max(widths, default=1)
+
+
+def _is_kokkos(data: Any) -> bool:
+    """Whether ``data`` is the KOKKOS build's ML-IAP data (arrays on the device, its own
+    exchange and ``update_pair_forces_gpu``). This path is written after mace's own ML-IAP
+    object and is not tested here (no KOKKOS build)."""
+    return "kokkos" in type(data).__module__.lower()
 
 
 class _HostExchange:
@@ -128,15 +136,21 @@ class LammpsModel(MLIAPUnified):
         out = self.model(batch, training=False, compute_force=False, compute_virials=False,
                          compute_stress=False, compute_displacement=False,
                          compute_edge_forces=True, lammps_mliap=True)
-        node_energy = out["node_energy"][:n_local].detach().to("cpu", torch.float64)
+        node_energy = out["node_energy"][:n_local].detach().to(torch.float64)
         pair_forces = out["edge_forces"]
         if pair_forces is None:  # no pairs
             pair_forces = torch.zeros_like(batch["vectors"])
+        pair_forces = pair_forces.detach().to(torch.float64).contiguous()
+        if _is_kokkos(data):  # its arrays may live on the GPU (as mace's own object does)
+            torch.as_tensor(data.eatoms).copy_(node_energy)
+            data.energy = float(node_energy.sum())
+            data.update_pair_forces_gpu(pair_forces)
+            return
+        node_energy = node_energy.cpu()
         data.eatoms = node_energy.numpy()
         data.energy = float(node_energy.sum())
         if int(data.npairs) > 0:
-            data.update_pair_forces(
-                pair_forces.detach().to("cpu", torch.float64).contiguous().numpy())
+            data.update_pair_forces(pair_forces.cpu().numpy())
 
     # -- inside ------------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -164,7 +178,8 @@ class LammpsModel(MLIAPUnified):
         species = torch.as_tensor(data.elems, dtype=torch.int64)[:n_total].to(device)
         pair_i = torch.as_tensor(data.pair_i, dtype=torch.int64)
         pair_j = torch.as_tensor(data.pair_j, dtype=torch.int64)
-        exchange = data if device.type == "cpu" else _HostExchange(data)
+        # the KOKKOS build exchanges arrays where they are; the plain one host arrays only
+        exchange = data if device.type == "cpu" or _is_kokkos(data) else _HostExchange(data)
         return {
             "vectors": torch.as_tensor(data.rij).to(device=device, dtype=dtype),
             "node_attrs": torch.nn.functional.one_hot(
