@@ -52,7 +52,8 @@ def _build_lammps() -> None:
               ["bash", str(scripts / "fetch_lammps.sh"), str(cache / "lammps-src")],
               ["bash", str(scripts / "build_lammps.sh"), str(cache / "lammps-src"),
                str(cache / "lammps-build")]]
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+               DEBIAN_FRONTEND="noninteractive")
     for step in steps:
         done = subprocess.run(step, capture_output=True, text=True, env=env)
         if done.returncode != 0:
