@@ -173,3 +173,33 @@ def test_convert_refuses_an_unknown_head_in_one_line(model_file, tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no head 'pbe'" in err and "--head" in err
     assert not out.exists()
+
+
+def test_each_rank_takes_its_local_rank(monkeypatch):
+    from mace_accel.lammps import local_rank
+
+    for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert local_rank() == 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert local_rank() == 3
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")  # mpirun's own comes first
+    assert local_rank() == 1
+
+
+def test_the_host_exchange_hands_lammps_host_arrays_and_writes_back():
+    from mace_accel.lammps import _HostExchange
+
+    seen = []
+
+    class Data:  # LAMMPS's plain coupling: host arrays, rows of ghosts set from their owners
+        def forward_exchange(self, copy_from, copy_to, vec_len):
+            seen.append((copy_from.device.type, copy_from.is_contiguous(), vec_len))
+            copy_to.copy_(copy_from)
+            copy_to[2:] = copy_from[:1]
+
+    feats = torch.arange(12, dtype=torch.float32).reshape(4, 3)[:, :3]
+    out = torch.empty_like(feats)
+    _HostExchange(Data()).forward_exchange(feats, out, 3)
+    assert seen == [("cpu", True, 3)]
+    assert torch.equal(out[:2], feats[:2]) and torch.equal(out[2], feats[0])
