@@ -23,6 +23,14 @@ def grads_wanted(params: List[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(p.requires_grad for p in params)
 
 
+def set_link(module: torch.nn.Module, name: str, value: Any) -> None:
+    """Give ``module`` a plain reference ``name`` to ``value`` (another module of the same
+    model, such as the radial embedding whose lengths its tables are looked up by, or a group of
+    modules): not a child, so no second state-dict entry and no second move or cast. Read it
+    as ``module.name``."""
+    object.__setattr__(module, name, value)
+
+
 class FusedModule(torch.nn.Module):
     """Base of the fused replacements: adopts ``original``'s tensors and children.
 

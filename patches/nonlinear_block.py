@@ -175,7 +175,7 @@ class FusedLayerNormMLP(FusedModule):
         """``pairs -> f(r, which)``: this MLP's output (times the cutoff) for edges from element
         ``pairs[which][0]`` to ``pairs[which][1]``, in float64 through float64 copies of mace's
         own modules (made once per build of the tables)."""
-        embedding = self.__dict__["embedding"]
+        embedding = self.embedding
         mlp = copy.deepcopy(self.sync_original()).double()
         src, tgt = copy.deepcopy(source).double(), copy.deepcopy(target).double()
         cutoff = embedding.table_cutoff()

@@ -296,7 +296,7 @@ class FusedRadialMLP(FusedModule):
         if x.dim() != 2 or x.shape[1] != self.hs[0]:
             raise InputError(f"edge_feats must have shape [n_edges, {self.hs[0]}] for the "
                              f"radial MLP, got {tuple(x.shape)}")
-        overlap = self.__dict__.get("overlap")
+        overlap = getattr(self, "overlap", None)
         return self.compute(x) if overlap is None else overlap(self, x)
 
     def compute(self, x: torch.Tensor, sm_share: Optional[float] = None,

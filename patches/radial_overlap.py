@@ -155,7 +155,7 @@ class RadialOverlap:
 def group_of(model: torch.nn.Module) -> Optional[RadialOverlap]:
     """The :class:`RadialOverlap` linking ``model``'s radial MLPs, or None."""
     for module in model.modules():
-        group = module.__dict__.get("overlap")
+        group = getattr(module, "overlap", None)
         if isinstance(group, RadialOverlap):
             return group
     return None

@@ -31,6 +31,7 @@ from mace_accel.ops.limits import LARGE_GRAPH_EDGES
 from mace_accel.ops.radial_table import autograd as table_ops
 from mace_accel.ops.radial_table.table import SPECS, RadialTable, TableError, build_tables
 from mace_accel.ops.species import ORDERED, UNORDERED, PairSet
+from mace_accel.patches.adopt import set_link
 
 Tensor = torch.Tensor
 # from this many edges the lookups walk the edges in order of length (one sort a call, shared
@@ -75,7 +76,7 @@ def link(model: torch.nn.Module, options) -> Optional[str]:
     users = [m for m in model.modules() if getattr(m, "uses_radial_tables", False)]
     embedding = embeddings[0] if len(embeddings) == 1 else None
     for mlp in mlps + users:
-        mlp.__dict__["embedding"] = embedding  # not a child: no second state-dict entry
+        set_link(mlp, "embedding", embedding)
     on = (embedding is not None and bool(mlps or users)
           and getattr(options, "radial_table", False) and options.backend == "cuda")
     if embedding is not None:
@@ -99,7 +100,7 @@ def table_input(user, x: Tensor):
     where its tables may run: the option on, CUDA float32 or float64, no weight gradient
     (inference), not under ``torch.compile``, and ``x`` the linked embedding's last output;
     else None."""
-    embedding = user.__dict__.get("embedding")
+    embedding = getattr(user, "embedding", None)
     if embedding is None or not getattr(user.options, "radial_table", False) \
             or user.backend != "cuda" or not x.is_cuda or x.dtype not in SPECS \
             or torch.compiler.is_compiling() or not user._no_weight_grads():
@@ -114,7 +115,7 @@ def mlp_function(mlp) -> PairFunction:
     """``pairs -> f(r, which)``: an e3nn ``FullyConnectedNet`` radial MLP
     (:class:`~mace_accel.patches.radial_mlp.FusedRadialMLP`) of the linked embedding's
     features, in float64 (pass ``lambda: mlp_function(mlp)`` to :func:`tables_of`)."""
-    embedding = mlp.__dict__["embedding"]
+    embedding = mlp.embedding
     weights = [w.detach().to(torch.float64)
                for w in radial_mlp.effective_weights(mlp.raw_weights(), mlp.spec.scales)]
 
@@ -132,7 +133,7 @@ def tables_of(user, name: str, params: List[Tensor], make_function: Callable[[],
     built on first use and again when ``params``, the embedding, the pairs or the dtype change
     (``user._derived``; ``make_function`` is called only then); None (and a warning, once)
     where they cannot be built within the tolerance or the memory allowed."""
-    embedding = user.__dict__["embedding"]
+    embedding = user.embedding
     key = f"radial_table:{name}:{embedding._current_key()}:{pairs}"
     if (key, like.dtype) in user._kernels:  # could not be built for these weights: the MLP
         return None
@@ -191,7 +192,7 @@ def lookup(user, found, tables: Tuple[RadialTable, Tensor]) -> Tensor:
     """``[E, n]``: the weights of the edges of ``found`` (:func:`table_input`) looked up in
     ``tables`` (:func:`tables_of`)."""
     table, coeffs = tables
-    embedding = user.__dict__["embedding"]
+    embedding = user.embedding
     order = (embedding.length_order(found.lengths, found.slots)
              if walks_sorted(found.lengths.shape[0], coeffs, table.tables) else None)
     return table_ops.lookup(found.lengths, order, coeffs, table.inv_h, found.slots,
@@ -207,7 +208,7 @@ def walks_sorted(edges: int, coeffs: Tensor, tables: int = 1) -> bool:
 
 def describe(user, name: str) -> Optional[str]:
     """The report's words on ``user``'s tables ``name`` where they were built (else None)."""
-    embedding = user.__dict__.get("embedding")
+    embedding = getattr(user, "embedding", None)
     if embedding is None:
         return None
     prefix = f"radial_table:{name}:{embedding._current_key()}:"

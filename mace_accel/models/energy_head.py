@@ -356,7 +356,7 @@ def _overlap(model: torch.nn.Module):
     """The model's radial-MLP overlap group (:mod:`mace_accel.patches.radial_overlap`), or
     None; looked up once per model while it stays linked."""
     group = _OVERLAPS.get(model)
-    if group is not None and group.members and group.members[0].__dict__.get("overlap") is group:
+    if group is not None and group.members and getattr(group.members[0], "overlap", None) is group:
         return group
     from mace_accel.patches.radial_overlap import group_of
 
