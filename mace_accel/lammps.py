@@ -93,22 +93,23 @@ class LammpsModel(MLIAPUnified):
     def __init__(self, model: torch.nn.Module, head: Optional[str] = None,
                  dtype: str = "float64") -> None:
         super().__init__()
-        from ase.data import chemical_symbols
+        from mace_accel.models.batch import model_info
 
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be 'float32' or 'float64', not {dtype!r}")
-        heads: List[str] = list(getattr(model, "heads", None) or ["Default"])
+        info = model_info(model)
+        heads: List[str] = list(info.heads)
         head = heads[-1] if head is None else head
         if head not in heads:
             raise ValueError(f"the model has no head {head!r}; its heads: {', '.join(heads)}")
         self.model = model.to("cpu")
         self.dtype = dtype
+        self.head = head
         self.head_index = heads.index(head)
-        numbers = [int(z) for z in model.atomic_numbers]
-        self.element_types = [chemical_symbols[z] for z in numbers]
+        self.element_types = info.symbols
         self.ndescriptors = 1
         self.nparams = 1
-        self.rcutfac = 0.5 * float(model.r_max)  # LAMMPS's cutoff: 2 x rcutfac
+        self.rcutfac = 0.5 * info.r_max  # LAMMPS's cutoff: 2 x rcutfac
         self.exchange_width = exchange_width(model)
         self._device: Optional[torch.device] = None
 
@@ -154,22 +155,21 @@ class LammpsModel(MLIAPUnified):
 
     # -- inside ------------------------------------------------------------------------------
     def _prepare(self) -> None:
-        """Move the model to this rank's device (``cuda:<local rank>``, else the CPU) and
-        accelerate it there."""
+        """Move the model to this rank's device (``cuda:<local rank>``, else the CPU), cast it
+        and accelerate it there, as every other way of evaluating a model does
+        (:func:`~mace_accel.models.prepared.prepare_model`)."""
         from mace_accel._e3nn_compat import import_mace
-        from mace_accel.surgery import accelerate, is_accelerated
+        from mace_accel.models.prepared import prepare_model
+        from mace_accel.options import AccelOptions
 
         import_mace()
         if torch.cuda.is_available():
             device = torch.device("cuda", local_rank() % torch.cuda.device_count())
         else:
             device = torch.device("cpu")
-        model = self.model.to(device=device, dtype=getattr(torch, self.dtype))
-        for p in model.parameters():
-            p.requires_grad_(False)
-        if not is_accelerated(model):
-            accelerate(model, backend="cuda" if device.type == "cuda" else "reference")
-        self.model, self._device = model, device
+        options = AccelOptions(backend="cuda" if device.type == "cuda" else "reference")
+        prepared = prepare_model(self.model, device, self.dtype, self.head, options)
+        self.model, self._device = prepared.model, device
 
     def _batch(self, data: Any, n_local: int, n_total: int) -> Dict[str, Any]:
         """mace's LAMMPS-mode input of this rank's atoms and pairs (sender ``j``, receiver

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from mace_accel import MACEAccelCalculator
+from test_lammps_model import calculator_results
 
 pytestmark = pytest.mark.lammps
 RUN = Path(__file__).with_name("lammps_run.py")
@@ -115,20 +115,12 @@ def _alloy(atoms_numbers, repeat=(3, 3, 3)):
     return atoms
 
 
-def _reference(model_file, atoms):
-    calc = MACEAccelCalculator(model_file, device="cpu", backend="reference",
-                               default_dtype="float64")
-    atoms = atoms.copy()
-    atoms.calc = calc
-    stress = atoms.get_stress(voigt=True)  # xx yy zz yz xz xy, eV/Å^3
-    return atoms.get_potential_energy(), atoms.get_forces(), stress
-
-
-def _check(result, energy, forces, stress, n_atoms):
+def _check(result, energy, forces, virial, volume):
     assert result["energy"] == pytest.approx(energy, rel=1e-10, abs=1e-10)
     np.testing.assert_allclose(np.asarray(result["forces"]), forces, atol=1e-9)
-    # LAMMPS's virial pressure (bar): -stress (xx yy zz xy xz yz)
-    want = -np.asarray([stress[0], stress[1], stress[2], stress[5], stress[4], stress[3]])
+    # LAMMPS's virial pressure (bar): the virial per volume (xx yy zz xy xz yz)
+    want = np.asarray([virial[0, 0], virial[1, 1], virial[2, 2], virial[0, 1], virial[0, 2],
+                       virial[1, 2]]) / volume
     np.testing.assert_allclose(np.asarray(result["virial_bar"]) / BAR_PER_EV_A3, want,
                                atol=1e-9)
 
@@ -159,10 +151,10 @@ def test_lammps_equals_the_calculator(files, tmp_path, name, ranks):
     model_file, lammps_file, made = files[name]
     numbers = [int(z) for z in made.model.atomic_numbers][:3]
     atoms = _alloy(numbers)
-    energy, forces, stress = _reference(model_file, atoms)
+    energy, forces, virial = calculator_results(model_file, atoms)
     result = _run(tmp_path, lammps_file, _structure(atoms, made), ranks)
     assert result["ranks"] == ranks
-    _check(result, energy, forces, stress, len(atoms))
+    _check(result, energy, forces, virial, atoms.get_volume())
 
 
 def test_a_trajectory_is_the_same_on_one_and_two_ranks(files, tmp_path):

@@ -86,7 +86,9 @@ def _species(model) -> Dict[int, int]:
     return {int(z): k for k, z in enumerate(model.atomic_numbers)}
 
 
-def _calculator_results(model_file, atoms):
+def calculator_results(model_file, atoms):
+    """``(energy, forces, virial [3, 3])`` of the reference calculator (float64), for this
+    module's checks and those of tests/test_lammps.py."""
     calc = MACEAccelCalculator(model_file, **REFERENCE)
     atoms = atoms.copy()
     atoms.calc = calc
@@ -121,7 +123,7 @@ def lammps_model(model_file):
 def test_one_rank_equals_the_calculator(model_file, lammps_model, cu_atoms):
     atoms = cu_atoms.copy()
     atoms.numbers[[1, 4]] = 28  # Cu and Ni
-    energy, forces, virial = _calculator_results(model_file, atoms)
+    energy, forces, virial = calculator_results(model_file, atoms)
     data = _run_one_rank(lammps_model, atoms)
     assert data.ntotal > data.nlocal  # periodic images as ghosts
     assert data.exchanges > 0  # the later blocks read the ghosts' features from their owners
@@ -159,7 +161,7 @@ def test_convert_writes_the_file_lammps_loads(model_file, cu_atoms, tmp_path, ca
     made = torch.load(out, weights_only=False)  # what LAMMPS's coupling does
     assert isinstance(made, LammpsModel) and made.dtype == "float64"
     atoms = cu_atoms.copy()
-    energy, forces, _ = _calculator_results(model_file, atoms)
+    energy, forces, _ = calculator_results(model_file, atoms)
     data = _run_one_rank(made, atoms)
     assert data.energy == pytest.approx(energy, rel=1e-12, abs=1e-12)
     np.testing.assert_allclose(_folded_forces(data, len(atoms)), forces, atol=1e-10)
