@@ -306,7 +306,8 @@ class FusedRadialMLP(FusedModule):
         backward kernels may hold (a launch beside other work; None: all)."""
         route = self.route(x)
         if not torch.compiler.is_compiling():  # dynamo: the conv routes the call itself
-            # for the block's conv (route_for); with the kernels, never pickled or copied
+            # for the block's conv (route_for); with the kernels, never pickled or copied; not
+            # holding the tables, which the next call's build may replace while this is kept
             self._kernels["route"] = dataclasses.replace(route, tables=None)
         if route.path == "table":
             return radial_table.lookup(self, *route.tables)

@@ -57,7 +57,8 @@ def later_shares(n_edges: int) -> Tuple[Optional[float], Optional[float]]:
 
 
 class RadialOverlap:
-    """The radial MLPs of one model, in block order, on the process's radial side stream of their device.
+    """The radial MLPs of one model, in block order, on the process's radial side stream of
+    their device.
 
     Args:
         members: the model's fused radial MLP modules in the order the blocks call them; each

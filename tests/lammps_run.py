@@ -4,9 +4,9 @@ under ``mpirun -np N`` for N ranks.
     python tests/lammps_run.py MODEL.pt STRUCTURE.json OUT.json [--steps N]
 
 STRUCTURE.json: ``{"symbols", "positions", "cell", "masses", "elements", "exchange"}``
-(``elements`` and ``masses`` per LAMMPS atom type). OUT.json (written by rank 0): the potential energy (eV), the
-forces (eV/Å, in the structure's atom order), the virial pressure tensor (bar: xx, yy, zz, xy,
-xz, yz) and, with ``--steps``, the positions after that many NVE steps (1 fs).
+(``elements`` and ``masses`` per LAMMPS atom type). OUT.json (written by rank 0): the potential
+energy (eV), the forces (eV/Å, in the structure's atom order), the virial pressure tensor (bar:
+xx, yy, zz, xy, xz, yz) and, with ``--steps``, the positions after that many NVE steps (1 fs).
 """
 
 from __future__ import annotations
