@@ -86,7 +86,10 @@ def _structure(atoms, made) -> dict:
             "exchange": made.exchange_width}
 
 
-def _run(tmp_path: Path, model_path: Path, structure: dict, ranks: int, steps: int = 0) -> dict:
+def _run(tmp_path: Path, model_path: Path, structure: dict, ranks: int, steps: int = 0,
+         gpus: bool = False) -> dict:
+    """One LAMMPS run (tests/lammps_run.py) on ``ranks`` MPI ranks; without ``gpus`` the GPUs
+    are hidden (the reference backend on the CPU), with it each rank takes its own GPU."""
     spec = tmp_path / f"structure-{ranks}-{steps}.json"
     spec.write_text(json.dumps(structure))
     out = tmp_path / f"out-{ranks}-{steps}.json"
@@ -98,7 +101,9 @@ def _run(tmp_path: Path, model_path: Path, structure: dict, ranks: int, steps: i
         if mpirun is None:
             pytest.skip("mpirun not found")
         command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(ranks)] + command
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
@@ -155,6 +160,35 @@ def test_lammps_equals_the_calculator(files, tmp_path, name, ranks):
     result = _run(tmp_path, lammps_file, _structure(atoms, made), ranks)
     assert result["ranks"] == ranks
     _check(result, energy, forces, virial, atoms.get_volume())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", ["bundled", "density"])
+def test_lammps_on_gpus_equals_the_reference(files, tmp_path, name, dtype, ranks):
+    """One rank per GPU, the fused kernels inside LAMMPS (host exchanges between the blocks)
+    against the float64 reference calculator, within the tolerance table (relative norms)."""
+    from mace_accel import cli
+    from mace_accel.tolerances import MODEL_TOL, rel_norm_error
+
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"{ranks} ranks need {ranks} GPUs")
+    model_file, _, made = files[name]
+    lammps_file = tmp_path / f"{name}-{dtype}.pt"
+    assert cli.main(["convert", str(model_file), str(lammps_file), "--lammps",
+                     "--dtype", dtype]) == 0
+    atoms = _alloy([int(z) for z in made.model.atomic_numbers][:3])
+    energy, forces, virial = calculator_results(model_file, atoms)
+    result = _run(tmp_path, lammps_file, _structure(atoms, made), ranks, gpus=True)
+    assert result["ranks"] == ranks
+    tol = MODEL_TOL[getattr(torch, dtype)]
+    assert abs(result["energy"] - energy) <= tol * abs(energy)
+    assert rel_norm_error(torch.tensor(result["forces"]), torch.tensor(forces)) <= tol
+    pressure = np.asarray(result["virial_bar"]) / BAR_PER_EV_A3 * atoms.get_volume()
+    want = np.asarray([virial[0, 0], virial[1, 1], virial[2, 2], virial[0, 1], virial[0, 2],
+                       virial[1, 2]])
+    assert rel_norm_error(torch.tensor(pressure), torch.tensor(want)) <= tol
 
 
 def test_a_trajectory_is_the_same_on_one_and_two_ranks(files, tmp_path):
