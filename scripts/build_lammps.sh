@@ -50,7 +50,19 @@ cmake "$src/cmake" -D CMAKE_BUILD_TYPE=Release -D BUILD_SHARED_LIBS=on -D BUILD_
   || { tail -n 30 cmake.log; echo "build_lammps.sh: cmake failed (log: $build/cmake.log)" >&2; exit 1; }
 cmake --build . -j "${JOBS:-$(nproc)}" > build.log 2>&1 \
   || { tail -n 30 build.log; echo "build_lammps.sh: the build failed (log: $build/build.log)" >&2; exit 1; }
-cmake --build . --target install-python > install.log 2>&1 \
-  || { tail -n 30 install.log; echo "build_lammps.sh: installing the Python module failed" \
-       "(log: $build/install.log)" >&2; exit 1; }
+if ! cmake --build . --target install-python > install.log 2>&1; then
+  # LAMMPS's installer makes a wheel in a fresh virtual environment, which needs the network;
+  # without it, the module and the library go into site-packages as that wheel would put them
+  site=$("$python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  if grep -q "No matching distribution found" install.log && [ -w "$site" ]; then
+    rm -rf "$site/lammps" && cp -r "$src/python/lammps" "$site/lammps" \
+      && cp -L liblammps.so "$site/lammps/liblammps.so" \
+      || { echo "build_lammps.sh: copying the Python module into $site failed" >&2; exit 1; }
+    echo "no network for LAMMPS's wheel installer: copied the lammps module into $site"
+  else
+    tail -n 30 install.log
+    echo "build_lammps.sh: installing the Python module failed (log: $build/install.log)" >&2
+    exit 1
+  fi
+fi
 echo "LAMMPS built in $build (lmp: $build/lmp; Python module installed for $python)"
