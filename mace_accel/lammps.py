@@ -46,6 +46,18 @@ def local_rank() -> int:
     return 0
 
 
+def import_gpu_runtime() -> None:
+    """Import CuPy (and with it ml_dtypes) now, before LAMMPS's library is loaded: a Python that
+    loads LAMMPS (``lammps.lammps(...)``, which loads ``liblammps.so`` with ``RTLD_GLOBAL``)
+    after torch and then imports ml_dtypes crashes in ml_dtypes' import (seen with LAMMPS's
+    4 Jul 2026 release, torch 2.11 and ml_dtypes 0.6), while the other order runs. Call it
+    before creating a ``lammps`` object in a Python script that drives LAMMPS with this model."""
+    try:
+        import cupy  # noqa: F401  (imports ml_dtypes)
+    except ImportError:  # no GPU runtime: nothing to load first
+        pass
+
+
 def exchange_width(model: torch.nn.Module) -> int:
     """The most values per atom an exchange carries: the widest node features that enter an
     interaction block after the first (what ``pair_style mliap ... exchange N`` must allow)."""

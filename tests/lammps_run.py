@@ -19,6 +19,9 @@ import numpy as np
 
 
 def main(argv) -> int:
+    from mace_accel.lammps import import_gpu_runtime
+
+    import_gpu_runtime()  # before LAMMPS's library is loaded
     from lammps import lammps, mliap  # the build under test; under mpirun each rank joins
 
     model, structure, out = argv[:3]
