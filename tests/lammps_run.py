@@ -19,9 +19,9 @@ import numpy as np
 
 
 def main(argv) -> int:
-    from mace_accel.lammps import import_gpu_runtime
+    from mace_accel.lammps import import_before_lammps
 
-    import_gpu_runtime()  # before LAMMPS's library is loaded
+    import_before_lammps()  # before LAMMPS's library is loaded
     from lammps import lammps, mliap  # the build under test; under mpirun each rank joins
 
     model, structure, out = argv[:3]

