@@ -1,8 +1,10 @@
-"""The accelerated model is always the model (CPU, reference backend): after weights change in
+"""The accelerated model is always the model: after weights change in
 place, constants loaded from a state dict, ``revert`` / ``accelerate``, a cast, a new head,
 pickling, the next result is the plain model's with the current weights, or one clear error,
 through the calculator, batched evaluation and torch-sim; and the state watch a CUDA graph
-relies on sees every such change. (The CUDA side, graphs included: tests/test_gpu_modern_models.py.)"""
+relies on sees every such change. Each case runs on the CPU's reference backend (float64) and,
+marked ``gpu``, on the fused CUDA path with its graphs, radial tables and fused constants in
+float64 and float32 (more on the CUDA side: tests/test_gpu_modern_models.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +21,31 @@ from mace_accel.models.architectures import small_test_model
 from mace_accel.models.batch import atoms_to_batch, model_info
 from mace_accel.state import StateWatch
 from mace_accel.surgery import accelerate, revert
-from mace_accel.tolerances import rel_norm_error
+from mace_accel.tolerances import MODEL_TOL, rel_norm_error
 
 F64 = torch.float64
+
+
+class Place:
+    """Where and how the accelerated model runs: device, backend, dtype."""
+
+    def __init__(self, device: str, backend: str, dtype: torch.dtype) -> None:
+        self.device, self.backend, self.dtype = device, backend, dtype
+        self.tol = MODEL_TOL[dtype]
+        self.other = torch.float32 if dtype == F64 else F64  # the dtype a cast moves to
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).replace("torch.", "")
+
+
+@pytest.fixture(params=[
+    pytest.param(("cpu", "reference", F64), id="cpu-float64"),
+    pytest.param(("cuda", "cuda", F64), id="cuda-float64", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "cuda", torch.float32), id="cuda-float32", marks=pytest.mark.gpu),
+])
+def place(request) -> Place:
+    return Place(*request.param)
 
 
 def _atoms(seed: int = 0):
@@ -42,9 +66,11 @@ def _model():
 
 
 def _plain_forces(model, atoms, head="b"):
+    """The plain model's forces with ``model``'s current weights, in float64 on the CPU."""
     plain = copy.deepcopy(model)
     if mace_accel.surgery.is_accelerated(plain):
         revert(plain)
+    plain = plain.to("cpu", F64)
     batch = atoms_to_batch(atoms, model_info(plain), head=head)
     return plain(batch, training=False, compute_force=True)["forces"].detach()
 
@@ -59,15 +85,16 @@ def _perturb(model, seed: int) -> dict:
             for k, v in model.state_dict().items()}
 
 
-def _calculator(model):
-    return MACEAccelCalculator(model=model, device="cpu", default_dtype="float64",
-                               backend="reference", head="b", min_distance=None)
+def _calculator(model, place: Place):
+    return MACEAccelCalculator(model=model, device=place.device,
+                               default_dtype=place.dtype_name, backend=place.backend, head="b",
+                               min_distance=None)
 
 
 @pytest.mark.parametrize("reset", [True, False])
-def test_load_state_dict_under_a_live_calculator(reset):
+def test_load_state_dict_under_a_live_calculator(reset, place):
     base = _model()
-    calc = _calculator(copy.deepcopy(base))
+    calc = _calculator(copy.deepcopy(base), place)
     atoms = _atoms()
     atoms.calc = calc
     atoms.get_forces()
@@ -80,15 +107,15 @@ def test_load_state_dict_under_a_live_calculator(reset):
     plain = copy.deepcopy(base)
     plain.load_state_dict(new)
     forces = torch.from_numpy(atoms.get_forces())
-    assert rel_norm_error(forces, _plain_forces(plain, atoms)) < 1e-10
+    assert rel_norm_error(forces, _plain_forces(plain, atoms)) < place.tol
 
 
-def test_constants_loaded_from_a_state_dict_are_followed():
+def test_constants_loaded_from_a_state_dict_are_followed(place):
     """Buffers the fused kernels are generated from (the symmetric contraction's U matrices, the
     Bessel frequencies) loaded with other values: the next call is the plain model's with them
     (the spec is read again and gets kernels of its own), not the fused constants'."""
     base = _model()
-    calc = _calculator(copy.deepcopy(base))
+    calc = _calculator(copy.deepcopy(base), place)
     atoms = _atoms()
     atoms.calc = calc
     before = atoms.get_forces()
@@ -100,12 +127,12 @@ def test_constants_loaded_from_a_state_dict_are_followed():
     plain = copy.deepcopy(base)
     plain.load_state_dict(new)
     forces = torch.from_numpy(atoms.get_forces())
-    assert rel_norm_error(forces, _plain_forces(plain, atoms)) < 1e-10
+    assert rel_norm_error(forces, _plain_forces(plain, atoms)) < place.tol
     assert not np.allclose(forces.numpy(), before)
 
 
-def test_optimizer_steps_revert_accelerate_and_cast_under_a_live_calculator():
-    calc = _calculator(_model())
+def test_optimizer_steps_revert_accelerate_and_cast_under_a_live_calculator(place):
+    calc = _calculator(_model(), place)
     atoms = _atoms()
     atoms.calc = calc
     atoms.get_forces()
@@ -120,45 +147,45 @@ def test_optimizer_steps_revert_accelerate_and_cast_under_a_live_calculator():
         p.requires_grad_(False)
     calc.reset()
     assert rel_norm_error(torch.from_numpy(atoms.get_forces()),
-                          _plain_forces(calc.model, atoms)) < 1e-10
+                          _plain_forces(calc.model, atoms)) < place.tol
     revert(calc.model)
     calc.reset()
     assert rel_norm_error(torch.from_numpy(atoms.get_forces()),
-                          _plain_forces(calc.model, atoms)) < 1e-10
-    accelerate(calc.model, backend="reference")
-    calc.model.to(torch.float32)  # followed without reset: the next call is float32
+                          _plain_forces(calc.model, atoms)) < place.tol
+    accelerate(calc.model, backend=place.backend)
+    calc.model.to(place.other)  # followed without reset: the next call is in the other dtype
     atoms.positions[1] += 0.05
     forces = torch.from_numpy(atoms.get_forces())
-    assert calc.dtype == torch.float32
-    assert rel_norm_error(forces, _plain_forces(calc.model, atoms).double()) < 1e-5
+    assert calc.dtype == place.other
+    assert rel_norm_error(forces, _plain_forces(calc.model, atoms)) < MODEL_TOL[torch.float32]
 
 
-def test_a_new_head_is_followed_and_an_unknown_one_refused():
-    calc = _calculator(_model())
+def test_a_new_head_is_followed_and_an_unknown_one_refused(place):
+    calc = _calculator(_model(), place)
     atoms = _atoms()
     atoms.calc = calc
     fb = atoms.get_forces()
     calc.head = "a"
     calc.reset()
     fa = atoms.get_forces()
-    assert rel_norm_error(torch.from_numpy(fa), _plain_forces(calc.model, atoms, "a")) < 1e-10
+    assert rel_norm_error(torch.from_numpy(fa), _plain_forces(calc.model, atoms, "a")) < place.tol
     assert not np.allclose(fa, fb)
     with pytest.raises(mace_accel.errors.InputError, match="unknown head"):
         calc.head = "c"
 
 
-def test_pickled_and_loaded_model_equals_the_plain_model():
-    model = _model()
-    accelerate(model, backend="reference")
+def test_pickled_and_loaded_model_equals_the_plain_model(place):
+    model = _model().to(place.device, place.dtype)
+    accelerate(model, backend=place.backend)
     atoms = _atoms()
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    calc = _calculator(loaded)
+    calc = _calculator(loaded, place)
     atoms.calc = calc
     assert rel_norm_error(torch.from_numpy(atoms.get_forces()),
-                          _plain_forces(model, atoms)) < 1e-10
+                          _plain_forces(model, atoms)) < place.tol
 
 
 def test_the_state_watch_sees_every_change_a_graph_depends_on():
@@ -182,12 +209,13 @@ def test_the_state_watch_sees_every_change_a_graph_depends_on():
     assert not watch.changed()
 
 
-def test_batched_evaluation_follows_new_weights():
+def test_batched_evaluation_follows_new_weights(place):
     from mace_accel.batched import BatchEvaluator
 
     base = _model()
-    evaluator = BatchEvaluator(copy.deepcopy(base), device="cpu", default_dtype="float64",
-                               backend="reference", head="b", min_distance=None)
+    evaluator = BatchEvaluator(copy.deepcopy(base), device=place.device,
+                               default_dtype=place.dtype_name, backend=place.backend, head="b",
+                               min_distance=None)
     frames = [_atoms(0), _atoms(1)]
     before = evaluator.evaluate(frames)
     new = _perturb(base, 2)
@@ -196,19 +224,20 @@ def test_batched_evaluation_follows_new_weights():
     plain.load_state_dict(new)
     for atoms, got, old in zip(frames, evaluator.evaluate(frames), before):
         forces = torch.from_numpy(np.asarray(got["forces"]))
-        assert rel_norm_error(forces, _plain_forces(plain, atoms)) < 1e-10
+        assert rel_norm_error(forces, _plain_forces(plain, atoms)) < place.tol
         assert not np.allclose(got["forces"], old["forces"])
 
 
-def test_torch_sim_model_follows_new_weights():
+def test_torch_sim_model_follows_new_weights(place):
     ts = pytest.importorskip("torch_sim")
     from mace_accel.torchsim import AcceleratedMaceModel
 
     base = _model()
-    model = AcceleratedMaceModel(copy.deepcopy(base), device="cpu", default_dtype="float64",
-                                 backend="reference", head="b", min_distance=None)
+    model = AcceleratedMaceModel(copy.deepcopy(base), device=place.device,
+                                 default_dtype=place.dtype_name, backend=place.backend,
+                                 head="b", min_distance=None)
     frames = [_atoms(0), _atoms(1)]
-    state = ts.io.atoms_to_state(frames, torch.device("cpu"), torch.float64)
+    state = ts.io.atoms_to_state(frames, torch.device(place.device), place.dtype)
     before = model(state)["forces"]
     new = _perturb(base, 3)
     model.model.load_state_dict(new)
@@ -216,5 +245,5 @@ def test_torch_sim_model_follows_new_weights():
     plain.load_state_dict(new)
     forces = model(state)["forces"]
     want = torch.cat([_plain_forces(plain, atoms) for atoms in frames])
-    assert rel_norm_error(forces, want) < 1e-10
+    assert rel_norm_error(forces.cpu(), want) < place.tol
     assert not torch.allclose(forces, before)
