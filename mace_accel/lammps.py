@@ -20,7 +20,7 @@ Write the file LAMMPS loads with ``mace-accel convert MODEL --lammps``.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -77,24 +77,57 @@ def _is_kokkos(data: Any) -> bool:
 
 
 class _HostExchange:
-    """LAMMPS's exchange for node features that live on a GPU: through host copies (the
-    plain LAMMPS exchange reads and writes host arrays)."""
+    """LAMMPS's exchange for node features that live on a GPU, through host copies (the plain
+    LAMMPS exchange reads and writes host arrays ``[ntotal, vec_len]``), moving only the rows
+    that matter: a forward exchange reads the local atoms' rows (a ghost's value comes from
+    its owner) and changes only the ghosts' rows; a reverse exchange reads only the ghosts'
+    rows (they are added to their owners and zeroed) and adds to the local atoms' rows. The
+    host arrays (``buffers``, kept by the model between calls) are page-locked where CUDA is
+    present, so the copies run at the link's speed, and grow with the atom count."""
 
-    def __init__(self, data: Any) -> None:
+    def __init__(self, data: Any, buffers: Dict[Tuple[torch.dtype, int], Tuple[Tensor, Tensor]]
+                 ) -> None:
         self.data = data
+        self._host = buffers
 
     def forward_exchange(self, feats: Tensor, out: Tensor, vec_len: int) -> None:
-        self._run(self.data.forward_exchange, feats, out, vec_len)
+        n_local = int(self.data.nlocal)
+        send, back = self._buffers(feats, vec_len)
+        send[:n_local].copy_(feats[:n_local], non_blocking=True)
+        _wait_for(feats)
+        self.data.forward_exchange(send, back, vec_len)
+        out[:n_local] = feats[:n_local]
+        out[n_local:].copy_(back[n_local:], non_blocking=True)
 
     def reverse_exchange(self, grads: Tensor, out: Tensor, vec_len: int) -> None:
-        self._run(self.data.reverse_exchange, grads, out, vec_len)
+        n_local = int(self.data.nlocal)
+        send, back = self._buffers(grads, vec_len)
+        send[n_local:].copy_(grads[n_local:], non_blocking=True)
+        send[:n_local].zero_()
+        _wait_for(grads)
+        self.data.reverse_exchange(send, back, vec_len)
+        out[:n_local] = grads[:n_local] + back[:n_local].to(grads.device, non_blocking=True)
+        out[n_local:] = 0
 
-    @staticmethod
-    def _run(exchange, values: Tensor, out: Tensor, vec_len: int) -> None:
-        host = values.detach().to("cpu").contiguous()
-        result = torch.empty_like(host)
-        exchange(host, result, vec_len)
-        out.copy_(result)
+    def _buffers(self, values: Tensor, vec_len: int) -> Tuple[Tensor, Tensor]:
+        """Two host arrays ``[ntotal, vec_len]`` in ``values``' dtype (views of kept ones)."""
+        rows = int(values.shape[0])
+        key = (values.dtype, vec_len)
+        kept = self._host.get(key)
+        if kept is None or kept[0].shape[0] < rows:
+            capacity = rows + rows // 4  # room for the atom count to grow between rebuilds
+            pin = values.device.type == "cuda"
+            kept = tuple(torch.empty((capacity, vec_len), dtype=values.dtype, pin_memory=pin)
+                         for _ in range(2))
+            self._host[key] = kept
+        return kept[0][:rows], kept[1][:rows]
+
+
+def _wait_for(values: Tensor) -> None:
+    """The copies queued on ``values``' stream are done (before LAMMPS reads the host array;
+    it also orders the previous exchange's copy back before its host array is reused)."""
+    if values.device.type == "cuda":
+        torch.cuda.current_stream(values.device).synchronize()
 
 
 class LammpsModel(MLIAPUnified):
@@ -128,12 +161,18 @@ class LammpsModel(MLIAPUnified):
         self.rcutfac = 0.5 * info.r_max  # LAMMPS's cutoff: 2 x rcutfac
         self.exchange_width = exchange_width(model)
         self._device: Optional[torch.device] = None
+        self._exchange_buffers: Dict[Tuple[torch.dtype, int], Tuple[Tensor, Tensor]] = {}
 
     def __getstate__(self) -> Dict[str, Any]:
         state = self.__dict__.copy()
         state["_device"] = None  # each process picks its own
+        state["_exchange_buffers"] = {}
         state.pop("interface", None)  # LAMMPS's coupling, set again on load
         return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state.setdefault("_exchange_buffers", {})  # files written before the buffers existed
+        self.__dict__.update(state)
 
     # -- LAMMPS's calls ----------------------------------------------------------------------
     def compute_descriptors(self, data: Any) -> None:
@@ -195,7 +234,8 @@ class LammpsModel(MLIAPUnified):
         pair_i = torch.as_tensor(data.pair_i, dtype=torch.int64)
         pair_j = torch.as_tensor(data.pair_j, dtype=torch.int64)
         # the KOKKOS build exchanges arrays where they are; the plain one host arrays only
-        exchange = data if device.type == "cpu" or _is_kokkos(data) else _HostExchange(data)
+        exchange = (data if device.type == "cpu" or _is_kokkos(data)
+                    else _HostExchange(data, self._exchange_buffers))
         return {
             "vectors": torch.as_tensor(data.rij).to(device=device, dtype=dtype),
             "node_attrs": torch.nn.functional.one_hot(

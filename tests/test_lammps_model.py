@@ -189,19 +189,36 @@ def test_each_rank_takes_its_local_rank(monkeypatch):
     assert local_rank() == 1
 
 
-def test_the_host_exchange_hands_lammps_host_arrays_and_writes_back():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_host_exchange_equals_the_pair_styles_own(cu_atoms, dtype):
+    """Through host arrays and only the rows that matter (the local atoms' rows out and the
+    ghosts' rows back on a forward exchange, the other way round on a reverse one), the same
+    as the pair style's exchange of the whole arrays; LAMMPS sees contiguous host arrays."""
     from mace_accel.lammps import _HostExchange
 
+    data = RankData(cu_atoms, list(range(len(cu_atoms))), 4.5, {29: 0})
+    assert data.ntotal > data.nlocal  # ghosts: periodic images
     seen = []
 
-    class Data:  # LAMMPS's plain coupling: host arrays, rows of ghosts set from their owners
+    class Watched(RankData):
         def forward_exchange(self, copy_from, copy_to, vec_len):
-            seen.append((copy_from.device.type, copy_from.is_contiguous(), vec_len))
-            copy_to.copy_(copy_from)
-            copy_to[2:] = copy_from[:1]
+            seen.append((copy_from.device.type, copy_from.is_contiguous(), copy_to.shape))
+            super().forward_exchange(copy_from, copy_to, vec_len)
 
-    feats = torch.arange(12, dtype=torch.float32).reshape(4, 3)[:, :3]
-    out = torch.empty_like(feats)
-    _HostExchange(Data()).forward_exchange(feats, out, 3)
-    assert seen == [("cpu", True, 3)]
-    assert torch.equal(out[:2], feats[:2]) and torch.equal(out[2], feats[0])
+    watched = Watched.__new__(Watched)
+    watched.__dict__.update(data.__dict__)
+    buffers: dict = {}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):  # the second time through the kept host arrays
+        values = torch.randn(data.ntotal, 7, generator=g, dtype=dtype)
+        for forward in (True, False):
+            want, got = torch.empty_like(values), torch.full_like(values, float("nan"))
+            exchange = data.forward_exchange if forward else data.reverse_exchange
+            exchange(values.clone(), want, 7)
+            host = _HostExchange(watched, buffers)
+            (host.forward_exchange if forward else host.reverse_exchange)(values, got, 7)
+            # a forward exchange copies; a reverse one adds the ghosts' rows in another order
+            tol = 0.0 if forward else 8 * torch.finfo(dtype).eps
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert seen and all(s == ("cpu", True, (data.ntotal, 7)) for s in seen)
+    assert len(buffers) == 1  # one pair of host arrays for this dtype and width, reused
