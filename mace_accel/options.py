@@ -140,10 +140,10 @@ class AccelOptions:
             (when one block's weights would exceed 1/8 of the GPU's memory; the largest systems),
             ``"always"`` (least memory, one more GEMM per block) or ``"never"`` (fastest).
         radial_table: on CUDA at inference, evaluate each interaction block's radial MLP as a
-            table in the edge length (:mod:`mace_accel.ops.radial_table`) where its input is the
+            table in the edge length (:mod:`mace_accel.ops.radial.table`) where its input is the
             model's fused radial embedding of the lengths: a Hermite spline built on first use
             in float64 from the block's own embedding and MLP, with cells doubled until it is
-            within the tolerances of :data:`mace_accel.ops.radial_table.table.SPECS` between
+            within the tolerances of :data:`mace_accel.ops.radial.table.table.SPECS` between
             the nodes (float32 cubic, float64 quintic); one table per pair of elements where
             the weights depend on the pair (a distance transform, the non-linear blocks).
             Forces are the spline's exact gradient. ``False`` runs the MLP kernels. Training

@@ -12,7 +12,7 @@ PASS_TOL = {
 # model level: energy, forces, stress vs the unpatched e3nn model
 MODEL_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 EQUIVARIANCE_TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
-# radial tables (mace_accel.ops.radial_table.table.SPECS): the largest error allowed between the
+# radial tables (mace_accel.ops.radial.table.table.SPECS): the largest error allowed between the
 # grid's nodes relative to the largest weight ("value") and to the largest slope ("slope", what
 # forces see). float32: well under the ~1e-6 by which the 3xTF32 MLP kernels a table replaces
 # differ from float64. float64: the values three orders under MODEL_TOL; the slopes are bounded

@@ -36,10 +36,11 @@ def find_blocks(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module, 
 
 def link_across_blocks(model: torch.nn.Module, options) -> List[str]:
     """After the blocks are patched: link what spans blocks (the radial MLPs' overlap,
-    :mod:`mace_accel.patches.radial_overlap`, and their tables' embedding,
-    :mod:`mace_accel.patches.radial_table`); returns a line for the report per link made."""
-    from mace_accel.patches import radial_overlap, radial_table
-    from mace_accel.patches.radial_mlp import FusedRadialMLP
+    :mod:`mace_accel.patches.radial.overlap`, and their tables' embedding,
+    :mod:`mace_accel.patches.radial.table`); returns a line for the report per link made."""
+    from mace_accel.patches.radial import overlap as radial_overlap
+    from mace_accel.patches.radial import table as radial_table
+    from mace_accel.patches.radial.mlp import FusedRadialMLP
 
     group = radial_overlap.link(model, options, lambda m: isinstance(m, FusedRadialMLP))
     table = radial_table.link(model, options)

@@ -18,7 +18,7 @@ from mace_accel.ops.conv_tp.spec import TPSpec
 from mace_accel.ops.graph import graph_from_edge_index
 from mace_accel.options import AccelOptions
 from mace_accel.patches.adopt import FusedModule
-from mace_accel.patches.radial_mlp import FusedRadialMLP
+from mace_accel.patches.radial.mlp import FusedRadialMLP
 
 
 # what the report adds to a conv with the radial MLP's last layer folded in

@@ -30,7 +30,7 @@ from mace_accel.ops.edge_features.spec import (
     sh_spec_from_module,
 )
 from mace_accel.ops import species
-from mace_accel.ops.radial_table import order as radial_order
+from mace_accel.ops.radial.table import order as radial_order
 from mace_accel.ops.species import PairSet
 from mace_accel.options import AccelOptions
 from mace_accel.patches import edge_vectors
@@ -249,7 +249,7 @@ class FusedRadialEmbedding(FusedModule):
     def length_order(self, lengths: torch.Tensor,
                      slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[E]`` int64: the edges sorted by table slot and ``lengths`` (see
-        :func:`mace_accel.ops.radial_table.order.length_order`), made once per call for every
+        :func:`mace_accel.ops.radial.table.order.length_order`), made once per call for every
         table that looks them up."""
         cached = self._kernels.get("length_order")
         if cached is None or cached[0] is not lengths or cached[1] is not slots:

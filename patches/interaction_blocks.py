@@ -1,7 +1,7 @@
 """Patch kind for MACE's interaction blocks (every interaction-block class of mace-torch 0.3.x).
 
 Parts: ``conv`` (the e3nn ``conv_tp`` becomes a :class:`FusedConvTP`) and ``radial_mlp``
-(``conv_tp_weights`` becomes a :class:`~mace_accel.patches.radial_mlp.FusedRadialMLP`),
+(``conv_tp_weights`` becomes a :class:`~mace_accel.patches.radial.mlp.FusedRadialMLP`),
 ``linears`` (``linear_up``, ``linear``) and ``skip`` (``skip_tp``), see
 :mod:`mace_accel.patches.linears`. Every interaction-block
 class calls ``self.conv_tp(node_feats, edge_attrs, tp_weights, edge_index)`` instead of gather +
@@ -23,9 +23,9 @@ from mace_accel.patches.conv_tp import FOLD_NOTE, FusedConvTP
 from mace_accel.patches.fold import fold_reason
 from mace_accel.patches.layout import FusedReshapeIrreps, reshape_reason
 from mace_accel.patches.linears import FusedLinear, FusedSkip, linear_reason
-from mace_accel.patches.radial_mlp import PART as RADIAL
-from mace_accel.patches.radial_mlp import FusedRadialMLP
-from mace_accel.patches.radial_mlp import spec_or_reason as radial_spec_or_reason
+from mace_accel.patches.radial.mlp import PART as RADIAL
+from mace_accel.patches.radial.mlp import FusedRadialMLP
+from mace_accel.patches.radial.mlp import spec_or_reason as radial_spec_or_reason
 from mace_accel.patches import density_block, nonlinear_block
 from mace_accel.patches.registry import PartPlan, SubmodulePatch
 

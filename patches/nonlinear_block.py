@@ -10,7 +10,7 @@ embeddings' part is computed per *node* (``[N, F] x [F, hidden]``) and gathered 
 formed. At CUDA inference the two MLPs are not run at all: their outputs, times the cutoff
 where the block multiplies by it (``apply_cutoff=False``), are functions of the edge length and
 its ordered pair of elements, looked up in one radial table per pair
-(:mod:`mace_accel.patches.radial_table`).
+(:mod:`mace_accel.patches.radial.table`).
 
 The block's ``forward`` is replaced on the instance (:class:`NonLinearForward`, put back by
 ``revert``): the same steps in mace's order, with the two MLPs called through
@@ -27,7 +27,7 @@ import torch
 
 from mace_accel.errors import InputError
 from mace_accel.options import AccelOptions
-from mace_accel.patches import radial_table
+from mace_accel.patches.radial import table as radial_table
 from mace_accel.profiling import RADIAL_MLP, part_range
 from mace_accel.patches.adopt import FusedModule, grads_wanted
 from mace_accel.patches.registry import PartPlan

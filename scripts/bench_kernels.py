@@ -549,20 +549,20 @@ def _column_major(k: int, n: int, dtype=torch.float32) -> torch.Tensor:
         opt("--dtypes", type=dtypes, default="float32",
             help="float64: the quintic table alone (no float64 MLP kernel to compare)"))
 def radial_table(args) -> None:
-    """The tabulated radial MLP (ops/radial_table) against the whole-MLP kernels it replaces.
+    """The tabulated radial MLP (ops/radial/table) against the whole-MLP kernels it replaces.
 
     A Bessel x polynomial-cutoff embedding (MACE's: 8 functions, r_max 6 Å) into a random
     SiLU MLP 8-64-64-64-n_out, lengths drawn as in a dense solid (density ~ r^2 from 1.8 Å):
     the table's forward (with and without the sort by length) and backward d r against the
-    wgmma MLP kernels' forward and d x (ops/radial_tc; the mma.sync ones off sm_90), their
+    wgmma MLP kernels' forward and d x (ops/radial/tc; the mma.sync ones off sm_90), their
     errors against the float64 MLP, and the bandwidth of the [E, n_out] tensor written or read.
     """
-    from mace_accel.ops import radial_mlp
-    from mace_accel.ops.radial_table import autograd as table_ops
-    from mace_accel.ops.radial_table.order import length_order
-    from mace_accel.ops.radial_table.table import SPECS, build_table
-    from mace_accel.ops.radial_tc.cuda import CudaRadialMLP
-    from mace_accel.ops.radial_tc.spec import RadialSpec
+    from mace_accel.ops.radial import mlp as radial_mlp
+    from mace_accel.ops.radial.table import autograd as table_ops
+    from mace_accel.ops.radial.table.order import length_order
+    from mace_accel.ops.radial.table.table import SPECS, build_table
+    from mace_accel.ops.radial.tc.cuda import CudaRadialMLP
+    from mace_accel.ops.radial.tc.spec import RadialSpec
 
     for dtype in args.dtypes:
         for n_out in args.outs:
@@ -620,9 +620,9 @@ def radial_table(args) -> None:
 
 def _whole_vs_layers(widths, weights, x, g, repeats: int) -> None:
     """The whole-net kernel through ``radial_mlp`` against the layer-by-layer 3xTF32 kernels."""
-    from mace_accel.ops import radial_mlp
-    from mace_accel.ops.radial_tc import apply as radial_tc
-    from mace_accel.ops.radial_tc.spec import RadialSpec
+    from mace_accel.ops.radial import mlp as radial_mlp
+    from mace_accel.ops.radial.tc import apply as radial_tc
+    from mace_accel.ops.radial.tc.spec import RadialSpec
     from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 
     key = radial_tc.register_spec(RadialSpec(tuple(widths)))
@@ -654,9 +654,9 @@ def _mlp_rates(widths, edges: int, ms: float, base: float) -> str:
 
 def _forward_kernels(widths, weights, x, kernels: List[str], repeats: int) -> None:
     """The forward kernels on the same inputs (the first is the ratios' base)."""
-    from mace_accel.ops import radial_mlp
-    from mace_accel.ops.radial_tc.cuda import CudaRadialMLP
-    from mace_accel.ops.radial_tc.spec import RadialSpec
+    from mace_accel.ops.radial import mlp as radial_mlp
+    from mace_accel.ops.radial.tc.cuda import CudaRadialMLP
+    from mace_accel.ops.radial.tc.spec import RadialSpec
 
     pre64, ref = radial_mlp.pre_activations(x.double(), [w.double() for w in weights])
     base = None
@@ -677,9 +677,9 @@ def _forward_kernels(widths, weights, x, kernels: List[str], repeats: int) -> No
 
 def _backward_kernels(widths, weights, x, g, variants: List[str], repeats: int) -> None:
     """``d x`` on the layer kernels, then on the wgmma backward kernel in ``variants``."""
-    from mace_accel.ops import radial_mlp
-    from mace_accel.ops.radial_tc.cuda import CudaRadialMLP
-    from mace_accel.ops.radial_tc.spec import RadialSpec
+    from mace_accel.ops.radial import mlp as radial_mlp
+    from mace_accel.ops.radial.tc.cuda import CudaRadialMLP
+    from mace_accel.ops.radial.tc.spec import RadialSpec
 
     x64 = x.double().requires_grad_(True)
     (gref,) = torch.autograd.grad(radial_mlp.reference(x64, [w.double() for w in weights]),
@@ -718,7 +718,7 @@ def _backward_kernels(widths, weights, x, g, variants: List[str], repeats: int) 
             help="compare the layer kernels' d x with these wgmma backward variants instead "
                  "(WGxSTAGES, e.g. 1x4,2x4)"))
 def radial_tc(args) -> None:
-    """The whole-radial-MLP kernels (ops/radial_tc) against the layer-by-layer kernels.
+    """The whole-radial-MLP kernels (ops/radial/tc) against the layer-by-layer kernels.
 
     By default the whole-net forward against the 3xTF32 GEMMs with SiLU epilogues it
     replaces, forward and forward + backward (d x), errors against float64. --kernels: the
@@ -752,17 +752,17 @@ def radial_tc(args) -> None:
 def silu_mlp(args) -> None:
     """The radial MLP's hidden layers: the fused SiLU MLP kernels against GEMM + SiLU.
 
-    Forward + d x of the fused kernels (mace_accel.ops.silu_mlp) and of the GEMM + SiLU path
-    (mace_accel.ops.radial_mlp), eager and in CUDA graphs, and each fused kernel alone, with
+    Forward + d x of the fused kernels (mace_accel.ops.radial.silu_mlp) and of the GEMM + SiLU path
+    (mace_accel.ops.radial.mlp), eager and in CUDA graphs, and each fused kernel alone, with
     the FLOPs and the bytes it moves. In float64 on the DMMA kernels also: the forward that
     keeps the slopes, the backward from them, the FMA-unit (SIMT) kernels, other geometries,
     and how far the DMMA outputs are from the SIMT ones.
     """
     from mace_accel.bench.timing import graph_replay
-    from mace_accel.ops import radial_mlp
-    from mace_accel.ops.silu_mlp import autograd
-    from mace_accel.ops.silu_mlp.cuda import CudaSiluMLP
-    from mace_accel.ops.silu_mlp.spec import SiluMLPSpec, pack_weights
+    from mace_accel.ops.radial import mlp as radial_mlp
+    from mace_accel.ops.radial.silu_mlp import autograd
+    from mace_accel.ops.radial.silu_mlp.cuda import CudaSiluMLP
+    from mace_accel.ops.radial.silu_mlp.spec import SiluMLPSpec, pack_weights
 
     widths = tuple(args.widths)
     spec = SiluMLPSpec(widths)
@@ -886,8 +886,8 @@ def dmma_gemm(args) -> None:
     The radial MLP's last-layer forward h @ W (sm_90), W column-major as the model keeps it,
     in CUDA graphs, each with its error against cuBLAS.
     """
-    from mace_accel.ops.dmma_gemm.cuda import CudaDmmaGemm
-    from mace_accel.ops.dmma_gemm.spec import DmmaGemmSpec, pack
+    from mace_accel.ops.radial.dmma_gemm.cuda import CudaDmmaGemm
+    from mace_accel.ops.radial.dmma_gemm.spec import DmmaGemmSpec, pack
 
     k = args.hidden
     for n in args.widths:

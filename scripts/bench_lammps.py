@@ -39,31 +39,18 @@ def _parse(argv):
 _FINALIZE = []  # LAMMPS's MPI finalize, called once at the end (mpirun expects it of each rank)
 
 
-class _Clock:
-    """Seconds spent inside a wrapped callable, summed."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def wrap(self, fn):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-        return timed
-
-
 def _lammps_md(made, atoms, steps: int, warmup: int) -> dict:
     from lammps import lammps, mliap
 
     import mace_accel.lammps as accel_lammps
 
-    model_clock, exchange_clock = _Clock(), _Clock()
+    from mace_accel.bench.timing import WallClock
+
+    model_clock, exchange_clock = WallClock(), WallClock()
     made.compute_forces = model_clock.wrap(made.compute_forces)
-    accel_lammps._HostExchange._run = staticmethod(
-        exchange_clock.wrap(accel_lammps._HostExchange._run))
+    for name in ("forward_exchange", "reverse_exchange"):  # host copies and LAMMPS's comm
+        setattr(accel_lammps._HostExchange, name,
+                exchange_clock.wrap(getattr(accel_lammps._HostExchange, name)))
     lmp = lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"])
     mliap.activate_mliappy(lmp)
     mliap.load_unified(made)

@@ -51,10 +51,11 @@ def _accel_graph(model, batch, r_max: float) -> Call:
 
 def _serial_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of the patched ``model`` with every kernel on the caller's stream, in order
-    (linked with ``patches.radial_overlap._OVERLAP`` off): the same kernels without the radial
+    (linked with ``patches.radial.overlap._OVERLAP`` off): the same kernels without the radial
     MLPs' overlap."""
     from mace_accel.options import AccelOptions
-    from mace_accel.patches import link_across_blocks, radial_overlap
+    from mace_accel.patches import link_across_blocks
+    from mace_accel.patches.radial import overlap as radial_overlap
 
     serial = copy.deepcopy(model)
     radial_overlap._OVERLAP = False
@@ -68,10 +69,10 @@ def _serial_copy(model: torch.nn.Module) -> torch.nn.Module:
 def _share_rows(model, batch, r_max: float, shares: Sequence[str],
                 repeats: int) -> Dict[str, float]:
     """mace-accel's graph captured again with each share of the GPU the later blocks' forked
-    radial MLPs may hold (``patches.radial_overlap.LATER_SM_SHARE``; ``"F/B"`` also sets their
+    radial MLPs may hold (``patches.radial.overlap.LATER_SM_SHARE``; ``"F/B"`` also sets their
     backward's, ``LATER_BACKWARD_SM_SHARE``, else the same; 1: all), at any edge count (the
     model applies them only up to ``SHARE_MAX_EDGES``): ms per replay."""
-    from mace_accel.patches import radial_overlap
+    from mace_accel.patches.radial import overlap as radial_overlap
 
     keep = (radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE,
             radial_overlap.SHARE_MAX_EDGES)

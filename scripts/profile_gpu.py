@@ -55,9 +55,9 @@ def _model_and_batch(args, size: int) -> tuple:
 # md
 
 def md_profile(args, size: int, overlap: bool, cprofile: bool) -> None:
-    """One size; ``overlap=False``: the model linked with ``patches.radial_overlap._OVERLAP``
+    """One size; ``overlap=False``: the model linked with ``patches.radial.overlap._OVERLAP``
     off (every kernel on the caller's stream, in order)."""
-    from mace_accel.patches import radial_overlap
+    from mace_accel.patches.radial import overlap as radial_overlap
 
     radial_overlap._OVERLAP = overlap
     try:

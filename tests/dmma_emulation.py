@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mace_accel.ops.silu_mlp.spec import FRAG
+from mace_accel.ops.radial.silu_mlp.spec import FRAG
 
 LANE = torch.arange(32)
 G, T = LANE // 4, LANE % 4

@@ -362,7 +362,7 @@ def test_profile_counts_the_folded_last_layer_as_radial_mlp(tiny_model, monkeypa
     backward) runs from the conv's module but is still the radial MLP's work."""
     import contextlib
 
-    import mace_accel.patches.radial_mlp as radial_patch
+    import mace_accel.patches.radial.mlp as radial_patch
     from mace_accel.bench.profile import profile_call
     from mace_accel.options import AccelOptions
     from mace_accel.surgery import accelerate

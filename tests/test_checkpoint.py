@@ -209,6 +209,29 @@ def test_accelerated_checkpoint_is_not_repatched(tiny_model, tmp_path, cu_atoms)
     assert abs(new[0] - plain[0]) <= TOL * abs(plain[0]) and rel(new[1], plain[1]) <= TOL
 
 
+def test_a_model_accelerated_by_an_earlier_version_loads(tiny_model, tmp_path, cu_atoms):
+    """A file written before the radial modules moved names their old paths; it loads."""
+    import io
+
+    from mace_accel.models.checkpoint import MOVED_MODULES
+
+    model = tiny_model()
+    plain = results(MACEAccelCalculator(tiny_model(), **REFERENCE, default_dtype="float64"),
+                    cu_atoms)
+    accelerate(model, backend="reference")
+    buffer = io.BytesIO()
+    torch.save(model, buffer, _use_new_zipfile_serialization=False)  # protocol 2: text names
+    raw = buffer.getvalue()
+    for old, new in MOVED_MODULES.items():
+        raw = raw.replace(b"c" + new.encode() + b"\n", b"c" + old.encode() + b"\n")
+    assert b"cmace_accel.patches.radial_mlp\n" in raw  # the old name, as an old file has it
+    path = tmp_path / "earlier.model"
+    path.write_bytes(raw)
+    calc = MACEAccelCalculator(load_model(path), **REFERENCE, default_dtype="float64")
+    new = results(calc, cu_atoms)
+    assert abs(new[0] - plain[0]) <= TOL * abs(plain[0]) and rel(new[1], plain[1]) <= TOL
+
+
 # -- foundation helpers ---------------------------------------------------------------------------
 def test_foundations_accept_a_local_path(tiny_model, tmp_path, cu_atoms):
     from mace_accel.calculator import mace_mp, mace_off

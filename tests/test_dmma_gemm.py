@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mace_accel.errors import UnsupportedModelError
-from mace_accel.ops.dmma_gemm import autograd, codegen
-from mace_accel.ops.dmma_gemm.spec import DmmaGemmSpec, pack, unsupported_reason
-from mace_accel.ops.silu_mlp.spec import FRAG
+from mace_accel.ops.radial.dmma_gemm import autograd, codegen
+from mace_accel.ops.radial.dmma_gemm.spec import DmmaGemmSpec, pack, unsupported_reason
+from mace_accel.ops.radial.silu_mlp.spec import FRAG
 
 from dmma_emulation import load, mma, store
 

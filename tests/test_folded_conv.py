@@ -19,7 +19,7 @@ from mace_accel.options import AccelOptions
 from mace_accel.patches.conv_tp import FusedConvTP
 from mace_accel.patches.fold import fold_reason
 from mace_accel.patches.interaction_blocks import INTERACTION_BLOCK_CLASSES
-from mace_accel.patches.radial_mlp import FusedRadialMLP
+from mace_accel.patches.radial.mlp import FusedRadialMLP
 from mace_accel.surgery import accelerate, revert
 from mace_accel.tolerances import MODEL_TOL, rel_norm_error
 

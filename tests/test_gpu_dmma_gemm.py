@@ -10,9 +10,9 @@ import torch
 
 from mace_accel.bench.timing import capture_graph
 from mace_accel.errors import KernelError
-from mace_accel.ops.dmma_gemm import autograd, codegen
-from mace_accel.ops.dmma_gemm.cuda import CudaDmmaGemm
-from mace_accel.ops.dmma_gemm.spec import pack
+from mace_accel.ops.radial.dmma_gemm import autograd, codegen
+from mace_accel.ops.radial.dmma_gemm.cuda import CudaDmmaGemm
+from mace_accel.ops.radial.dmma_gemm.spec import pack
 
 pytestmark = pytest.mark.gpu
 

@@ -53,8 +53,8 @@ def test_fused_radial_mlp_hidden_layers_match_unpatched(dtype, monkeypatch):
     """The radial MLP's hidden layers in the fused SiLU MLP kernels at any edge count and dtype
     (the model uses them from FUSED_MIN_EDGES edges in float32, in float64 where the
     tensor-core kernels run)."""
-    from mace_accel.ops.silu_mlp import autograd as silu_mlp_autograd
-    from mace_accel.patches import radial_mlp as radial_patch
+    from mace_accel.ops.radial.silu_mlp import autograd as silu_mlp_autograd
+    from mace_accel.patches.radial import mlp as radial_patch
 
     monkeypatch.setattr(radial_patch, "FUSED_MIN_EDGES", 0)
     monkeypatch.setattr(radial_patch, "FUSED_DTYPES", (torch.float32, torch.float64))

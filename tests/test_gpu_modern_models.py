@@ -125,9 +125,9 @@ def test_zbl_kernel_matches_mace(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("edges", [1000, 70001])
 def test_pair_table_lookups_match_their_evaluation(dtype, edges):
-    from mace_accel.ops.radial_table import autograd as table_ops
-    from mace_accel.ops.radial_table.order import length_order
-    from mace_accel.ops.radial_table.table import SPECS, build_tables, evaluate
+    from mace_accel.ops.radial.table import autograd as table_ops
+    from mace_accel.ops.radial.table.order import length_order
+    from mace_accel.ops.radial.table.table import SPECS, build_tables, evaluate
 
     def curves(r, which):
         k = which.to(r.dtype)

@@ -1,4 +1,4 @@
-"""GPU tests of the radial table (:mod:`mace_accel.ops.radial_table`): the lookup kernels
+"""GPU tests of the radial table (:mod:`mace_accel.ops.radial.table`): the lookup kernels
 against the float64 evaluation of the same table, the table against the float64 MLP, repeats
 bit for bit, double backward, and whole models patched vs unpatched with the tables on."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import mace_accel
-from mace_accel.ops import radial_mlp
-from mace_accel.ops.radial_table import autograd as table_ops
-from mace_accel.ops.radial_table.table import SPECS, build_table, evaluate
+from mace_accel.ops.radial import mlp as radial_mlp
+from mace_accel.ops.radial.table import autograd as table_ops
+from mace_accel.ops.radial.table.table import SPECS, build_table, evaluate
 from mace_accel.tolerances import MODEL_TOL, rel_linf_error, rel_norm_error
 
 pytestmark = [pytest.mark.gpu,
@@ -144,7 +144,7 @@ def test_model_with_tables_matches_unpatched(arch, dtype, monkeypatch):
     lowered), and the report says so."""
     from test_gpu_model import _assert_matches_unpatched
 
-    from mace_accel.patches import radial_table as table_patch
+    from mace_accel.patches.radial import table as table_patch
 
     monkeypatch.setattr(table_patch, "SORT_MIN_EDGES", 0)
     monkeypatch.setattr(table_patch, "SORT_MIN_EDGES_LARGE_TABLE", 0)
@@ -172,7 +172,7 @@ def test_tables_off_runs_the_mlp_and_agrees(dtype, monkeypatch):
 
     from mace_accel.models.batch import atoms_to_batch, model_info
     from mace_accel.surgery import evaluate
-    from mace_accel.patches import radial_table as table_patch
+    from mace_accel.patches.radial import table as table_patch
 
     calls = []
     real = table_patch.lookup

@@ -12,9 +12,9 @@ import torch
 
 from mace_accel.bench.timing import capture_graph
 from mace_accel.errors import KernelError
-from mace_accel.ops import radial_mlp
-from mace_accel.ops.radial_tc import apply, codegen, wgmma, wgmma_backward
-from mace_accel.ops.radial_tc.cuda import CudaRadialMLP
+from mace_accel.ops.radial import mlp as radial_mlp
+from mace_accel.ops.radial.tc import apply, codegen, wgmma, wgmma_backward
+from mace_accel.ops.radial.tc.cuda import CudaRadialMLP
 from mace_accel.tolerances import PASS_TOL, rel_linf_error
 
 pytestmark = [pytest.mark.gpu,

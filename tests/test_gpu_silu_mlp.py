@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mace_accel.errors import KernelError
-from mace_accel.ops.silu_mlp import autograd
-from mace_accel.ops.silu_mlp.catalog import CATALOG
-from mace_accel.ops.silu_mlp.spec import pack_weights
+from mace_accel.ops.radial.silu_mlp import autograd
+from mace_accel.ops.radial.silu_mlp.catalog import CATALOG
+from mace_accel.ops.radial.silu_mlp.spec import pack_weights
 from mace_accel.tolerances import PASS_TOL, rel_norm_error
 
 pytestmark = pytest.mark.gpu
@@ -86,8 +86,8 @@ def test_empty_input_and_bad_inputs():
 
 
 def test_float64_runs_on_the_tensor_cores_on_hopper_and_agrees_with_the_fma_kernels():
-    from mace_accel.ops.silu_mlp import dmma
-    from mace_accel.ops.silu_mlp.cuda import CudaSiluMLP
+    from mace_accel.ops.radial.silu_mlp import dmma
+    from mace_accel.ops.radial.silu_mlp.cuda import CudaSiluMLP
 
     major, minor = torch.cuda.get_device_capability()
     for name in ("mace", "odd", "deep"):
@@ -114,7 +114,7 @@ def test_float64_runs_on_the_tensor_cores_on_hopper_and_agrees_with_the_fma_kern
 
 
 def test_float64_backward_from_the_kept_slopes_equals_the_recomputing_one():
-    from mace_accel.ops.silu_mlp.cuda import CudaSiluMLP
+    from mace_accel.ops.radial.silu_mlp.cuda import CudaSiluMLP
 
     for name in ("mace", "odd", "deep", "one_layer"):
         spec = CATALOG[name]

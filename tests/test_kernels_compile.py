@@ -86,7 +86,7 @@ def _nvcc(source: str, folder: Path) -> Tuple[int, str]:
     folder.mkdir(parents=True)
     src = folder / "k.cu"
     src.write_text(source)
-    # the wgmma kernels exist only on sm_90a (ops/radial_tc/wgmma.py); the rest on sm_90
+    # the wgmma kernels exist only on sm_90a (ops/radial/tc/wgmma.py); the rest on sm_90
     arch = "sm_90a" if "wgmma.mma_async" in source else "sm_90"
     proc = subprocess.run(
         [NVCC, f"-arch={arch}", "-std=c++17", "-cubin", "-Xptxas", "-v", "-Werror", "all-warnings",

@@ -1,4 +1,4 @@
-"""The folded radial MLP (:mod:`mace_accel.ops.radial_mlp`, :class:`FusedRadialMLP`): equal to
+"""The folded radial MLP (:mod:`mace_accel.ops.radial.mlp`, :class:`FusedRadialMLP`): equal to
 e3nn's FullyConnectedNet, its gradients (input and weights) and double backward exact, the
 folded weights cached only while nothing can change them."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mace_accel.ops import radial_mlp
+from mace_accel.ops.radial import mlp as radial_mlp
 from mace_accel.options import AccelOptions
-from mace_accel.patches.radial_mlp import FusedRadialMLP, spec_or_reason
+from mace_accel.patches.radial.mlp import FusedRadialMLP, spec_or_reason
 
 
 def _net(hs=(8, 16, 16, 12), act=torch.nn.functional.silu, **kwargs):

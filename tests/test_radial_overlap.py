@@ -1,4 +1,4 @@
-"""The radial MLPs' overlap (mace_accel.patches.radial_overlap): who gets linked, the report,
+"""The radial MLPs' overlap (mace_accel.patches.radial.overlap): who gets linked, the report,
 pickling (CPU); on a GPU, the forked call against the serial one, bit for bit, eager, in a
 captured graph and in training (the energy up to the order of mace's atomic energy sum, see
 ``gpu_helpers.assert_same_results``)."""
@@ -15,9 +15,9 @@ import torch
 import mace_accel
 from mace_accel.models.architectures import build_architecture, small_test_model
 from mace_accel.options import AccelOptions
-from mace_accel.patches import radial_overlap
-from mace_accel.patches.radial_mlp import FusedRadialMLP
-from mace_accel.patches.radial_overlap import RadialOverlap
+from mace_accel.patches.radial import overlap as radial_overlap
+from mace_accel.patches.radial.mlp import FusedRadialMLP
+from mace_accel.patches.radial.overlap import RadialOverlap
 from gpu_helpers import assert_same_results
 
 KEYS = ("energy", "forces", "stress")

@@ -1,4 +1,4 @@
-"""The radial table (mace_accel.ops.radial_table, mace_accel.patches.radial_table) on the CPU:
+"""The radial table (mace_accel.ops.radial.table, mace_accel.patches.radial.table) on the CPU:
 building and evaluating tables, the kernels' plans and sources, and a patched model's tables
 against its own radial MLPs (the kernels run in tests/test_gpu_radial_table.py)."""
 
@@ -12,16 +12,16 @@ import torch
 import mace_accel
 from mace_accel.errors import ConfigError
 from mace_accel.models.architectures import small_test_model
-from mace_accel.ops.radial_table import codegen
-from mace_accel.ops.radial_table.order import ORDER_KEY_MAX
-from mace_accel.ops.radial_table.table import (SPECS, TOLERANCE, TableError, TableSpec,
+from mace_accel.ops.radial.table import codegen
+from mace_accel.ops.radial.table.order import ORDER_KEY_MAX
+from mace_accel.ops.radial.table.table import (SPECS, TOLERANCE, TableError, TableSpec,
                                                build_table, build_tables, derivatives,
                                                evaluate, hermite_coefficients,
                                                values_and_slopes)
 from mace_accel.options import AccelOptions
-from mace_accel.patches import radial_table as table_patch
+from mace_accel.patches.radial import table as table_patch
 from mace_accel.patches.edge_features import FusedRadialEmbedding
-from mace_accel.patches.radial_mlp import FusedRadialMLP
+from mace_accel.patches.radial.mlp import FusedRadialMLP
 
 F64 = torch.float64
 

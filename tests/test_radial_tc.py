@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mace_accel.errors import UnsupportedModelError
-from mace_accel.ops import radial_mlp
-from mace_accel.ops.radial_tc import apply, codegen
-from mace_accel.ops.radial_tc.spec import RadialSpec, pack_weights, unpack_weights, \
+from mace_accel.ops.radial import mlp as radial_mlp
+from mace_accel.ops.radial.tc import apply, codegen
+from mace_accel.ops.radial.tc.spec import RadialSpec, pack_weights, unpack_weights, \
     unsupported_reason
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 from mace_accel.options import AccelOptions
@@ -150,7 +150,7 @@ def test_the_whole_net_ends_with_its_linear_layer():
 def _fused_mlp(hs=(8, 16, 16, 12), **options):
     from test_radial_mlp import _net
 
-    from mace_accel.patches.radial_mlp import FusedRadialMLP, spec_or_reason
+    from mace_accel.patches.radial.mlp import FusedRadialMLP, spec_or_reason
 
     net = _net(hs=hs)
     spec, _ = spec_or_reason(net)
@@ -158,7 +158,7 @@ def _fused_mlp(hs=(8, 16, 16, 12), **options):
 
 
 def test_when_the_whole_net_runs(monkeypatch):
-    from mace_accel.patches import radial_mlp as patch
+    from mace_accel.patches.radial import mlp as patch
 
     x = torch.randn(5, 8, dtype=torch.float64)
     assert _fused_mlp().route(x).path == "layers"  # not a float32 CUDA tensor
@@ -210,7 +210,7 @@ def test_model_on_the_kernels_matches_unpatched(recompute, tiny_model, torch_ker
     them, the hidden activations as before); energies, forces, stress as unpatched."""
     from mace_accel import accelerate
     from mace_accel.models.batch import atoms_to_batch, model_info, random_structure
-    from mace_accel.patches import radial_mlp as patch
+    from mace_accel.patches.radial import mlp as patch
     from mace_accel.surgery import evaluate
 
     model = tiny_model("RealAgnosticResidualInteractionBlock", hidden_irreps="8x0e+8x1o",
@@ -251,7 +251,7 @@ def _uncanonical(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def test_wgmma_packing_holds_the_split_weights_in_the_canonical_layout(name):
     """Every layer's big + small parts, read back at the kernel's canonical offsets, are the
     float32 weight (exactly), big is TF32 (its low 13 bits clear) and the padding is zero."""
-    from mace_accel.ops.radial_tc import wgmma
+    from mace_accel.ops.radial.tc import wgmma
 
     spec = codegen.CATALOG[name]
     plan = wgmma.plan_kernel(spec, bn=40)  # 1280 and 1792 in whole tiles, 512 not
@@ -283,7 +283,7 @@ def test_wgmma_backward_orders_match_the_register_fragments():
     ``4t + 2u`` / ``4t + 2u + 1`` to k8 step ``2q + u`` as its columns ``t`` / ``t + 4``; a hidden
     layer's thread holds accumulator columns ``8j + 2t`` / ``8j + 2t + 1``, step ``j``'s ``t`` /
     ``t + 4``. Both orders are permutations."""
-    from mace_accel.ops.radial_tc.wgmma_backward import CK, chunk_order, step_order
+    from mace_accel.ops.radial.tc.wgmma_backward import CK, chunk_order, step_order
 
     chunk, step = chunk_order(CK), step_order(64)
     assert sorted(chunk) == list(range(CK)) and sorted(step) == list(range(64))
@@ -302,7 +302,7 @@ def test_wgmma_backward_packing_holds_the_split_weights_in_k_order(name):
     """Every GEMM of the backward, read back at the kernel's canonical offsets and its K order
     undone, is the float32 weight (exactly: big + small), big is TF32 and the padding is zero;
     the last layer's chunks cover its padded columns."""
-    from mace_accel.ops.radial_tc import wgmma_backward as wb
+    from mace_accel.ops.radial.tc import wgmma_backward as wb
 
     spec = codegen.CATALOG[name]
     plan = wb.plan_backward(spec)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from mace_accel.errors import UnsupportedModelError
-from mace_accel.ops import radial_mlp
-from mace_accel.ops.silu_mlp import autograd, codegen
-from mace_accel.ops.silu_mlp.catalog import CATALOG
-from mace_accel.ops.silu_mlp.spec import SiluMLPSpec, pack_weights, unpack_weights
+from mace_accel.ops.radial import mlp as radial_mlp
+from mace_accel.ops.radial.silu_mlp import autograd, codegen
+from mace_accel.ops.radial.silu_mlp.catalog import CATALOG
+from mace_accel.ops.radial.silu_mlp.spec import SiluMLPSpec, pack_weights, unpack_weights
 
 
 def _weights(spec, dtype=torch.float64, seed=0):

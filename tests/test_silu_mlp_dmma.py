@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mace_accel.ops import radial_mlp
-from mace_accel.ops.silu_mlp import codegen, dmma
-from mace_accel.ops.silu_mlp.catalog import CATALOG
-from mace_accel.ops.silu_mlp.spec import SiluMLPSpec, fragments, pack_weights
+from mace_accel.ops.radial import mlp as radial_mlp
+from mace_accel.ops.radial.silu_mlp import codegen, dmma
+from mace_accel.ops.radial.silu_mlp.catalog import CATALOG
+from mace_accel.ops.radial.silu_mlp.spec import SiluMLPSpec, fragments, pack_weights
 
 from dmma_emulation import load as _load, product as _product, store as _store
 
@@ -112,7 +112,7 @@ def test_plans_fit_and_render(name):
 def test_fake_keep_op_gives_the_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from mace_accel.ops.silu_mlp import autograd
+    from mace_accel.ops.radial.silu_mlp import autograd
 
     spec = CATALOG["mace"]
     key = autograd.register_spec(spec)

@@ -101,8 +101,8 @@ def test_radial_mlp_last_layer_through_the_ops(torch_kernels, monkeypatch):
     gradient and double backward; cuBLAS is named in the report where the kernels are off."""
     from test_radial_mlp import _net
 
-    from mace_accel.patches import radial_mlp as patch
-    from mace_accel.patches.radial_mlp import FusedRadialMLP, spec_or_reason
+    from mace_accel.patches.radial import mlp as patch
+    from mace_accel.patches.radial.mlp import FusedRadialMLP, spec_or_reason
 
     monkeypatch.setattr(autograd, "runs_on", lambda t, k, n: True)
     net = _net(hs=(8, 16, 16, 12))

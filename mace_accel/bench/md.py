@@ -35,7 +35,7 @@ from mace_accel.bench.backends import (
     missing_requirement,
     preserve_default_dtype,
 )
-from mace_accel.bench.timing import free_memory
+from mace_accel.bench.timing import WallClock, free_memory
 from mace_accel.errors import ConfigError
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
@@ -113,23 +113,6 @@ def _thermalize(atoms, temperature_K: float, seed: int) -> None:
         vd.MaxwellBoltzmannDistribution(atoms, temperature_K=temperature_K, rng=rng)
 
 
-class _CalcClock:
-    """Wraps ``calc.calculate`` to add up the wall time spent inside it."""
-
-    def __init__(self, calc) -> None:
-        self.seconds = 0.0
-        inner = calc.calculate
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-
-        calc.calculate = timed
-
-
 def _steps(atoms, calc, n: int, timestep_fs: float) -> float:
     """Run ``n`` velocity-Verlet steps; returns the wall time in seconds."""
     from ase import units
@@ -187,7 +170,8 @@ def run_md(backend: str, model: torch.nn.Module, atoms, device: torch.device | s
             _steps(atoms, calc, warmup_steps, timestep_fs)
             if hasattr(calc, "timings"):  # count the timed steps only
                 calc.timings = type(calc.timings)()
-            clock = _CalcClock(calc)
+            clock = WallClock()  # everything inside ``calculate``
+            calc.calculate = clock.wrap(calc.calculate)
             seconds = _steps(atoms, calc, steps, timestep_fs)
             timings = getattr(calc, "timings", None)
     except Exception as exc:  # reported in the record; the other calculators still run

@@ -23,6 +23,25 @@ CUDA_CLOCK = "cuda-events"
 HOST_CLOCK = "perf_counter"
 
 
+class WallClock:
+    """Wall seconds spent inside the callables it wraps, summed (host time: what a step of MD
+    spends in the calculator, or in a LAMMPS model's ``compute_forces``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, fn: Callable) -> Callable:
+        """``fn`` with its calls timed."""
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
 @dataclasses.dataclass(frozen=True)
 class Timing:
     """Statistics of ``repeats`` timed calls (milliseconds).

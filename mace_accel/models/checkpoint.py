@@ -31,6 +31,45 @@ def default_model_path() -> Path:
 
 
 # -- loading --------------------------------------------------------------------------------------
+# modules that moved: a model accelerated and saved by an earlier version names the old paths
+MOVED_MODULES = {
+    "mace_accel.ops.radial_mlp": "mace_accel.ops.radial.mlp",
+    "mace_accel.ops.radial_table": "mace_accel.ops.radial.table",
+    "mace_accel.ops.radial_tc": "mace_accel.ops.radial.tc",
+    "mace_accel.ops.silu_mlp": "mace_accel.ops.radial.silu_mlp",
+    "mace_accel.ops.dmma_gemm": "mace_accel.ops.radial.dmma_gemm",
+    "mace_accel.patches.radial_mlp": "mace_accel.patches.radial.mlp",
+    "mace_accel.patches.radial_table": "mace_accel.patches.radial.table",
+    "mace_accel.patches.radial_overlap": "mace_accel.patches.radial.overlap",
+}
+
+
+def _current_module(name: str) -> str:
+    """Where the module ``name`` (or its submodule) lives now."""
+    for old, new in MOVED_MODULES.items():
+        if name == old or name.startswith(old + "."):
+            return new + name[len(old):]
+    return name
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads a pickle whose classes may sit in modules that have moved since it was written."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(_current_module(module), name)
+
+
+class _MovedModulesPickle:
+    """The ``pickle_module`` ``torch.load`` reads model files with."""
+
+    Unpickler = _Unpickler
+    UnpicklingError = pickle.UnpicklingError
+
+    @staticmethod
+    def load(file, **kwargs) -> Any:
+        return _Unpickler(file, **kwargs).load()
+
+
 def load_model(model: Union[str, Path, torch.nn.Module], device: Union[str, torch.device] = "cpu",
                dtype: Union[torch.dtype, str, None] = None) -> torch.nn.Module:
     """A MACE model from a ``.model`` file (or an already loaded module), ready to evaluate.
@@ -87,7 +126,8 @@ def _read_checkpoint(path: Path):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's FutureWarning about weights_only=False
-            return torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(path, map_location="cpu", weights_only=False,
+                              pickle_module=_MovedModulesPickle)
     except (ModuleNotFoundError, AttributeError) as exc:
         # pickle names a class the installed packages do not have
         raise CheckpointError(

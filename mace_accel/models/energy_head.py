@@ -353,12 +353,12 @@ _OVERLAPS: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKe
 
 
 def _overlap(model: torch.nn.Module):
-    """The model's radial-MLP overlap group (:mod:`mace_accel.patches.radial_overlap`), or
+    """The model's radial-MLP overlap group (:mod:`mace_accel.patches.radial.overlap`), or
     None; looked up once per model while it stays linked."""
     group = _OVERLAPS.get(model)
     if group is not None and group.members and getattr(group.members[0], "overlap", None) is group:
         return group
-    from mace_accel.patches.radial_overlap import group_of
+    from mace_accel.patches.radial.overlap import group_of
 
     group = group_of(model)
     if group is not None:

@@ -28,14 +28,14 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     """
     from mace_accel.ops.conv_tp import codegen as conv_tp
     from mace_accel.ops.conv_tp import staged as conv_tp_staged
-    from mace_accel.ops.dmma_gemm import codegen as dmma_gemm
+    from mace_accel.ops.radial.dmma_gemm import codegen as dmma_gemm
     from mace_accel.ops.edge_features import codegen as edge_features_codegen
     from mace_accel.ops.edge_vectors import codegen as edge_vectors
     from mace_accel.ops.irreps_linear import catalog as irreps_linear
     from mace_accel.ops.pair_repulsion import codegen as pair_repulsion
-    from mace_accel.ops.radial_table import codegen as radial_table
-    from mace_accel.ops.radial_tc import codegen as radial_tc
-    from mace_accel.ops.silu_mlp import codegen as silu_mlp
+    from mace_accel.ops.radial.table import codegen as radial_table
+    from mace_accel.ops.radial.tc import codegen as radial_tc
+    from mace_accel.ops.radial.silu_mlp import codegen as silu_mlp
     from mace_accel.ops.symmetric_contraction import codegen as symmetric_contraction
     from mace_accel.ops.tf32x3_gemm import codegen as tf32x3_gemm
 

@@ -30,7 +30,7 @@ from mace_accel.ops.conv_tp import autograd as conv_autograd
 from mace_accel.ops.conv_tp import reference
 from mace_accel.ops.conv_tp.cuda import BackwardBuffers
 from mace_accel.ops.graph import ConvGraph, KernelGraph, ReceiverRows, receiver_chunks
-from mace_accel.ops.dmma_gemm import autograd as dmma
+from mace_accel.ops.radial.dmma_gemm import autograd as dmma
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 from mace_accel.profiling import RADIAL_MLP, part_range
 

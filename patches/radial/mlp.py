@@ -1,6 +1,6 @@
 """``FusedRadialMLP``: the module that replaces an interaction block's ``conv_tp_weights`` (an
 e3nn ``FullyConnectedNet`` with SiLU), computing the per-edge TP weights with the constants
-folded into the weights (:mod:`mace_accel.ops.radial_mlp`).
+folded into the weights (:mod:`mace_accel.ops.radial.mlp`).
 
 The folded weights are cached while the parameters are unchanged and nobody asks for their
 gradient (inference), so a call (and a captured CUDA graph) runs only the GEMMs and SiLUs.
@@ -15,23 +15,24 @@ from typing import List, Optional, Tuple
 import torch
 
 from mace_accel.errors import InputError
-from mace_accel.ops import radial_mlp, registry
+from mace_accel.ops import registry
+from mace_accel.ops.radial import mlp as radial_mlp
 from mace_accel.ops.conv_tp import folded
-from mace_accel.ops.dmma_gemm import autograd as dmma_gemm
-from mace_accel.ops.dmma_gemm.spec import unsupported_reason as dmma_gemm_unsupported
+from mace_accel.ops.radial.dmma_gemm import autograd as dmma_gemm
+from mace_accel.ops.radial.dmma_gemm.spec import unsupported_reason as dmma_gemm_unsupported
 from mace_accel.ops.limits import LARGE_GRAPH_EDGES
-from mace_accel.ops.radial_tc import apply as radial_tc
-from mace_accel.ops.radial_tc.spec import RadialSpec
-from mace_accel.ops.radial_tc.spec import unsupported_reason as whole_unsupported
+from mace_accel.ops.radial.tc import apply as radial_tc
+from mace_accel.ops.radial.tc.spec import RadialSpec
+from mace_accel.ops.radial.tc.spec import unsupported_reason as whole_unsupported
 from mace_accel.ops.runtime import torch_arch
-from mace_accel.ops.silu_mlp import autograd as silu_mlp_autograd
-from mace_accel.ops.silu_mlp import dmma
-from mace_accel.ops.silu_mlp.spec import MAX_WIDTH, SiluMLPSpec, pack_weights
+from mace_accel.ops.radial.silu_mlp import autograd as silu_mlp_autograd
+from mace_accel.ops.radial.silu_mlp import dmma
+from mace_accel.ops.radial.silu_mlp.spec import MAX_WIDTH, SiluMLPSpec, pack_weights
 from mace_accel.profiling import RADIAL_MLP, part_range
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 from mace_accel.ops.tf32x3_gemm.spec import unsupported_reason as tf32x3_unsupported
 from mace_accel.options import AccelOptions
-from mace_accel.patches import radial_table
+from mace_accel.patches.radial import table as radial_table
 from mace_accel.patches.adopt import FusedModule, grads_wanted
 
 PART = "radial_mlp"
@@ -39,7 +40,7 @@ PART = "radial_mlp"
 # widths, forward + d x inside a CUDA graph). float32 from FUSED_MIN_EDGES edges: below it the GEMM
 # path is faster (too few tiles per SM to amortise loading the weights into L1), above it the
 # fused one, which also keeps nothing for the backward. float64 runs the
-# fused path only where the tensor-core kernels of mace_accel.ops.silu_mlp.dmma run (sm_90,
+# fused path only where the tensor-core kernels of mace_accel.ops.radial.silu_mlp.dmma run (sm_90,
 # widths up to 64): cuBLAS runs its float64 GEMMs on the same DMMA units, and the FMA-unit
 # kernels lost to them (539k edges: 3.05 vs 2.35 ms). The DMMA kernels win at 539k edges (1.38
 # vs 2.37 ms) and tie at 21k (0.103 vs 0.101 ms in a graph), so from FUSED_MIN_EDGES_FLOAT64.
@@ -94,7 +95,7 @@ class RadialRoute:
         last_gemm: what runs the last layer's GEMMs: ``"tf32x3"``, ``"dmma"`` or ``"cublas"``.
         n_edges, dtype, device: the call it was made for.
         tables: ``(found, tables)`` for the ``"table"`` path (what
-            :func:`~mace_accel.patches.radial_table.lookup` takes), else None.
+            :func:`~mace_accel.patches.radial.table.lookup` takes), else None.
     """
 
     path: str
@@ -259,7 +260,7 @@ class FusedRadialMLP(FusedModule):
 
     def uses_dmma(self, t: torch.Tensor) -> bool:
         """Whether the last layer of ``t``'s dtype and device runs on the float64 tensor-core
-        GEMM kernels (:mod:`mace_accel.ops.dmma_gemm`: float64 on sm_90, CUDA backend)."""
+        GEMM kernels (:mod:`mace_accel.ops.radial.dmma_gemm`: float64 on sm_90, CUDA backend)."""
         return self.backend == "cuda" and dmma_gemm.runs_on(t, *self.hs[-2:])
 
     def last_gemm(self, t: torch.Tensor) -> str:
@@ -291,7 +292,7 @@ class FusedRadialMLP(FusedModule):
         """``[E, h_L]`` per-edge TP weights of the radial features ``x [E, h0]``
         (with ``fold_last``: ``[E, h_{L-1}]`` hidden activations, unless the call's
         :meth:`route` gives the full weights; the conv reads it, :meth:`route_for`). Where the
-        model's radial MLPs are linked (:mod:`~mace_accel.patches.radial_overlap`), a later
+        model's radial MLPs are linked (:mod:`~mace_accel.patches.radial.overlap`), a later
         block's may have been started already beside the earlier blocks' work."""
         if x.dim() != 2 or x.shape[1] != self.hs[0]:
             raise InputError(f"edge_feats must have shape [n_edges, {self.hs[0]}] for the "
@@ -335,7 +336,7 @@ class FusedRadialMLP(FusedModule):
         return not grads_wanted(self.raw_weights())
 
     def _whole_kernels(self, x: torch.Tensor) -> bool:
-        """Whether the :mod:`~mace_accel.ops.radial_tc` kernels can run the whole MLP of
+        """Whether the :mod:`~mace_accel.ops.radial.tc` kernels can run the whole MLP of
         ``x [E, h0]``: the 3xTF32 path (CUDA, float32, :meth:`_tf32x3`), widths they take, no
         weight gradient asked for (training keeps the GEMMs)."""
         return (self._tf32x3() and _cuda_float32(x) and whole_unsupported(self.hs) is None
@@ -388,7 +389,7 @@ class FusedRadialMLP(FusedModule):
 
     # -- the hidden layers in one kernel per pass (CUDA backend, inference) ---------------------
     def _fused_hidden(self, x: torch.Tensor) -> bool:
-        """The CUDA kernels of :mod:`mace_accel.ops.silu_mlp` run the hidden layers when the
+        """The CUDA kernels of :mod:`mace_accel.ops.radial.silu_mlp` run the hidden layers when the
         backend is CUDA, the dtype and edge count are where they measured faster
         (:data:`FUSED_DTYPES`, :data:`FUSED_MIN_EDGES`) and no weight gradient is asked for
         (training keeps the GEMM path, whose weight gradients are GEMMs too)."""

@@ -8,8 +8,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from mace_accel.errors import KernelError
-from mace_accel.ops.dmma_gemm import codegen
-from mace_accel.ops.dmma_gemm.spec import DmmaGemmSpec
+from mace_accel.ops.radial.dmma_gemm import codegen
+from mace_accel.ops.radial.dmma_gemm.spec import DmmaGemmSpec
 from mace_accel.ops.runtime import (
     Kernel,
     check_aligned,

@@ -13,11 +13,11 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from mace_accel.errors import KernelError
-from mace_accel.ops.radial_tc import codegen, wgmma, wgmma_backward
-from mace_accel.ops.radial_tc.spec import RadialSpec, pack_weights
+from mace_accel.ops.radial.tc import codegen, wgmma, wgmma_backward
+from mace_accel.ops.radial.tc.spec import RadialSpec, pack_weights
 from mace_accel.ops.runtime import (Kernel, check_aligned, check_rows, check_tensor,
                                     device_limits, i32, kernel_device, ptr)
-from mace_accel.ops.silu_mlp.cuda import check_mlp_inputs
+from mace_accel.ops.radial.silu_mlp.cuda import check_mlp_inputs
 
 Tensor = torch.Tensor
 WGMMA_ARCH = "sm_90"

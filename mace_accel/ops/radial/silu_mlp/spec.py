@@ -1,6 +1,6 @@
 """What the fused SiLU MLP computes, frozen: the layer widths of ``h = silu(... silu(silu(x W_1)
 W_2) ... W_L)``: every layer has a SiLU, no bias (the hidden part of a MACE radial MLP whose
-constants are folded into the weights, :mod:`mace_accel.ops.radial_mlp`; its last, linear layer
+constants are folded into the weights, :mod:`mace_accel.ops.radial.mlp`; its last, linear layer
 is applied by the convolution or by one GEMM).
 
 The kernels read the weights as one flat buffer (:func:`pack_weights`): per layer ``W_i`` padded

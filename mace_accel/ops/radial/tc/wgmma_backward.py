@@ -40,9 +40,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from mace_accel.ops.limits import OPTIN_SHARED, RESERVED_SHARED, SM_REGISTERS, SM_SHARED
-from mace_accel.ops.radial_tc import wgmma
-from mace_accel.ops.radial_tc.spec import RadialSpec
-from mace_accel.ops.silu_mlp.spec import check_layer_weights, zero_padded
+from mace_accel.ops.radial.tc import wgmma
+from mace_accel.ops.radial.tc.spec import RadialSpec
+from mace_accel.ops.radial.silu_mlp.spec import check_layer_weights, zero_padded
 from mace_accel.ops.templates import render
 
 CK = 32  # last-layer rows per chunk: one K slice of 4 k8 steps

@@ -23,7 +23,7 @@ import dataclasses
 from typing import Iterator, Tuple
 
 from mace_accel.ops.limits import OPTIN_SHARED, RESERVED_SHARED, SM_SHARED, DeviceLimits
-from mace_accel.ops.radial_tc.spec import RadialSpec
+from mace_accel.ops.radial.tc.spec import RadialSpec
 from mace_accel.ops.templates import render
 
 BM = 64  # edges per block
@@ -117,7 +117,7 @@ def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
     """``(name, source)`` of every catalog kernel (float32 only: float64 keeps cuBLAS, which
     runs on the FP64 tensor cores): the mma.sync kernels, then the wgmma ones (sm_90a), forward
     and backward, in the variant each spec runs and in those the GPU tests run."""
-    from mace_accel.ops.radial_tc import wgmma, wgmma_backward
+    from mace_accel.ops.radial.tc import wgmma, wgmma_backward
 
     for name, spec in sorted(CATALOG.items()):
         yield f"radial_tc/{name}", render_kernel(plan_kernel(spec, limits.arch))

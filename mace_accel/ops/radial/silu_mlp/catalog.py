@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from mace_accel.ops.silu_mlp.spec import SiluMLPSpec
+from mace_accel.ops.radial.silu_mlp.spec import SiluMLPSpec
 
 CATALOG: Dict[str, SiluMLPSpec] = {
     "mace": SiluMLPSpec((8, 64, 64, 64)),

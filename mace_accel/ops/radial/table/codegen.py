@@ -29,7 +29,7 @@ DTYPES = ("float32", "float64")
 # the row widths CI compiles: MACE-MP medium's two interactions, MACE-MP large's, and widths
 # that take the narrower vectors (odd: scalars in both dtypes; 2 mod 4: float2 in float32)
 CATALOG_WIDTHS = (512, 1280, 1792, 2560, 90, 45)
-# the degree each dtype's tables have (ops/radial_table/table.py SPECS)
+# the degree each dtype's tables have (ops/radial/table/table.py SPECS)
 CATALOG_DEGREES = {"float32": 3, "float64": 5}
 _VEC = {"float32": (4, 2, 1), "float64": (2, 1)}
 

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from mace_accel.ops import registry
-from mace_accel.ops.dmma_gemm import codegen
-from mace_accel.ops.dmma_gemm.spec import DmmaGemmSpec, pack, unsupported_reason
+from mace_accel.ops.radial.dmma_gemm import codegen
+from mace_accel.ops.radial.dmma_gemm.spec import DmmaGemmSpec, pack, unsupported_reason
 from mace_accel.ops.runtime import aligned16, torch_arch
 
 if TYPE_CHECKING:
-    from mace_accel.ops.dmma_gemm.cuda import CudaDmmaGemm
+    from mace_accel.ops.radial.dmma_gemm.cuda import CudaDmmaGemm
 
 FAMILY = "dmma_gemm"
 Tensor = torch.Tensor
@@ -30,7 +30,7 @@ Tensor = torch.Tensor
 
 def _kernels(narrow: int, wide: int, device: torch.device) -> "CudaDmmaGemm":
     """The compiled kernels of one spec on ``device`` (built once per process)."""
-    from mace_accel.ops.dmma_gemm.cuda import CudaDmmaGemm
+    from mace_accel.ops.radial.dmma_gemm.cuda import CudaDmmaGemm
 
     return registry.cached((FAMILY, narrow, wide, device),
                            lambda: CudaDmmaGemm(DmmaGemmSpec(narrow, wide), device))

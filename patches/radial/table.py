@@ -1,4 +1,4 @@
-"""The radial MLPs as tables in the edge length (:mod:`mace_accel.ops.radial_table`) inside a
+"""The radial MLPs as tables in the edge length (:mod:`mace_accel.ops.radial.table`) inside a
 patched model.
 
 An interaction block's radial MLP maps the radial embedding of each edge's length to its TP
@@ -26,10 +26,10 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from mace_accel.ops import radial_mlp
+from mace_accel.ops.radial import mlp as radial_mlp
 from mace_accel.ops.limits import LARGE_GRAPH_EDGES
-from mace_accel.ops.radial_table import autograd as table_ops
-from mace_accel.ops.radial_table.table import SPECS, RadialTable, TableError, build_tables
+from mace_accel.ops.radial.table import autograd as table_ops
+from mace_accel.ops.radial.table.table import SPECS, RadialTable, TableError, build_tables
 from mace_accel.ops.species import ORDERED, UNORDERED, PairSet
 from mace_accel.patches.adopt import set_link
 
@@ -69,7 +69,7 @@ def link(model: torch.nn.Module, options) -> Optional[str]:
     there is not exactly one) and the embedding the pairs to tell apart where tables may run;
     a line for the report when they may."""
     from mace_accel.patches.edge_features import FusedRadialEmbedding
-    from mace_accel.patches.radial_mlp import FusedRadialMLP
+    from mace_accel.patches.radial.mlp import FusedRadialMLP
 
     embeddings = [m for m in model.modules() if isinstance(m, FusedRadialEmbedding)]
     mlps = [m for m in model.modules() if isinstance(m, FusedRadialMLP)]
@@ -113,7 +113,7 @@ def table_input(user, x: Tensor):
 
 def mlp_function(mlp) -> PairFunction:
     """``pairs -> f(r, which)``: an e3nn ``FullyConnectedNet`` radial MLP
-    (:class:`~mace_accel.patches.radial_mlp.FusedRadialMLP`) of the linked embedding's
+    (:class:`~mace_accel.patches.radial.mlp.FusedRadialMLP`) of the linked embedding's
     features, in float64 (pass ``lambda: mlp_function(mlp)`` to :func:`tables_of`)."""
     embedding = mlp.embedding
     weights = [w.detach().to(torch.float64)

@@ -7,7 +7,7 @@ forward recomputed inside the kernel (nothing is kept but ``x``). On the float64
 ``mace_accel::silu_mlp_kept_backward`` takes ``d x`` from them (memory for a recompute). The
 backward takes those kernels when only ``d x`` is asked for without ``create_graph`` (forces,
 stress); a weight gradient (training) or a double backward (training on forces) takes the
-differentiable torch path of :func:`mace_accel.ops.radial_mlp.vjp`. ``backend`` picks the CUDA
+differentiable torch path of :func:`mace_accel.ops.radial.mlp.vjp`. ``backend`` picks the CUDA
 kernels or the plain-torch reference. Shapes: ``x [E, h0]``, ``w [packed_numel]``, ``g`` and the
 output ``[E, h_L]``.
 """
@@ -18,8 +18,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from mace_accel.ops import radial_mlp, registry
-from mace_accel.ops.silu_mlp.spec import SiluMLPSpec, unpack_weights
+from mace_accel.ops import registry
+from mace_accel.ops.radial import mlp as radial_mlp
+from mace_accel.ops.radial.silu_mlp.spec import SiluMLPSpec, unpack_weights
 
 FAMILY = "silu_mlp"
 Tensor = torch.Tensor
@@ -31,7 +32,7 @@ def register_spec(spec: SiluMLPSpec) -> str:
 
 
 def _cuda(key: str, t: Tensor):
-    from mace_accel.ops.silu_mlp.cuda import CudaSiluMLP
+    from mace_accel.ops.radial.silu_mlp.cuda import CudaSiluMLP
 
     return registry.kernels_for(key, t, CudaSiluMLP)
 
@@ -117,7 +118,7 @@ def silu_mlp_keep_op(x: Tensor, w: Tensor, key: str) -> Tuple[Tensor, Tensor]:
 
 @silu_mlp_keep_op.register_fake
 def _(x, w, key):
-    from mace_accel.ops.silu_mlp import dmma
+    from mace_accel.ops.radial.silu_mlp import dmma
 
     spec = registry.lookup(key)
     numel = dmma.plan_kernels(spec).slopes_numel(x.shape[0])

@@ -1,4 +1,4 @@
-"""The radial-MLP kernels as the forward and backward of :func:`mace_accel.ops.radial_mlp.
+"""The radial-MLP kernels as the forward and backward of :func:`mace_accel.ops.radial.mlp.
 radial_mlp`: the forward writes the output and the hidden pre-activations; the backward (where
 the device has its kernel, :func:`has_backward`; else the 3xTF32 layer kernels) reads them. Not
 differentiable by themselves: the radial MLP's autograd function calls them."""
@@ -10,8 +10,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from mace_accel.ops import registry
-from mace_accel.ops.radial_tc import spec as spec_module
-from mace_accel.ops.radial_tc.spec import RadialSpec
+from mace_accel.ops.radial.tc import spec as spec_module
+from mace_accel.ops.radial.tc.spec import RadialSpec
 
 FAMILY = "radial_tc"
 Tensor = torch.Tensor
@@ -24,7 +24,7 @@ def register_spec(spec: RadialSpec) -> str:
 
 def _kernel(key: str, device: torch.device):
     """The kernels of spec ``key`` on ``device`` (built once per process)."""
-    from mace_accel.ops.radial_tc.cuda import CudaRadialMLP
+    from mace_accel.ops.radial.tc.cuda import CudaRadialMLP
 
     return registry.cached((FAMILY, key, device),
                            lambda: CudaRadialMLP(registry.lookup(key), device))
@@ -50,7 +50,7 @@ def forward(key: str, x: Tensor, packed: Tensor, sm_share: Optional[float] = Non
 
 def pre_views(key: str, z: Tensor) -> List[Tensor]:
     """The hidden layers' pre-activations ``[E, h_i]`` in ``z`` (:func:`forward`), as
-    :func:`~mace_accel.ops.radial_mlp.pre_activations` returns them (views)."""
+    :func:`~mace_accel.ops.radial.mlp.pre_activations` returns them (views)."""
     spec: RadialSpec = registry.lookup(key)
     return [z[i] if h == spec.hidden_width else z[i, :, :h]
             for i, h in enumerate(spec.widths[1:-1])]

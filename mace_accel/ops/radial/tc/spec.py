@@ -1,6 +1,6 @@
 """What the radial-MLP kernels compute, frozen: ``out = silu(... silu(x W_0) ...) W_L``, the
 layer widths ``widths = (h0, h1, ..., h_L, n_out)`` of a MACE radial MLP whose constants are
-folded into its weights (:mod:`mace_accel.ops.radial_mlp`).
+folded into its weights (:mod:`mace_accel.ops.radial.mlp`).
 
 The kernels read the weights as one flat buffer (:func:`pack_weights`): each layer's folded
 weight ``[k, n]`` transposed, ``[n, k]`` row-major, with the input and hidden widths padded to a
@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from mace_accel.errors import UnsupportedModelError
-from mace_accel.ops.silu_mlp.spec import LayerWidths, check_layer_weights, zero_padded
+from mace_accel.ops.radial.silu_mlp.spec import LayerWidths, check_layer_weights, zero_padded
 
 PAD = 32  # input and hidden widths are padded to this (a warp column of the 2 x 4 warp grid)
 MAX_HIDDEN = 64  # wider inputs or hidden layers keep the GEMM path (shared memory)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Optional, Tuple
 
-from mace_accel.ops.dmma_gemm.spec import DmmaGemmSpec
+from mace_accel.ops.radial.dmma_gemm.spec import DmmaGemmSpec
 from mace_accel.ops.limits import DEFAULT_SMS, LARGE_GRAPH_EDGES, OPTIN_SHARED, DeviceLimits
 from mace_accel.ops.templates import render
 

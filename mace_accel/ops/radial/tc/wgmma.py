@@ -43,8 +43,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from mace_accel.ops.limits import OPTIN_SHARED, RESERVED_SHARED, SM_SHARED
-from mace_accel.ops.radial_tc.spec import RadialSpec
-from mace_accel.ops.silu_mlp.spec import check_layer_weights, zero_padded
+from mace_accel.ops.radial.tc.spec import RadialSpec
+from mace_accel.ops.radial.silu_mlp.spec import check_layer_weights, zero_padded
 from mace_accel.ops.templates import render
 
 ARCH = "sm_90a"  # wgmma exists only on sm_90a (H100/H200), not on later architectures

@@ -1,7 +1,7 @@
 """The table lookup as a differentiable op: ``lookup(lengths, order, coeffs, inv_h, slots,
 tables)`` gives the per-edge weights; its backward ``d lengths`` runs the backward kernel, or,
 under ``create_graph`` (double backward: training on forces, Hessians), the gradient of the
-table's torch evaluation (:func:`~mace_accel.ops.radial_table.table.evaluate`), differentiable
+table's torch evaluation (:func:`~mace_accel.ops.radial.table.table.evaluate`), differentiable
 again."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from typing import Optional
 import torch
 
 from mace_accel.ops import registry
-from mace_accel.ops.radial_table.table import evaluate
+from mace_accel.ops.radial.table.table import evaluate
 
 Tensor = torch.Tensor
 
 
 def _kernels(coeffs: Tensor):
     """The kernels of tables shaped and typed as ``coeffs`` on its device."""
-    from mace_accel.ops.radial_table.cuda import CudaRadialTable
+    from mace_accel.ops.radial.table.cuda import CudaRadialTable
 
     n_out, degree = int(coeffs.shape[2]), int(coeffs.shape[1]) - 1
     return registry.cached(("radial_table", n_out, coeffs.dtype, degree, coeffs.device),
@@ -52,7 +52,7 @@ class _Lookup(torch.autograd.Function):
 def lookup(lengths: Tensor, order: Optional[Tensor], coeffs: Tensor, inv_h: float,
            slots: Optional[Tensor] = None, tables: int = 1) -> Tensor:
     """``w [E, n]`` of ``lengths [E]`` (CUDA) from the table ``coeffs [tables * cells,
-    degree + 1, n]`` of the same dtype (:class:`~mace_accel.ops.radial_table.table.RadialTable`
+    degree + 1, n]`` of the same dtype (:class:`~mace_accel.ops.radial.table.table.RadialTable`
     rounded), differentiable in ``lengths``; ``slots [E]`` (int32): the table of each edge
     (None: the one table); ``order [E]`` (int64): the edges sorted by table and length
     (faster), or None."""

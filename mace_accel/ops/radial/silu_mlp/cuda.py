@@ -21,8 +21,8 @@ from mace_accel.ops.runtime import (
     kernel_device,
     ptr,
 )
-from mace_accel.ops.silu_mlp import codegen, dmma
-from mace_accel.ops.silu_mlp.spec import SiluMLPSpec
+from mace_accel.ops.radial.silu_mlp import codegen, dmma
+from mace_accel.ops.radial.silu_mlp.spec import SiluMLPSpec
 from mace_accel.options import dtype_name
 
 Tensor = torch.Tensor

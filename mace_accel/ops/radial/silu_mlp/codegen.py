@@ -15,7 +15,7 @@ import dataclasses
 from typing import Iterator, Tuple
 
 from mace_accel.ops.limits import BLOCKS_PER_SM, DEFAULT_SMS, DeviceLimits
-from mace_accel.ops.silu_mlp.spec import SiluMLPSpec
+from mace_accel.ops.radial.silu_mlp.spec import SiluMLPSpec
 from mace_accel.ops.templates import RealType, render
 
 MAX_THREADS = 256
@@ -105,8 +105,8 @@ def render_backward(plan: SiluMLPPlan) -> str:
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
     """``(name, source)`` of the forward and backward of every catalog MLP, fp32 and fp64, and
     of the float64 tensor-core kernels (:mod:`.dmma`) where they take the MLP on that arch."""
-    from mace_accel.ops.silu_mlp import dmma
-    from mace_accel.ops.silu_mlp.catalog import CATALOG
+    from mace_accel.ops.radial.silu_mlp import dmma
+    from mace_accel.ops.radial.silu_mlp.catalog import CATALOG
 
     for name, spec in sorted(CATALOG.items()):
         for dtype in ("float32", "float64"):

@@ -3,9 +3,9 @@
 ``W [narrow, wide]`` (the radial MLP's last layer: ``narrow`` the hidden width, at most
 :data:`MAX_NARROW`; ``wide`` the TP weight count) multiplies ``a [M, narrow]``. The kernel reads
 ``W`` from one flat buffer (:func:`pack`), ``W`` zero-padded to multiples of
-:data:`~mace_accel.ops.silu_mlp.spec.FRAG`, as ``mma.sync`` m16n8k8 B fragments in the order it
-streams them: per tile of 8 output columns, per tile of 8 of K (``narrow``), per lane the pair
-of :func:`~mace_accel.ops.silu_mlp.spec.fragments` (K permuted within each tile, so an A
+:data:`~mace_accel.ops.radial.silu_mlp.spec.FRAG`, as ``mma.sync`` m16n8k8 B fragments in the
+order it streams them: per tile of 8 output columns, per tile of 8 of K (``narrow``), per lane the pair
+of :func:`~mace_accel.ops.radial.silu_mlp.spec.fragments` (K permuted within each tile, so an A
 fragment loaded as row pairs fits as it stands).
 
 Zero padding changes no result: padded K rows of ``W`` are zero, and padded output columns are
@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from mace_accel.errors import UnsupportedModelError
-from mace_accel.ops.silu_mlp.spec import FRAG, fragments, padded, zero_padded
+from mace_accel.ops.radial.silu_mlp.spec import FRAG, fragments, padded, zero_padded
 
 MAX_NARROW = 64  # the forward keeps a [16, narrow] operand per m-tile in registers
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from mace_accel.errors import KernelError
-from mace_accel.ops.radial_table.codegen import TABLE_EDGES, TablePlan, grid, kernel_name, \
+from mace_accel.ops.radial.table.codegen import TABLE_EDGES, TablePlan, grid, kernel_name, \
     plan_kernel, render_kernel
 from mace_accel.ops.runtime import Kernel, check_aligned, check_rows, check_tensor, \
     device_limits, i32, kernel_device, ptr

@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from mace_accel.ops.radial_tc import apply as radial_tc
+from mace_accel.ops.radial.tc import apply as radial_tc
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3_ops
 
 Tensor = torch.Tensor
@@ -62,9 +62,9 @@ def layer_scales(fan_in: Sequence[int], var_in: Sequence[float], var_out: Sequen
 
 @dataclasses.dataclass(frozen=True)
 class WholeNet:
-    """The whole net's forward (and input gradient) in one :mod:`~mace_accel.ops.radial_tc`
+    """The whole net's forward (and input gradient) in one :mod:`~mace_accel.ops.radial.tc`
     kernel each: its spec ``key`` and ``packed`` weights
-    (:func:`~mace_accel.ops.radial_tc.apply.pack_weights`); ``sm_share``,
+    (:func:`~mace_accel.ops.radial.tc.apply.pack_weights`); ``sm_share``,
     ``backward_sm_share``: the share of the GPU's multiprocessors the forward and the backward
     kernel may hold (None: all)."""
 
@@ -176,7 +176,7 @@ def radial_mlp(x: Tensor, weights: Sequence[Tensor], last_act: bool = False,
     ``last_act`` the last layer has a SiLU too (the hidden part of a net whose own last layer
     is folded into the convolution); with ``tf32x3`` (CUDA float32) the hidden layers whose
     widths are multiples of 4 run as 3xTF32 kernels with their SiLU, forward and backward;
-    ``whole``: a :class:`WholeNet` of :mod:`mace_accel.ops.radial_tc`, whose one kernel then
+    ``whole``: a :class:`WholeNet` of :mod:`mace_accel.ops.radial.tc`, whose one kernel then
     runs the forward (not with ``last_act``), and where the device has one (sm_90) another
     the input gradient when no weight gradient is asked for (else the backward as with
     ``tf32x3``)."""

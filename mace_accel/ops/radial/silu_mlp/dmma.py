@@ -28,7 +28,7 @@ import dataclasses
 from typing import Optional, Tuple
 
 from mace_accel.ops.limits import DEFAULT_SMS, OPTIN_SHARED, SM_REGISTERS, SM_SHARED
-from mace_accel.ops.silu_mlp.spec import FRAG, SiluMLPSpec
+from mace_accel.ops.radial.silu_mlp.spec import FRAG, SiluMLPSpec
 from mace_accel.ops.templates import render
 
 ARCH = "sm_90"  # m16n8k8 in float64 is Hopper's (PTX ISA 7.8)
