@@ -119,13 +119,35 @@ def test_gradcheck_and_double_backward():
     x.requires_grad_(True)
     w.requires_grad_(True)
     f = lambda a, b: autograd.silu_mlp(key, a, b, "reference")  # noqa: E731
-    assert torch.autograd.gradcheck(f, (x, w))
-    assert torch.autograd.gradgradcheck(f, (x, w))
+    assert torch.autograd.gradcheck(f, (x, w), fast_mode=True)
+    assert torch.autograd.gradgradcheck(f, (x, w), fast_mode=True)
     # frozen weights, double backward in x alone (a Hessian-vector product)
     x2 = x.detach().clone().requires_grad_(True)
     wf = w.detach()
     assert torch.autograd.gradgradcheck(lambda a: autograd.silu_mlp(key, a, wf, "reference"),
                                         (x2,))
+
+
+def test_the_fast_gradcheck_catches_a_wrong_backward(monkeypatch):
+    """The check above uses gradcheck's fast mode (a random projection of the Jacobian, as the
+    full one takes seconds per weight): it still fails a backward 1% off."""
+    from torch.autograd.gradcheck import GradcheckError
+
+    spec = CATALOG["odd"]
+    key = autograd.register_spec(spec)
+    x, w = _op_inputs(spec, n=5)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    exact = autograd._vjp
+
+    def wrong(*args, **kwargs):
+        gx, gw = exact(*args, **kwargs)
+        return (None if gx is None else 1.01 * gx), gw
+
+    monkeypatch.setattr(autograd, "_vjp", wrong)
+    with pytest.raises(GradcheckError):
+        torch.autograd.gradcheck(lambda a, b: autograd.silu_mlp(key, a, b, "reference"),
+                                 (x, w), fast_mode=True)
 
 
 def test_fake_implementations_give_the_shapes():
