@@ -312,26 +312,30 @@ def test_gradcheck_and_gradgradcheck():
     for lmax in (2, 4):
         v = leaves(unit_scale_vectors(seed=lmax))
         assert torch.autograd.gradcheck(_sh_fused(SHSpec(lmax)), v, eps=1e-6, atol=1e-8,
-                                        rtol=1e-6)
+                                        rtol=1e-6, fast_mode=True)
         assert torch.autograd.gradgradcheck(_sh_fused(SHSpec(lmax)), v, eps=1e-6, atol=1e-8,
-                                            rtol=1e-6)
+                                            rtol=1e-6, fast_mode=True)
     assert torch.autograd.gradcheck(_sh_fused(SHSpec(3, "norm", False)),
-                                    leaves(unit_scale_vectors()), eps=1e-6, atol=1e-8)
+                                    leaves(unit_scale_vectors()), eps=1e-6, atol=1e-8,
+                                    fast_mode=True)
     for apply_cutoff in (True, False):
         spec = make_radial_spec(4.0, 6, 5, apply_cutoff)
         r = leaves(edge_lengths(3.6, n=8, seed=1)[3:])  # inside and beyond r_max, not at it
-        assert torch.autograd.gradcheck(_radial_fused(spec), r, eps=1e-6, atol=1e-8, rtol=1e-6)
+        assert torch.autograd.gradcheck(_radial_fused(spec), r, eps=1e-6, atol=1e-8, rtol=1e-6,
+                                        fast_mode=True)
         assert torch.autograd.gradgradcheck(_radial_fused(spec), r, eps=1e-6, atol=1e-8,
-                                            rtol=1e-6)
+                                            rtol=1e-6, fast_mode=True)
 
 
 def test_gradcheck_catches_a_wrong_backward(monkeypatch):
-    """The oracle has teeth: a backward off by 1% fails gradcheck, a wrong Hessian gradgradcheck."""
+    """The oracle has teeth: a backward off by 1% fails gradcheck, a wrong Hessian gradgradcheck
+    (in the fast mode the checks above use: a random projection of the Jacobian)."""
     v = leaves(unit_scale_vectors(seed=3))
     exact_bwd, exact_dbl = reference.sh_backward, reference.sh_double_backward
     monkeypatch.setattr(reference, "sh_backward", lambda *a: 1.01 * exact_bwd(*a))
     with pytest.raises(GradcheckError):
-        torch.autograd.gradcheck(_sh_fused(SHSpec(3)), v, eps=1e-6, atol=1e-8, rtol=1e-6)
+        torch.autograd.gradcheck(_sh_fused(SHSpec(3)), v, eps=1e-6, atol=1e-8, rtol=1e-6,
+                                 fast_mode=True)
     monkeypatch.setattr(reference, "sh_backward", exact_bwd)
 
     def wrong_hessian(*args):
@@ -339,7 +343,8 @@ def test_gradcheck_catches_a_wrong_backward(monkeypatch):
         return 1.01 * dv, dg
     monkeypatch.setattr(reference, "sh_double_backward", wrong_hessian)
     with pytest.raises(GradcheckError):
-        torch.autograd.gradgradcheck(_sh_fused(SHSpec(3)), v, eps=1e-6, atol=1e-8, rtol=1e-6)
+        torch.autograd.gradgradcheck(_sh_fused(SHSpec(3)), v, eps=1e-6, atol=1e-8, rtol=1e-6,
+                                     fast_mode=True)
 
 
 def test_third_derivative_is_a_clear_error():
