@@ -76,19 +76,35 @@ def _is_kokkos(data: Any) -> bool:
     return "kokkos" in type(data).__module__.lower()
 
 
+class _HostArrays:
+    """Host arrays a rank keeps between LAMMPS's calls, by name: page-locked where they take
+    GPU copies (which then run at the link's speed, without a staging copy), grown with the
+    atom and pair counts (a quarter more than asked when they grow)."""
+
+    def __init__(self) -> None:
+        self._kept: Dict[Tuple[str, torch.dtype, int], Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int, dtype: torch.dtype, pin: bool) -> Tensor:
+        """``[rows, cols]``, a view of the kept array ``name`` (contents undefined)."""
+        key = (name, dtype, cols)
+        kept = self._kept.get(key)
+        if kept is None or kept.shape[0] < rows:
+            kept = torch.empty((rows + rows // 4, cols), dtype=dtype, pin_memory=pin)
+            self._kept[key] = kept
+        return kept[:rows]
+
+
 class _HostExchange:
     """LAMMPS's exchange for node features that live on a GPU, through host copies (the plain
     LAMMPS exchange reads and writes host arrays ``[ntotal, vec_len]``), moving only the rows
     that matter: a forward exchange reads the local atoms' rows (a ghost's value comes from
     its owner) and changes only the ghosts' rows; a reverse exchange reads only the ghosts'
     rows (they are added to their owners and zeroed) and adds to the local atoms' rows. The
-    host arrays (``buffers``, kept by the model between calls) are page-locked where CUDA is
-    present, so the copies run at the link's speed, and grow with the atom count."""
+    host arrays are the model's, kept between calls (:class:`_HostArrays`)."""
 
-    def __init__(self, data: Any, buffers: Dict[Tuple[torch.dtype, int], Tuple[Tensor, Tensor]]
-                 ) -> None:
+    def __init__(self, data: Any, arrays: _HostArrays) -> None:
         self.data = data
-        self._host = buffers
+        self._arrays = arrays
 
     def forward_exchange(self, feats: Tensor, out: Tensor, vec_len: int) -> None:
         n_local = int(self.data.nlocal)
@@ -110,17 +126,10 @@ class _HostExchange:
         out[n_local:] = 0
 
     def _buffers(self, values: Tensor, vec_len: int) -> Tuple[Tensor, Tensor]:
-        """Two host arrays ``[ntotal, vec_len]`` in ``values``' dtype (views of kept ones)."""
-        rows = int(values.shape[0])
-        key = (values.dtype, vec_len)
-        kept = self._host.get(key)
-        if kept is None or kept[0].shape[0] < rows:
-            capacity = rows + rows // 4  # room for the atom count to grow between rebuilds
-            pin = values.device.type == "cuda"
-            kept = tuple(torch.empty((capacity, vec_len), dtype=values.dtype, pin_memory=pin)
-                         for _ in range(2))
-            self._host[key] = kept
-        return kept[0][:rows], kept[1][:rows]
+        """Two host arrays ``[ntotal, vec_len]`` in ``values``' dtype."""
+        rows, pin = int(values.shape[0]), values.device.type == "cuda"
+        return (self._arrays.get("exchange out", rows, vec_len, values.dtype, pin),
+                self._arrays.get("exchange back", rows, vec_len, values.dtype, pin))
 
 
 def _wait_for(values: Tensor) -> None:
@@ -161,17 +170,17 @@ class LammpsModel(MLIAPUnified):
         self.rcutfac = 0.5 * info.r_max  # LAMMPS's cutoff: 2 x rcutfac
         self.exchange_width = exchange_width(model)
         self._device: Optional[torch.device] = None
-        self._exchange_buffers: Dict[Tuple[torch.dtype, int], Tuple[Tensor, Tensor]] = {}
+        self._host_arrays = _HostArrays()
 
     def __getstate__(self) -> Dict[str, Any]:
         state = self.__dict__.copy()
         state["_device"] = None  # each process picks its own
-        state["_exchange_buffers"] = {}
+        state["_host_arrays"] = _HostArrays()
         state.pop("interface", None)  # LAMMPS's coupling, set again on load
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        state.setdefault("_exchange_buffers", {})  # files written before the buffers existed
+        state.setdefault("_host_arrays", _HostArrays())  # files written before it existed
         self.__dict__.update(state)
 
     # -- LAMMPS's calls ----------------------------------------------------------------------
@@ -206,7 +215,10 @@ class LammpsModel(MLIAPUnified):
         data.eatoms = node_energy.numpy()
         data.energy = float(node_energy.sum())
         if int(data.npairs) > 0:
-            data.update_pair_forces(pair_forces.cpu().numpy())
+            host = self._host_arrays.get("pair forces", int(pair_forces.shape[0]), 3,
+                                         torch.float64, pair_forces.is_cuda)
+            host.copy_(pair_forces)
+            data.update_pair_forces(host.numpy())
 
     # -- inside ------------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -230,17 +242,20 @@ class LammpsModel(MLIAPUnified):
         """mace's LAMMPS-mode input of this rank's atoms and pairs (sender ``j``, receiver
         ``i``: a pair ``i -> j`` carries ``j``'s message to ``i``)."""
         device, dtype = self._device, getattr(torch, self.dtype)
-        species = torch.as_tensor(data.elems, dtype=torch.int64)[:n_total].to(device)
-        pair_i = torch.as_tensor(data.pair_i, dtype=torch.int64)
-        pair_j = torch.as_tensor(data.pair_j, dtype=torch.int64)
+
+        def on_device(array: Any) -> Tensor:  # as LAMMPS has it: the casts run on the device
+            return torch.as_tensor(array).to(device)
+
+        species = on_device(torch.as_tensor(data.elems)[:n_total]).long()
+        pair_i, pair_j = on_device(data.pair_i).long(), on_device(data.pair_j).long()
         # the KOKKOS build exchanges arrays where they are; the plain one host arrays only
         exchange = (data if device.type == "cpu" or _is_kokkos(data)
-                    else _HostExchange(data, self._exchange_buffers))
+                    else _HostExchange(data, self._host_arrays))
         return {
-            "vectors": torch.as_tensor(data.rij).to(device=device, dtype=dtype),
+            "vectors": on_device(data.rij).to(dtype),
             "node_attrs": torch.nn.functional.one_hot(
                 species, num_classes=len(self.element_types)).to(dtype),
-            "edge_index": torch.stack([pair_j, pair_i]).to(device),
+            "edge_index": torch.stack([pair_j, pair_i]),
             "batch": torch.zeros(n_local, dtype=torch.int64, device=device),
             "head": torch.tensor([self.head_index], dtype=torch.int64, device=device),
             # read by models with charge and spin embeddings (mace's defaults), else unused

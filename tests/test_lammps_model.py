@@ -194,7 +194,7 @@ def test_the_host_exchange_equals_the_pair_styles_own(cu_atoms, dtype):
     """Through host arrays and only the rows that matter (the local atoms' rows out and the
     ghosts' rows back on a forward exchange, the other way round on a reverse one), the same
     as the pair style's exchange of the whole arrays; LAMMPS sees contiguous host arrays."""
-    from mace_accel.lammps import _HostExchange
+    from mace_accel.lammps import _HostArrays, _HostExchange
 
     data = RankData(cu_atoms, list(range(len(cu_atoms))), 4.5, {29: 0})
     assert data.ntotal > data.nlocal  # ghosts: periodic images
@@ -207,7 +207,7 @@ def test_the_host_exchange_equals_the_pair_styles_own(cu_atoms, dtype):
 
     watched = Watched.__new__(Watched)
     watched.__dict__.update(data.__dict__)
-    buffers: dict = {}
+    arrays = _HostArrays()
     g = torch.Generator().manual_seed(0)
     for _ in range(2):  # the second time through the kept host arrays
         values = torch.randn(data.ntotal, 7, generator=g, dtype=dtype)
@@ -215,10 +215,10 @@ def test_the_host_exchange_equals_the_pair_styles_own(cu_atoms, dtype):
             want, got = torch.empty_like(values), torch.full_like(values, float("nan"))
             exchange = data.forward_exchange if forward else data.reverse_exchange
             exchange(values.clone(), want, 7)
-            host = _HostExchange(watched, buffers)
+            host = _HostExchange(watched, arrays)
             (host.forward_exchange if forward else host.reverse_exchange)(values, got, 7)
             # a forward exchange copies; a reverse one adds the ghosts' rows in another order
             tol = 0.0 if forward else 8 * torch.finfo(dtype).eps
             torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert seen and all(s == ("cpu", True, (data.ntotal, 7)) for s in seen)
-    assert len(buffers) == 1  # one pair of host arrays for this dtype and width, reused
+    assert len(arrays._kept) == 2  # one pair of host arrays for this dtype and width, reused
