@@ -236,6 +236,13 @@ def fill_static(entry: _Captured, batch: Dict[str, Tensor], pad: float) -> Set[s
     return written
 
 
+def capture_pool(pool: Optional[Tuple], graphs_alive: bool) -> Tuple:
+    """The memory pool a new capture shares: ``pool`` while a graph captured into it is alive,
+    else a new one (torch frees a pool with its last graph, and reusing the handle after that
+    trips an internal assertion in torch's allocator)."""
+    return pool if pool is not None and graphs_alive else torch.cuda.graph_pool_handle()
+
+
 def keep_edge_orderings(entry: _Captured) -> None:
     """Before a capture: keep the edge orderings (CSRs: two stable sorts) that the eager call
     before it built from ``entry``'s static ``edge_index`` outside the graph, which reads them;
@@ -344,10 +351,7 @@ class GraphedCall:
             log.debug("mace-accel: dropped the CUDA graph of bucket %s", old[:3])
         entry = _Captured(torch.cuda.CUDAGraph(), self._static_inputs(key, batch), {}, 0, 0)
         self._fill(entry, batch)
-        if not self._graphs:  # torch frees a pool with its last graph: its handle is stale
-            self._pool = None
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        self._pool = capture_pool(self._pool, graphs_alive=bool(self._graphs))
         # warm up on a side stream (compiles the kernels, initialises cuBLAS), then capture
         side = side_stream("warm-up", batch["positions"].device)
         side.wait_stream(torch.cuda.current_stream())

@@ -42,9 +42,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from mace_accel.capture import (_Captured, fill_static, graphs_unavailable_reason,
-                                keep_edge_orderings, n_structures, padded_shape,
-                                static_inputs)
+from mace_accel.capture import (_Captured, capture_pool, fill_static,
+                                graphs_unavailable_reason, keep_edge_orderings, n_structures,
+                                padded_shape, static_inputs)
 from mace_accel.errors import InputError
 from mace_accel.models.batch import model_info
 from mace_accel.ops.graph import forget_cached_graph
@@ -267,11 +267,9 @@ class TrainingStep:
 
     def _capture(self, bucket: _Bucket) -> None:
         entry = bucket.entry
-        if not any(b.entry.graph is not None for b in self._buckets.values()):
-            self._pool = None  # torch frees a pool with its last graph: its handle is stale
+        self._pool = capture_pool(self._pool, graphs_alive=any(
+            b.entry.graph is not None for b in self._buckets.values()))
         entry.graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         keep_edge_orderings(entry)
         try:
             with torch.cuda.graph(entry.graph, pool=self._pool):
