@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true",
                      help="also run the tests marked slow (left out unless -m names slow)")

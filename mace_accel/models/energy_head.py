@@ -366,8 +366,6 @@ def _overlap(model: torch.nn.Module):
     return group
 
 
-
-
 def _energies(model: torch.nn.Module, plan: HeadPlan, node_attrs: Tensor,
               heads: Optional[Tensor], inter: Tensor, ptr: Tensor,
               dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
