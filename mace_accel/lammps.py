@@ -215,10 +215,11 @@ class LammpsModel(MLIAPUnified):
         data.eatoms = node_energy.numpy()
         data.energy = float(node_energy.sum())
         if int(data.npairs) > 0:
-            host = self._host_arrays.get("pair forces", int(pair_forces.shape[0]), 3,
-                                         torch.float64, pair_forces.is_cuda)
-            host.copy_(pair_forces)
-            data.update_pair_forces(host.numpy())
+            if pair_forces.is_cuda:  # through a kept page-locked array, not a new pageable one
+                host = self._host_arrays.get("pair forces", int(pair_forces.shape[0]), 3,
+                                             torch.float64, pin=True)
+                pair_forces = host.copy_(pair_forces)
+            data.update_pair_forces(pair_forces.numpy())
 
     # -- inside ------------------------------------------------------------------------------
     def _prepare(self) -> None:

@@ -18,6 +18,7 @@ in the same process, and the ratio. Needs a LAMMPS built by scripts/build_lammps
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -39,18 +40,24 @@ def _parse(argv):
 _FINALIZE = []  # LAMMPS's MPI finalize, called once at the end (mpirun expects it of each rank)
 
 
-def _lammps_md(made, atoms, steps: int, warmup: int) -> dict:
-    from lammps import lammps, mliap
-
+def _clocks(made):
+    """``(model, exchanges)``: wall clocks around ``made``'s ``compute_forces`` and around the
+    host exchanges (their copies and LAMMPS's communication), wrapped once."""
     import mace_accel.lammps as accel_lammps
-
     from mace_accel.bench.timing import WallClock
 
     model_clock, exchange_clock = WallClock(), WallClock()
     made.compute_forces = model_clock.wrap(made.compute_forces)
-    for name in ("forward_exchange", "reverse_exchange"):  # host copies and LAMMPS's comm
+    for name in ("forward_exchange", "reverse_exchange"):
         setattr(accel_lammps._HostExchange, name,
                 exchange_clock.wrap(getattr(accel_lammps._HostExchange, name)))
+    return model_clock, exchange_clock
+
+
+def _lammps_md(made, clocks, atoms, steps: int, warmup: int) -> dict:
+    from lammps import lammps, mliap
+
+    model_clock, exchange_clock = clocks
     lmp = lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"])
     mliap.activate_mliappy(lmp)
     mliap.load_unified(made)
@@ -90,10 +97,10 @@ def _lammps_md(made, atoms, steps: int, warmup: int) -> dict:
     return record if rank == 0 else {}
 
 
-def _ase_md(made, atoms, steps: int, warmup: int) -> dict:
+def _ase_md(model, atoms, steps: int, warmup: int) -> dict:
+    """The ASE calculator's MD of the plain ``model`` (its own copy, in the file's dtype)."""
     from mace_accel.bench.md import run_md
 
-    model = made.model.to(dtype=getattr(torch, made.dtype))
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     md = run_md("mace-accel", model, atoms, device, "bench", steps=steps, warmup_steps=warmup,
                 allow_reference=not torch.cuda.is_available())
@@ -111,18 +118,20 @@ def main(argv=None) -> int:
     from mace_accel.models.batch import model_info
 
     made = torch.load(args.model, weights_only=False)
+    # the plain model for the ASE runs, a copy: LAMMPS's rank casts, moves and accelerates
+    # made.model in place
+    plain = (copy.deepcopy(made.model).to(dtype=getattr(torch, made.dtype)) if args.ase
+             else None)
+    clocks = _clocks(made)
     info = model_info(made.model)
-    done = []
     for size in (int(s) for s in args.atoms.split(",")):
         atoms = build_system(info, size, kind="fcc").atoms
-        record = _lammps_md(made, atoms, args.steps, args.warmup)
+        record = _lammps_md(made, clocks, atoms, args.steps, args.warmup)
         if record:
             record["dtype"] = made.dtype
             print(json.dumps(record), flush=True)
-            done.append(record)
         if args.ase and record:
-            ase = _ase_md(torch.load(args.model, weights_only=False), atoms, args.steps,
-                          args.warmup)
+            ase = _ase_md(plain, atoms, args.steps, args.warmup)
             ase["dtype"] = made.dtype
             print(json.dumps(ase), flush=True)
             if ase.get("steps_per_s"):

@@ -125,12 +125,17 @@ def _alloy(atoms_numbers, repeat=(3, 3, 3)):
     return atoms
 
 
+def _lammps_virial(virial: np.ndarray) -> np.ndarray:
+    """A ``[3, 3]`` virial in the order of LAMMPS's pressure tensor (xx yy zz xy xz yz)."""
+    return np.asarray([virial[0, 0], virial[1, 1], virial[2, 2], virial[0, 1], virial[0, 2],
+                       virial[1, 2]])
+
+
 def _check(result, energy, forces, virial, volume):
     assert result["energy"] == pytest.approx(energy, rel=1e-10, abs=1e-10)
     np.testing.assert_allclose(np.asarray(result["forces"]), forces, atol=1e-9)
-    # LAMMPS's virial pressure (bar): the virial per volume (xx yy zz xy xz yz)
-    want = np.asarray([virial[0, 0], virial[1, 1], virial[2, 2], virial[0, 1], virial[0, 2],
-                       virial[1, 2]]) / volume
+    # LAMMPS's virial pressure (bar): the virial per volume
+    want = _lammps_virial(virial) / volume
     got = np.asarray(result["virial_bar"]) / BAR_PER_EV_A3
     np.testing.assert_allclose(got, want, atol=1e-9)
     assert np.linalg.norm(got - want) <= 1e-10 * np.linalg.norm(want)  # as the GPU test
@@ -192,9 +197,7 @@ def test_lammps_on_gpus_equals_the_reference(files, tmp_path, name, dtype, ranks
     assert abs(result["energy"] - energy) <= tol * abs(energy)
     assert rel_norm_error(torch.tensor(result["forces"]), torch.tensor(forces)) <= tol
     pressure = np.asarray(result["virial_bar"]) / BAR_PER_EV_A3 * atoms.get_volume()
-    want = np.asarray([virial[0, 0], virial[1, 1], virial[2, 2], virial[0, 1], virial[0, 2],
-                       virial[1, 2]])
-    assert rel_norm_error(torch.tensor(pressure), torch.tensor(want)) <= tol
+    assert rel_norm_error(torch.tensor(pressure), torch.tensor(_lammps_virial(virial))) <= tol
 
 
 def test_a_trajectory_is_the_same_on_one_and_two_ranks(files, tmp_path):
