@@ -3,11 +3,17 @@
 LAMMPS owns the atoms, the domain decomposition, the neighbour lists and the MPI traffic; each
 rank calls :meth:`LammpsModel.compute_forces` with its local atoms, their ghosts, and the pairs
 ``i -> j`` of its local atoms ``i`` (``rij = r_j - r_i``). The model runs mace's own forward in
-its LAMMPS mode (``lammps_mliap=True``) with the fused kernels inside: the node features of the
-ghost atoms, which the later interaction blocks read, come from their owners through the
-pair style's exchange between the blocks, and its backward sends the ghosts' gradients home.
-The energy of each local atom and the force of each pair go back to LAMMPS, which sums the
-forces on both atoms of a pair and the virial.
+its LAMMPS mode (``lammps_mliap=True``) with the fused kernels inside. The energy of each local
+atom and the force of each pair go back to LAMMPS, which sums the forces on both atoms of a pair
+and the virial.
+
+Where every ghost of a rank is a periodic image of one of its own atoms (one rank: LAMMPS on
+one GPU), the model sees no ghost atoms at all: each pair's sender is the ghost's owner, found
+every call by one exchange of two numbers per atom (:func:`ghost_owners`). Nothing is exchanged
+between the blocks and no ghost's features are computed: the call is the one the ASE calculator
+makes. Otherwise (several ranks) the node features of the ghost atoms, which the later
+interaction blocks read, come from their owners through the pair style's exchange between the
+blocks, and its backward sends the ghosts' gradients home.
 
 The exchange is LAMMPS's: on a plain LAMMPS the one ``scripts/lammps/mliap-exchange.patch``
 adds (``scripts/build_lammps.sh`` applies it), which works on host arrays, so on a GPU each
@@ -19,9 +25,13 @@ Write the file LAMMPS loads with ``mace-accel convert MODEL --lammps``.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import socket
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 try:  # the base class LAMMPS's Python coupling defines (absent where LAMMPS is not installed)
@@ -63,10 +73,45 @@ def import_before_lammps() -> None:
 
 
 def exchange_width(model: torch.nn.Module) -> int:
-    """The most values per atom an exchange carries: the widest node features that enter an
-    interaction block after the first (what ``pair_style mliap ... exchange N`` must allow)."""
+    """The most values per atom an exchange carries (what ``pair_style mliap ... exchange N``
+    must allow): the widest node features that enter an interaction block after the first, and
+    at least the two of :func:`ghost_owners`."""
     widths = [int(block.node_feats_irreps.dim) for block in list(model.interactions)[1:]]
-    return max(widths, default=1)
+    return max(widths + [OWNER_COLUMNS])
+
+
+# what ghost_owners exchanges per atom: its index on the rank that owns it, and that rank's token
+OWNER_COLUMNS = 2
+
+
+@functools.lru_cache(maxsize=None)
+def rank_token() -> float:
+    """A number that tells this process from every other rank of the run, exact in float64: the
+    process id (below 2**22, Linux's limit) and 30 bits of a hash of the host name (ranks on
+    different hosts with the same process id and the same hash: about one in a billion)."""
+    host = hashlib.sha256(socket.gethostname().encode()).digest()
+    return float((int.from_bytes(host[:4], "little") & (2**30 - 1)) * 2**22
+                 + (os.getpid() & (2**22 - 1)))
+
+
+def ghost_owners(data: Any) -> Optional[np.ndarray]:
+    """``[ntotal]`` int64: the local atom each atom of ``data`` is (itself for a local atom, the
+    owner for a ghost) where every ghost is an image of this rank's own atoms, else ``None``.
+
+    Found through the pair style's forward exchange (the values of a ghost's row come from its
+    owner, wherever it is) of each local atom's index and this rank's :func:`rank_token`; one
+    ``[ntotal, 2]`` float64 host array, in place. LAMMPS renumbers its ghosts when it rebuilds
+    its neighbour lists, which this does not see, so it runs every call."""
+    n_local, n_total = int(data.nlocal), int(data.ntotal)
+    if n_total == n_local:
+        return np.arange(n_local, dtype=np.int64)
+    rows = np.empty((n_total, OWNER_COLUMNS), dtype=np.float64)
+    rows[:n_local, 0] = np.arange(n_local)
+    rows[:n_local, 1] = rank_token()
+    data.forward_exchange(rows, rows, OWNER_COLUMNS)
+    if not (rows[n_local:, 1] == rank_token()).all():  # a ghost of another rank's atom
+        return None
+    return rows[:, 0].astype(np.int64)
 
 
 def _is_kokkos(data: Any) -> bool:
@@ -241,27 +286,36 @@ class LammpsModel(MLIAPUnified):
 
     def _batch(self, data: Any, n_local: int, n_total: int) -> Dict[str, Any]:
         """mace's LAMMPS-mode input of this rank's atoms and pairs (sender ``j``, receiver
-        ``i``: a pair ``i -> j`` carries ``j``'s message to ``i``)."""
+        ``i``: a pair ``i -> j`` carries ``j``'s message to ``i``): the local atoms only, each
+        pair's sender its ghost's owner, where :func:`ghost_owners` finds every owner here;
+        else the ghosts too, with the exchange that fills in their features."""
         device, dtype = self._device, getattr(torch, self.dtype)
 
         def on_device(array: Any) -> Tensor:  # as LAMMPS has it: the casts run on the device
             return torch.as_tensor(array).to(device)
 
-        species = on_device(torch.as_tensor(data.elems)[:n_total]).long()
         pair_i, pair_j = on_device(data.pair_i).long(), on_device(data.pair_j).long()
-        # the KOKKOS build exchanges arrays where they are; the plain one host arrays only
-        exchange = (data if device.type == "cpu" or _is_kokkos(data)
-                    else _HostExchange(data, self._host_arrays))
+        # files written before the owners' exchange may allow one value per atom
+        owners = (None if _is_kokkos(data) or self.exchange_width < OWNER_COLUMNS
+                  else ghost_owners(data))
+        if owners is not None:
+            n_nodes, exchange = n_local, None
+            senders = on_device(owners)[pair_j]
+        else:  # the KOKKOS build exchanges arrays where they are; the plain one host arrays
+            n_nodes, senders = n_total, pair_j
+            exchange = (data if device.type == "cpu" or _is_kokkos(data)
+                        else _HostExchange(data, self._host_arrays))
+        species = on_device(torch.as_tensor(data.elems)[:n_nodes]).long()
         return {
             "vectors": on_device(data.rij).to(dtype),
             "node_attrs": torch.nn.functional.one_hot(
                 species, num_classes=len(self.element_types)).to(dtype),
-            "edge_index": torch.stack([pair_j, pair_i]),
+            "edge_index": torch.stack([senders, pair_i]),
             "batch": torch.zeros(n_local, dtype=torch.int64, device=device),
             "head": torch.tensor([self.head_index], dtype=torch.int64, device=device),
             # read by models with charge and spin embeddings (mace's defaults), else unused
             "total_charge": torch.zeros(1, dtype=dtype, device=device),
             "total_spin": torch.ones(1, dtype=dtype, device=device),
             "lammps_class": exchange,
-            "natoms": (n_local, n_total - n_local),
+            "natoms": (n_local, n_nodes - n_local),
         }

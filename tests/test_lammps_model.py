@@ -126,7 +126,7 @@ def test_one_rank_equals_the_calculator(model_file, lammps_model, cu_atoms):
     energy, forces, virial = calculator_results(model_file, atoms)
     data = _run_one_rank(lammps_model, atoms)
     assert data.ntotal > data.nlocal  # periodic images as ghosts
-    assert data.exchanges > 0  # the later blocks read the ghosts' features from their owners
+    assert data.exchanges == 1  # the owners' only: one rank's model sees no ghost atoms
     assert data.energy == pytest.approx(energy, rel=1e-12, abs=1e-12)
     np.testing.assert_allclose(data.eatoms.sum(), energy, rtol=1e-12)
     np.testing.assert_allclose(_folded_forces(data, len(atoms)), forces, atol=1e-10)
@@ -227,3 +227,37 @@ def test_the_host_exchange_equals_the_pair_styles_own(cu_atoms, dtype):
             torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert seen and all(s == ("cpu", True, (data.ntotal, 7)) for s in seen)
     assert len(arrays._kept) == 2  # one pair of host arrays for this dtype and width, reused
+
+
+def test_ghost_owners_are_found_on_one_rank_and_refused_with_another_ranks_ghost(cu_atoms):
+    from mace_accel.lammps import OWNER_COLUMNS, ghost_owners
+
+    data = RankData(cu_atoms, list(range(len(cu_atoms))), 4.5, {29: 0})
+    assert data.ntotal > data.nlocal
+    np.testing.assert_array_equal(ghost_owners(data), data.owner)  # local index = atom index
+
+    class OtherRank(RankData):  # the last ghost's owner lives on another rank
+        def forward_exchange(self, copy_from, copy_to, vec_len):
+            super().forward_exchange(copy_from, copy_to, vec_len)
+            if vec_len == OWNER_COLUMNS:
+                copy_to[-1, 1] += 1.0
+
+    other = OtherRank(cu_atoms, list(range(len(cu_atoms))), 4.5, {29: 0})
+    assert ghost_owners(other) is None
+
+
+def test_ghost_atoms_with_exchanges_equal_the_calculator(model_file, lammps_model, cu_atoms,
+                                                         monkeypatch):
+    """Where a rank's ghosts are not all its own images (several ranks), the ghosts are nodes
+    of the model and their features come through the exchanges between the blocks."""
+    import mace_accel.lammps as lammps_module
+
+    monkeypatch.setattr(lammps_module, "ghost_owners", lambda data: None)
+    atoms = cu_atoms.copy()
+    atoms.numbers[[1, 4]] = 28
+    energy, forces, virial = calculator_results(model_file, atoms)
+    data = _run_one_rank(lammps_model, atoms)
+    assert data.exchanges > 1  # forward and reverse between the blocks
+    assert data.energy == pytest.approx(energy, rel=1e-12, abs=1e-12)
+    np.testing.assert_allclose(_folded_forces(data, len(atoms)), forces, atol=1e-10)
+    np.testing.assert_allclose(data.virial, virial, atol=1e-9)
