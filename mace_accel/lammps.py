@@ -140,12 +140,13 @@ class _HostArrays:
 
 
 class _HostExchange:
-    """LAMMPS's exchange for node features that live on a GPU, through host copies (the plain
-    LAMMPS exchange reads and writes host arrays ``[ntotal, vec_len]``), moving only the rows
-    that matter: a forward exchange reads the local atoms' rows (a ghost's value comes from
-    its owner) and changes only the ghosts' rows; a reverse exchange reads only the ghosts'
-    rows (they are added to their owners and zeroed) and adds to the local atoms' rows. The
-    host arrays are the model's, kept between calls (:class:`_HostArrays`)."""
+    """LAMMPS's exchange for node features that live on a GPU, through one host array (the
+    plain LAMMPS exchange reads and writes host arrays ``[ntotal, vec_len]``, here in place: no
+    copy of the whole array inside LAMMPS), moving only the rows that matter: a forward exchange
+    sends the local atoms' rows (a ghost's value comes from its owner) and takes back the
+    ghosts'; a reverse exchange sends the ghosts' rows (they are added to their owners) and
+    takes back the local atoms'. The host array is the model's, kept between calls
+    (:class:`_HostArrays`)."""
 
     def __init__(self, data: Any, arrays: _HostArrays) -> None:
         self.data = data
@@ -153,28 +154,27 @@ class _HostExchange:
 
     def forward_exchange(self, feats: Tensor, out: Tensor, vec_len: int) -> None:
         n_local = int(self.data.nlocal)
-        send, back = self._buffers(feats, vec_len)
-        send[:n_local].copy_(feats[:n_local], non_blocking=True)
+        rows = self._rows(feats, vec_len)
+        rows[:n_local].copy_(feats[:n_local], non_blocking=True)
         _wait_for(feats)
-        self.data.forward_exchange(send, back, vec_len)
+        self.data.forward_exchange(rows, rows, vec_len)
         out[:n_local] = feats[:n_local]
-        out[n_local:].copy_(back[n_local:], non_blocking=True)
+        out[n_local:].copy_(rows[n_local:], non_blocking=True)
 
     def reverse_exchange(self, grads: Tensor, out: Tensor, vec_len: int) -> None:
         n_local = int(self.data.nlocal)
-        send, back = self._buffers(grads, vec_len)
-        send[n_local:].copy_(grads[n_local:], non_blocking=True)
-        send[:n_local].zero_()
-        _wait_for(grads)
-        self.data.reverse_exchange(send, back, vec_len)
-        out[:n_local] = grads[:n_local] + back[:n_local].to(grads.device, non_blocking=True)
+        rows = self._rows(grads, vec_len)
+        rows[n_local:].copy_(grads[n_local:], non_blocking=True)
+        _wait_for(grads)  # also the copy of the last exchange out of these rows
+        rows[:n_local].zero_()  # LAMMPS adds the ghosts' rows to these
+        self.data.reverse_exchange(rows, rows, vec_len)
+        out[:n_local] = grads[:n_local] + rows[:n_local].to(grads.device, non_blocking=True)
         out[n_local:] = 0
 
-    def _buffers(self, values: Tensor, vec_len: int) -> Tuple[Tensor, Tensor]:
-        """Two host arrays ``[ntotal, vec_len]`` in ``values``' dtype."""
+    def _rows(self, values: Tensor, vec_len: int) -> Tensor:
+        """The host array ``[ntotal, vec_len]`` in ``values``' dtype."""
         rows, pin = int(values.shape[0]), values.device.type == "cuda"
-        return (self._arrays.get("exchange out", rows, vec_len, values.dtype, pin),
-                self._arrays.get("exchange back", rows, vec_len, values.dtype, pin))
+        return self._arrays.get("exchange", rows, vec_len, values.dtype, pin)
 
 
 def _wait_for(values: Tensor) -> None:

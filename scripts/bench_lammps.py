@@ -5,6 +5,7 @@ what several GPUs give.
     mace-accel convert MODEL model-mliap.pt --lammps --dtype float32
     python scripts/bench_lammps.py model-mliap.pt --atoms 864,6912 --ase
     mpirun -np 2 python scripts/bench_lammps.py model-mliap.pt --atoms 97556
+    mpirun -np 2 python scripts/bench_lammps.py --exchange-only 512 --atoms 97556
 
 Each size: a rattled fcc alloy of the model's elements (as ``mace-accel bench``), 300 K, NVE
 velocity Verlet, 1 fs, a 1 Å neighbour skin; ``--warmup`` untimed steps, then ``--steps`` timed
@@ -12,7 +13,10 @@ ones. Printed by rank 0, one JSON line per run: steps/s, and the time per step i
 model's ``compute_forces`` (``model_ms``), of which the host copies of the ghost exchanges
 (``exchange_ms``); the rest is LAMMPS (neighbour lists, communication, integration). With
 ``--ase``, the same structure's MD through :class:`mace_accel.MACEAccelCalculator` (CUDA graphs)
-in the same process, and the ratio. Needs a LAMMPS built by scripts/build_lammps.sh.
+in the same process, and the ratio. ``--exchange-only W`` (no model file, no GPU): a stand-in
+model that only runs LAMMPS's part of the exchanges, a forward and a reverse exchange in place of
+a float32 host array ``[atoms + ghosts, W]`` each step, on a Cu fcc crystal (``exchange_ms``).
+Needs a LAMMPS built by scripts/build_lammps.sh.
 """
 
 from __future__ import annotations
@@ -29,12 +33,18 @@ import torch
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model", help="an ML-IAP model file (mace-accel convert MODEL OUT --lammps)")
+    p.add_argument("model", nargs="?",
+                   help="an ML-IAP model file (mace-accel convert MODEL OUT --lammps)")
     p.add_argument("--atoms", default="864,6912", help="comma-separated sizes (fcc: 4n^3)")
     p.add_argument("--steps", type=int, default=50, help="timed MD steps (default 50)")
     p.add_argument("--warmup", type=int, default=10, help="untimed MD steps (default 10)")
     p.add_argument("--ase", action="store_true", help="also time the ASE calculator's MD")
-    return p.parse_args(argv)
+    p.add_argument("--exchange-only", type=int, metavar="W",
+                   help="time only LAMMPS's exchanges of W float32 values per atom (no model)")
+    args = p.parse_args(argv)
+    if (args.model is None) == (args.exchange_only is None):
+        p.error("give a model file or --exchange-only W")
+    return args
 
 
 _FINALIZE = []  # LAMMPS's MPI finalize, called once at the end (mpirun expects it of each rank)
@@ -48,10 +58,44 @@ def _clocks(made):
 
     model_clock, exchange_clock = WallClock(), WallClock()
     made.compute_forces = model_clock.wrap(made.compute_forces)
+    if isinstance(made, _ExchangeOnly):
+        made.exchange = exchange_clock.wrap(made.exchange)
+        return model_clock, exchange_clock
     for name in ("forward_exchange", "reverse_exchange"):
         setattr(accel_lammps._HostExchange, name,
                 exchange_clock.wrap(getattr(accel_lammps._HostExchange, name)))
     return model_clock, exchange_clock
+
+
+class _ExchangeOnly:
+    """A stand-in ML-IAP unified model for Cu that only exchanges (zero energies and forces):
+    each call a forward and a reverse exchange in place of a float32 host array ``[ntotal, W]``,
+    as :class:`mace_accel.lammps._HostExchange` hands LAMMPS, without the copies to a GPU."""
+
+    def __init__(self, width: int, cutoff: float = 6.0) -> None:
+        self.element_types, self.ndescriptors, self.nparams = ["Cu"], 1, 1
+        self.rcutfac, self.exchange_width, self.dtype = 0.5 * cutoff, width, "float32"
+        self.interface = None
+        self._rows = np.zeros((0, width), dtype=np.float32)
+
+    def compute_descriptors(self, data) -> None:
+        pass
+
+    def compute_gradients(self, data) -> None:
+        pass
+
+    def compute_forces(self, data) -> None:
+        n_total = int(data.ntotal)
+        if self._rows.shape[0] < n_total:  # kept between calls, as the model's host array
+            self._rows = np.ones((n_total + n_total // 4, self.exchange_width), np.float32)
+        self.exchange(data, self._rows[:n_total])
+        data.eatoms = np.zeros(int(data.nlocal))
+        data.energy = 0.0
+        data.update_pair_forces(np.zeros((int(data.npairs), 3)))
+
+    def exchange(self, data, rows: np.ndarray) -> None:
+        data.forward_exchange(rows, rows, self.exchange_width)
+        data.reverse_exchange(rows, rows, self.exchange_width)
 
 
 def _lammps_md(made, clocks, atoms, steps: int, warmup: int) -> dict:
@@ -109,6 +153,14 @@ def _ase_md(model, atoms, steps: int, warmup: int) -> dict:
             "model_ms": md.model_ms}
 
 
+def _copper(size: int):
+    """A Cu fcc crystal (a = 3.61 Å) of about ``size`` atoms (4 n^3)."""
+    from ase.build import bulk
+
+    n = max(1, round((size / 4) ** (1 / 3)))
+    return bulk("Cu", "fcc", a=3.61, cubic=True).repeat((n, n, n))
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     from mace_accel.lammps import import_before_lammps
@@ -117,20 +169,24 @@ def main(argv=None) -> int:
     from mace_accel.bench.systems import build_system
     from mace_accel.models.batch import model_info
 
-    made = torch.load(args.model, weights_only=False)
-    # the plain model for the ASE runs, a copy: LAMMPS's rank casts, moves and accelerates
-    # made.model in place
-    plain = (copy.deepcopy(made.model).to(dtype=getattr(torch, made.dtype)) if args.ase
-             else None)
+    if args.exchange_only:
+        made, plain, info = _ExchangeOnly(args.exchange_only), None, None
+    else:
+        made = torch.load(args.model, weights_only=False)
+        # the plain model for the ASE runs, a copy: LAMMPS's rank casts, moves and accelerates
+        # made.model in place
+        plain = (copy.deepcopy(made.model).to(dtype=getattr(torch, made.dtype)) if args.ase
+                 else None)
+        info = model_info(made.model)
     clocks = _clocks(made)
-    info = model_info(made.model)
     for size in (int(s) for s in args.atoms.split(",")):
-        atoms = build_system(info, size, kind="fcc").atoms
+        atoms = (build_system(info, size, kind="fcc").atoms if info is not None
+                 else _copper(size))
         record = _lammps_md(made, clocks, atoms, args.steps, args.warmup)
         if record:
             record["dtype"] = made.dtype
             print(json.dumps(record), flush=True)
-        if args.ase and record:
+        if args.ase and record and plain is not None:
             ase = _ase_md(plain, atoms, args.steps, args.warmup)
             ase["dtype"] = made.dtype
             print(json.dumps(ase), flush=True)

@@ -9,7 +9,8 @@
 # needs), PYTHON; MPI; a shared library. The `lammps` Python module is installed into the
 # environment of `python` on PATH: LAMMPS must be built for the Python that loads it.
 # Patches: mliap-exchange.patch (the ghost atoms' exchange between a model's layers, which
-# only the KOKKOS build has otherwise), mliap-neighbor-rows.patch (a crash with 2+ ranks).
+# only the KOKKOS build has otherwise), mliap-neighbor-rows.patch (a crash with 2+ ranks),
+# mliap-packed-rows.patch (the exchange moves each row's bytes; on top of the first).
 # Environment: JOBS (parallel compile jobs, default: the number of cores).
 set -euo pipefail
 

@@ -202,6 +202,26 @@ def test_lammps_on_gpus_equals_the_reference(files, tmp_path, name, dtype, ranks
     assert rel_norm_error(torch.tensor(pressure), torch.tensor(_lammps_virial(virial))) <= tol
 
 
+def test_float32_features_cross_between_two_ranks(files, tmp_path):
+    """A float32 model on two ranks: its ghosts' float32 rows cross through the exchange (two
+    values to each of Comm's doubles) and the results are the float64 calculator's within the
+    float32 tolerance."""
+    from mace_accel import cli
+    from mace_accel.tolerances import MODEL_TOL, rel_norm_error
+
+    model_file, _, made = files["bundled"]
+    lammps_file = tmp_path / "bundled-float32.pt"
+    assert cli.main(["convert", str(model_file), str(lammps_file), "--lammps",
+                     "--dtype", "float32"]) == 0
+    atoms = _alloy([int(z) for z in made.model.atomic_numbers])
+    energy, forces, _ = calculator_results(model_file, atoms)
+    result = _run(tmp_path, lammps_file, _structure(atoms, made), 2)
+    tol = MODEL_TOL[torch.float32]
+    assert abs(result["energy"] - energy) <= tol * abs(energy)
+    got = torch.tensor(result["forces"], dtype=torch.float64)
+    assert rel_norm_error(got, torch.from_numpy(forces)) <= tol
+
+
 def test_a_trajectory_is_the_same_on_one_and_two_ranks(files, tmp_path):
     model_file, lammps_file, made = files["bundled"]
     atoms = _alloy([int(z) for z in made.model.atomic_numbers])

@@ -191,9 +191,10 @@ def test_each_rank_takes_its_local_rank(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_host_exchange_equals_the_pair_styles_own(cu_atoms, dtype):
-    """Through host arrays and only the rows that matter (the local atoms' rows out and the
-    ghosts' rows back on a forward exchange, the other way round on a reverse one), the same
-    as the pair style's exchange of the whole arrays; LAMMPS sees contiguous host arrays."""
+    """Through one host array, in place, and only the rows that matter (the local atoms' rows
+    out and the ghosts' rows back on a forward exchange, the other way round on a reverse one),
+    the same as the pair style's exchange of the whole arrays; LAMMPS sees a contiguous host
+    array."""
     from mace_accel.lammps import _HostArrays, _HostExchange
 
     data = RankData(cu_atoms, list(range(len(cu_atoms))), 4.5, {29: 0})
@@ -204,11 +205,13 @@ def test_the_host_exchange_equals_the_pair_styles_own(cu_atoms, dtype):
         nlocal = data.nlocal
 
         def forward_exchange(self, copy_from, copy_to, vec_len):
-            seen.append((copy_from.device.type, copy_from.is_contiguous(), copy_to.shape))
+            seen.append((copy_from.device.type, copy_from.is_contiguous(), copy_to.shape,
+                         copy_from.data_ptr() == copy_to.data_ptr()))
             data.forward_exchange(copy_from, copy_to, vec_len)
 
         def reverse_exchange(self, copy_from, copy_to, vec_len):
-            seen.append((copy_from.device.type, copy_from.is_contiguous(), copy_to.shape))
+            seen.append((copy_from.device.type, copy_from.is_contiguous(), copy_to.shape,
+                         copy_from.data_ptr() == copy_to.data_ptr()))
             data.reverse_exchange(copy_from, copy_to, vec_len)
 
     watched = Watched()
@@ -225,8 +228,8 @@ def test_the_host_exchange_equals_the_pair_styles_own(cu_atoms, dtype):
             # a forward exchange copies; a reverse one adds the ghosts' rows in another order
             tol = 0.0 if forward else 8 * torch.finfo(dtype).eps
             torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    assert seen and all(s == ("cpu", True, (data.ntotal, 7)) for s in seen)
-    assert len(arrays._kept) == 2  # one pair of host arrays for this dtype and width, reused
+    assert seen and all(s == ("cpu", True, (data.ntotal, 7), True) for s in seen)
+    assert len(arrays._kept) == 1  # one host array for this dtype and width, reused
 
 
 def test_ghost_owners_are_found_on_one_rank_and_refused_with_another_ranks_ghost(cu_atoms):
