@@ -7,13 +7,14 @@ its LAMMPS mode (``lammps_mliap=True``) with the fused kernels inside. The energ
 atom and the force of each pair go back to LAMMPS, which sums the forces on both atoms of a pair
 and the virial.
 
-Where every ghost of a rank is a periodic image of one of its own atoms (one rank: LAMMPS on
-one GPU), the model sees no ghost atoms at all: each pair's sender is the ghost's owner, found
-every call by one exchange of two numbers per atom (:func:`ghost_owners`). Nothing is exchanged
-between the blocks and no ghost's features are computed: the call is the one the ASE calculator
-makes. Otherwise (several ranks) the node features of the ghost atoms, which the later
-interaction blocks read, come from their owners through the pair style's exchange between the
-blocks, and its backward sends the ghosts' gradients home.
+On a run of one rank (LAMMPS on one GPU) every ghost is a periodic image of a local atom, and
+the model sees no ghost atoms at all: each pair's sender is the ghost's owner, found every call
+by one exchange of each local atom's index (:func:`ghost_owners`). Nothing is exchanged between
+the blocks and no ghost's features are computed: the call is the one the ASE calculator makes.
+On several ranks (all of them: each exchange is a call of all ranks together) the node features
+of the ghost atoms, which the later interaction blocks read, come from their owners through the
+pair style's exchange between the blocks, and its backward sends the ghosts' gradients home; a
+rank without local atoms still takes its part in those exchanges.
 
 The exchange is LAMMPS's: on a plain LAMMPS the one ``scripts/lammps/mliap-exchange.patch``
 adds (``scripts/build_lammps.sh`` applies it), which works on host arrays, so on a GPU each
@@ -25,10 +26,7 @@ Write the file LAMMPS loads with ``mace-accel convert MODEL --lammps``.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
-import socket
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -72,46 +70,51 @@ def import_before_lammps() -> None:
         pass
 
 
+def exchanged_widths(model: torch.nn.Module) -> List[int]:
+    """The values per atom of the model's exchanges, in the forward's order: the node features
+    that enter each interaction block after the first."""
+    return [int(block.node_feats_irreps.dim) for block in list(model.interactions)[1:]]
+
+
 def exchange_width(model: torch.nn.Module) -> int:
     """The most values per atom an exchange carries (what ``pair_style mliap ... exchange N``
-    must allow): the widest node features that enter an interaction block after the first, and
-    at least the two of :func:`ghost_owners`."""
-    widths = [int(block.node_feats_irreps.dim) for block in list(model.interactions)[1:]]
-    return max(widths + [OWNER_COLUMNS])
+    must allow)."""
+    return max(exchanged_widths(model), default=1)
 
 
-# what ghost_owners exchanges per atom: its index on the rank that owns it, and that rank's token
-OWNER_COLUMNS = 2
+def world_size(data: Any) -> int:
+    """The ranks of the LAMMPS run: the data's ``nprocs`` (``scripts/lammps/
+    mliap-world-size.patch``), else the MPI launcher's count (Open MPI, MPICH, Slurm), else 1.
+    Every rank must take the same path, since each exchange is a call of all ranks together;
+    an overcount only costs speed (a single rank then runs with its ghosts)."""
+    nprocs = getattr(data, "nprocs", None)
+    if nprocs is not None:
+        return int(nprocs)
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        value = os.environ.get(name)
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    return 1
 
 
-@functools.lru_cache(maxsize=None)
-def rank_token() -> float:
-    """A number that tells this process from every other rank of the run, exact in float64: the
-    process id (below 2**22, Linux's limit) and 30 bits of a hash of the host name (ranks on
-    different hosts with the same process id and the same hash: about one in a billion)."""
-    host = hashlib.sha256(socket.gethostname().encode()).digest()
-    return float((int.from_bytes(host[:4], "little") & (2**30 - 1)) * 2**22
-                 + (os.getpid() & (2**22 - 1)))
-
-
-def ghost_owners(data: Any) -> Optional[np.ndarray]:
-    """``[ntotal]`` int64: the local atom each atom of ``data`` is (itself for a local atom, the
-    owner for a ghost) where every ghost is an image of this rank's own atoms, else ``None``.
-
-    Found through the pair style's forward exchange (the values of a ghost's row come from its
-    owner, wherever it is) of each local atom's index and this rank's :func:`rank_token`; one
-    ``[ntotal, 2]`` float64 host array, in place. LAMMPS renumbers its ghosts when it rebuilds
-    its neighbour lists, which this does not see, so it runs every call."""
+def ghost_owners(data: Any) -> np.ndarray:
+    """``[ntotal]`` int64 on a run of one rank: the local atom each atom of ``data`` is (itself
+    for a local atom, the atom it is a periodic image of for a ghost), through one forward
+    exchange of each local atom's index (a ``[ntotal, 1]`` float64 host array, in place).
+    LAMMPS renumbers its ghosts when it rebuilds its neighbour lists, which a model does not
+    see, so this runs every call."""
     n_local, n_total = int(data.nlocal), int(data.ntotal)
     if n_total == n_local:
         return np.arange(n_local, dtype=np.int64)
-    rows = np.empty((n_total, OWNER_COLUMNS), dtype=np.float64)
+    rows = np.empty((n_total, 1), dtype=np.float64)
     rows[:n_local, 0] = np.arange(n_local)
-    rows[:n_local, 1] = rank_token()
-    data.forward_exchange(rows, rows, OWNER_COLUMNS)
-    if not (rows[n_local:, 1] == rank_token()).all():  # a ghost of another rank's atom
-        return None
-    return rows[:, 0].astype(np.int64)
+    data.forward_exchange(rows, rows, 1)
+    owners = rows[:, 0].astype(np.int64)
+    if owners.min() < 0 or owners.max() >= n_local:
+        raise RuntimeError("LAMMPS's exchange gave a ghost atom an owner outside this rank's "
+                           f"{n_local} atoms on a run of one rank; rebuild LAMMPS with "
+                           "scripts/build_lammps.sh")
+    return owners
 
 
 def _is_kokkos(data: Any) -> bool:
@@ -241,6 +244,9 @@ class LammpsModel(MLIAPUnified):
             self._prepare()
         n_local, n_total = int(data.nlocal), int(data.ntotal)
         if n_local == 0:
+            data.energy = 0.0  # LAMMPS adds it to the total as it finds it
+            if world_size(data) > 1 and not _is_kokkos(data):
+                self._join_exchanges(data, n_total)
             return
         batch = self._batch(data, n_local, n_total)
         out = self.model(batch, training=False, compute_force=False, compute_virials=False,
@@ -267,6 +273,20 @@ class LammpsModel(MLIAPUnified):
             data.update_pair_forces(pair_forces.numpy())
 
     # -- inside ------------------------------------------------------------------------------
+    def _join_exchanges(self, data: Any, n_total: int) -> None:
+        """A rank without local atoms takes its part in the exchanges the other ranks' models
+        make (each is a call of all ranks together, which would wait for this one for ever):
+        the forward exchange of each block after the first, then their reverse exchanges in
+        the backward's order, of zero rows (its ghosts' rows are nobody's)."""
+        values = np.float32 if self.dtype == "float32" else np.float64
+        widths = exchanged_widths(self.model)
+        for width in widths:
+            rows = np.zeros((n_total, width), dtype=values)
+            data.forward_exchange(rows, rows, width)
+        for width in reversed(widths):
+            rows = np.zeros((n_total, width), dtype=values)
+            data.reverse_exchange(rows, rows, width)
+
     def _prepare(self) -> None:
         """Move the model to this rank's device (``cuda:<local rank>``, else the CPU), cast it
         and accelerate it there, as every other way of evaluating a model does
@@ -295,9 +315,8 @@ class LammpsModel(MLIAPUnified):
             return torch.as_tensor(array).to(device)
 
         pair_i, pair_j = on_device(data.pair_i).long(), on_device(data.pair_j).long()
-        # files written before the owners' exchange may allow one value per atom
-        owners = (None if _is_kokkos(data) or self.exchange_width < OWNER_COLUMNS
-                  else ghost_owners(data))
+        owners = (ghost_owners(data) if not _is_kokkos(data) and world_size(data) == 1
+                  else None)
         if owners is not None:
             n_nodes, exchange = n_local, None
             senders = on_device(owners)[pair_j]

@@ -10,7 +10,8 @@
 # environment of `python` on PATH: LAMMPS must be built for the Python that loads it.
 # Patches: mliap-exchange.patch (the ghost atoms' exchange between a model's layers, which
 # only the KOKKOS build has otherwise), mliap-neighbor-rows.patch (a crash with 2+ ranks),
-# mliap-packed-rows.patch (the exchange moves each row's bytes; on top of the first).
+# mliap-packed-rows.patch (the exchange moves each row's bytes) and mliap-world-size.patch
+# (the data object's nprocs), both on top of the first.
 # Environment: JOBS (parallel compile jobs, default: the number of cores).
 set -euo pipefail
 
@@ -30,15 +31,26 @@ done
   "Cython in $python's environment: $python -m pip install cython" >&2; exit 2; }
 
 patches=$(cd "$(dirname "$0")/lammps" && pwd)
+# applied patches are noted in the source tree (name and checksum): a later patch may change
+# lines of an earlier one, which then neither applies nor reverses on the patched tree
+stamp="$src/.mace-accel-patches"
+touch "$stamp"
 for patch_file in "$patches"/*.patch; do
-  if patch -d "$src" -p1 -N --dry-run --silent < "$patch_file" > /dev/null 2>&1; then
+  name=$(basename "$patch_file")
+  sum=$(sha256sum "$patch_file" | cut -c1-16)
+  if grep -qx "$name $sum" "$stamp"; then
+    echo "$name is applied already"
+  elif patch -d "$src" -p1 -N --dry-run --silent < "$patch_file" > /dev/null 2>&1; then
     patch -d "$src" -p1 -N --silent < "$patch_file"
-    echo "applied $(basename "$patch_file")"
+    echo "$name $sum" >> "$stamp"
+    echo "applied $name"
   elif patch -d "$src" -p1 -R --dry-run --silent < "$patch_file" > /dev/null 2>&1; then
-    echo "$(basename "$patch_file") is applied already"
+    echo "$name $sum" >> "$stamp"  # applied before the tree kept notes
+    echo "$name is applied already"
   else
-    echo "build_lammps.sh: $(basename "$patch_file") does not apply to $src (another LAMMPS" \
-         "version?); it was written for the 4 Jul 2026 release" >&2
+    echo "build_lammps.sh: $name does not apply to $src (another LAMMPS version, or an" \
+         "earlier version of the patch: unpack the source afresh); it was written for the" \
+         "4 Jul 2026 release" >&2
     exit 1
   fi
 done

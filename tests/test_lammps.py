@@ -202,6 +202,18 @@ def test_lammps_on_gpus_equals_the_reference(files, tmp_path, name, dtype, ranks
     assert rel_norm_error(torch.tensor(pressure), torch.tensor(_lammps_virial(virial))) <= tol
 
 
+def test_a_rank_without_atoms_takes_part_in_the_exchanges(files, tmp_path):
+    """A slab in a box four times as long: the second rank's half holds no atom, only ghosts;
+    it still makes its part of the other rank's exchanges (else both wait for ever)."""
+    model_file, lammps_file, made = files["bundled"]
+    atoms = _alloy([int(z) for z in made.model.atomic_numbers])
+    atoms.positions[:, 0] += 1.0  # none across x = 0 (it would be wrapped into the far half)
+    atoms.set_cell([4 * atoms.cell[0, 0], atoms.cell[1, 1], atoms.cell[2, 2]])
+    energy, forces, virial = calculator_results(model_file, atoms)
+    result = _run(tmp_path, lammps_file, _structure(atoms, made), 2)
+    _check(result, energy, forces, virial, atoms.get_volume())
+
+
 def test_float32_features_cross_between_two_ranks(files, tmp_path):
     """A float32 model on two ranks: its ghosts' float32 rows cross through the exchange (two
     values to each of Comm's doubles) and the results are the float64 calculator's within the

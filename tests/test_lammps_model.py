@@ -232,30 +232,44 @@ def test_the_host_exchange_equals_the_pair_styles_own(cu_atoms, dtype):
     assert len(arrays._kept) == 1  # one host array for this dtype and width, reused
 
 
-def test_ghost_owners_are_found_on_one_rank_and_refused_with_another_ranks_ghost(cu_atoms):
-    from mace_accel.lammps import OWNER_COLUMNS, ghost_owners
+def test_ghost_owners_on_one_rank(cu_atoms):
+    from mace_accel.lammps import ghost_owners
 
     data = RankData(cu_atoms, list(range(len(cu_atoms))), 4.5, {29: 0})
     assert data.ntotal > data.nlocal
     np.testing.assert_array_equal(ghost_owners(data), data.owner)  # local index = atom index
 
-    class OtherRank(RankData):  # the last ghost's owner lives on another rank
+    class Broken(RankData):  # an exchange that leaves a ghost without its owner's index
         def forward_exchange(self, copy_from, copy_to, vec_len):
             super().forward_exchange(copy_from, copy_to, vec_len)
-            if vec_len == OWNER_COLUMNS:
-                copy_to[-1, 1] += 1.0
+            copy_to[-1, 0] = self.nlocal
 
-    other = OtherRank(cu_atoms, list(range(len(cu_atoms))), 4.5, {29: 0})
-    assert ghost_owners(other) is None
+    with pytest.raises(RuntimeError, match="outside this rank's"):
+        ghost_owners(Broken(cu_atoms, list(range(len(cu_atoms))), 4.5, {29: 0}))
+
+
+def test_the_ranks_come_from_lammps_else_the_launcher(monkeypatch):
+    from mace_accel.lammps import world_size
+
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert world_size(object()) == 1
+    monkeypatch.setenv("PMI_SIZE", "4")
+    assert world_size(object()) == 4
+
+    class Data:
+        nprocs = 2
+
+    assert world_size(Data()) == 2  # LAMMPS's own count first
 
 
 def test_ghost_atoms_with_exchanges_equal_the_calculator(model_file, lammps_model, cu_atoms,
                                                          monkeypatch):
-    """Where a rank's ghosts are not all its own images (several ranks), the ghosts are nodes
-    of the model and their features come through the exchanges between the blocks."""
+    """On several ranks the ghosts are nodes of the model and their features come through the
+    exchanges between the blocks (here one rank taken for one of several)."""
     import mace_accel.lammps as lammps_module
 
-    monkeypatch.setattr(lammps_module, "ghost_owners", lambda data: None)
+    monkeypatch.setattr(lammps_module, "world_size", lambda data: 2)
     atoms = cu_atoms.copy()
     atoms.numbers[[1, 4]] = 28
     energy, forces, virial = calculator_results(model_file, atoms)
@@ -264,3 +278,46 @@ def test_ghost_atoms_with_exchanges_equal_the_calculator(model_file, lammps_mode
     assert data.energy == pytest.approx(energy, rel=1e-12, abs=1e-12)
     np.testing.assert_allclose(_folded_forces(data, len(atoms)), forces, atol=1e-10)
     np.testing.assert_allclose(data.virial, virial, atol=1e-9)
+
+
+def test_a_rank_without_atoms_makes_the_same_exchanges(lammps_model, cu_atoms, monkeypatch):
+    """Each exchange is a call of all ranks together: a rank without local atoms makes the
+    same exchanges, of the same widths and in the same order, as one whose model runs."""
+    import mace_accel.lammps as lammps_module
+
+    monkeypatch.setattr(lammps_module, "world_size", lambda data: 2)
+
+    class Recorded(RankData):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.calls = []
+
+        def forward_exchange(self, copy_from, copy_to, vec_len):
+            self.calls.append(("forward", vec_len, copy_to.dtype))
+            super().forward_exchange(copy_from, copy_to, vec_len)
+
+        def reverse_exchange(self, copy_from, copy_to, vec_len):
+            self.calls.append(("reverse", vec_len, copy_to.dtype))
+            super().reverse_exchange(copy_from, copy_to, vec_len)
+
+    running = Recorded(cu_atoms, list(range(len(cu_atoms))), 4.5, {29: 0})
+    lammps_model.compute_forces(running)
+
+    class Empty:  # no local atoms, a few ghosts
+        nlocal, ntotal, npairs = 0, 3, 0
+
+        def __init__(self):
+            self.calls = []
+
+        def forward_exchange(self, copy_from, copy_to, vec_len):
+            assert copy_to.shape == (3, vec_len)
+            self.calls.append(("forward", vec_len, copy_to.dtype))
+
+        def reverse_exchange(self, copy_from, copy_to, vec_len):
+            assert copy_to.shape == (3, vec_len)
+            self.calls.append(("reverse", vec_len, copy_to.dtype))
+
+    empty = Empty()
+    lammps_model.compute_forces(empty)
+    assert running.calls and [c[:2] for c in empty.calls] == [c[:2] for c in running.calls]
+    assert all(str(c[2]).endswith("float64") for c in running.calls + empty.calls)

@@ -17,6 +17,8 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/lammps/src" "$stage/lammps/doc" "$stage/lammps/potentials"
 cp -r "$src/cmake" "$src/third_party" "$stage/lammps/"
 cp "$src"/LICENSE "$src"/README "$stage/lammps/" 2> /dev/null || true
+# the note of the patches applied to it (scripts/build_lammps.sh)
+cp "$src"/.mace-accel-patches "$stage/lammps/" 2> /dev/null || true
 cp "$src"/doc/lammps.1 "$stage/lammps/doc/" 2> /dev/null || true
 # the Python module without its examples (links into tools/, which is left out)
 mkdir -p "$stage/lammps/python" && cp -r "$src/python/lammps" "$stage/lammps/python/"
