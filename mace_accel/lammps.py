@@ -12,20 +12,22 @@ the model sees no ghost atoms at all: each pair's sender is the ghost's owner, f
 by one exchange of each local atom's index (:func:`ghost_owners`). Nothing is exchanged between
 the blocks and no ghost's features are computed: the call is the one the ASE calculator makes.
 On several ranks (all of them: each exchange is a call of all ranks together) the node features
-of the ghost atoms, which the later interaction blocks read, come from their owners through the
-pair style's exchange between the blocks, and its backward sends the ghosts' gradients home; a
-rank without local atoms still takes its part in those exchanges.
-
-The exchange is LAMMPS's: on a plain LAMMPS the one ``scripts/lammps/mliap-exchange.patch``
-adds (``scripts/build_lammps.sh`` applies it), which works on host arrays, so on a GPU each
-exchange copies the features to the host and back; on a KOKKOS build its own, on the device
-(that path follows mace's ML-IAP object and is untested here).
+of the ghost atoms, which the later interaction blocks read, come from their owners between the
+blocks, and the backward sends the ghosts' gradients home; a rank without local atoms still
+takes its part in those exchanges. They go between the devices through torch.distributed
+(:mod:`mace_accel.lammps_peers`: NCCL between GPUs, gloo between CPUs); where its process group
+cannot be made, through LAMMPS's own exchange (said once): on a plain LAMMPS the one
+``scripts/lammps/mliap-exchange.patch`` adds (``scripts/build_lammps.sh`` applies it), which
+works on host arrays, so on a GPU each exchange copies the features to the host and back; on a
+KOKKOS build its own, on the device (that path follows mace's ML-IAP object and is untested
+here).
 
 Write the file LAMMPS loads with ``mace-accel convert MODEL --lammps``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -43,6 +45,7 @@ except ImportError:  # the file is written without LAMMPS; LAMMPS loads it with 
 
 
 Tensor = torch.Tensor
+log = logging.getLogger(__name__)
 
 
 def local_rank() -> int:
@@ -219,16 +222,19 @@ class LammpsModel(MLIAPUnified):
         self.exchange_width = exchange_width(model)
         self._device: Optional[torch.device] = None
         self._host_arrays = _HostArrays()
+        self._said_why = False
 
     def __getstate__(self) -> Dict[str, Any]:
         state = self.__dict__.copy()
         state["_device"] = None  # each process picks its own
         state["_host_arrays"] = _HostArrays()
+        state["_said_why"] = False
         state.pop("interface", None)  # LAMMPS's coupling, set again on load
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        state.setdefault("_host_arrays", _HostArrays())  # files written before it existed
+        state.setdefault("_host_arrays", _HostArrays())  # files written before these existed
+        state.setdefault("_said_why", False)
         self.__dict__.update(state)
 
     # -- LAMMPS's calls ----------------------------------------------------------------------
@@ -273,19 +279,42 @@ class LammpsModel(MLIAPUnified):
             data.update_pair_forces(pair_forces.numpy())
 
     # -- inside ------------------------------------------------------------------------------
+    def _exchange(self, data: Any, n_local: int, wanted: bool = True) -> Any:
+        """The exchange between the blocks on several ranks: between the devices where the
+        ranks' process group can be made (:mod:`mace_accel.lammps_peers`), else LAMMPS's (the
+        KOKKOS build's where the arrays are; the plain one's through host arrays), said once."""
+        from mace_accel import lammps_peers
+
+        if _is_kokkos(data):
+            return data
+        device = self._device
+        why = ("the pair style allows one value per atom (pair_style mliap ... exchange N)"
+               if self.exchange_width < 2 else lammps_peers.peer_group(device, world_size(data)))
+        if why is None:
+            ranks, index = lammps_peers.find_owners(data)
+            plan = lammps_peers.PeerPlan(ranks, index, n_local, device, wanted)
+            return lammps_peers.PeerExchange(plan)
+        if not self._said_why:
+            log.warning("mace-accel: the ghost atoms' features cross between the ranks through "
+                        "LAMMPS's host arrays, not between the devices: %s", why)
+            self._said_why = True
+        return data if device.type == "cpu" else _HostExchange(data, self._host_arrays)
+
     def _join_exchanges(self, data: Any, n_total: int) -> None:
         """A rank without local atoms takes its part in the exchanges the other ranks' models
         make (each is a call of all ranks together, which would wait for this one for ever):
         the forward exchange of each block after the first, then their reverse exchanges in
         the backward's order, of zero rows (its ghosts' rows are nobody's)."""
-        values = np.float32 if self.dtype == "float32" else np.float64
+        exchange = self._exchange(data, 0, wanted=False)
+        dtype, device = getattr(torch, self.dtype), self._device
         widths = exchanged_widths(self.model)
-        for width in widths:
-            rows = np.zeros((n_total, width), dtype=values)
-            data.forward_exchange(rows, rows, width)
-        for width in reversed(widths):
-            rows = np.zeros((n_total, width), dtype=values)
-            data.reverse_exchange(rows, rows, width)
+        for width, forward in ([(w, True) for w in widths]
+                               + [(w, False) for w in reversed(widths)]):
+            rows = torch.zeros((n_total, width), dtype=dtype, device=device)
+            if forward:
+                exchange.forward_exchange(rows, rows.clone(), width)
+            else:
+                exchange.reverse_exchange(rows, rows.clone(), width)
 
     def _prepare(self) -> None:
         """Move the model to this rank's device (``cuda:<local rank>``, else the CPU), cast it
@@ -320,10 +349,9 @@ class LammpsModel(MLIAPUnified):
         if owners is not None:
             n_nodes, exchange = n_local, None
             senders = on_device(owners)[pair_j]
-        else:  # the KOKKOS build exchanges arrays where they are; the plain one host arrays
+        else:
             n_nodes, senders = n_total, pair_j
-            exchange = (data if device.type == "cpu" or _is_kokkos(data)
-                        else _HostExchange(data, self._host_arrays))
+            exchange = self._exchange(data, n_local)
         species = on_device(torch.as_tensor(data.elems)[:n_nodes]).long()
         return {
             "vectors": on_device(data.rij).to(dtype),

@@ -10,8 +10,9 @@ what several GPUs give.
 Each size: a rattled fcc alloy of the model's elements (as ``mace-accel bench``), 300 K, NVE
 velocity Verlet, 1 fs, a 1 Å neighbour skin; ``--warmup`` untimed steps, then ``--steps`` timed
 ones. Printed by rank 0, one JSON line per run: steps/s, and the time per step inside the
-model's ``compute_forces`` (``model_ms``), of which the host copies of the ghost exchanges
-(``exchange_ms``); the rest is LAMMPS (neighbour lists, communication, integration). With
+model's ``compute_forces`` (``model_ms``), of which the ghost exchanges (``exchange_ms``: the
+host copies and LAMMPS's communication, or the all-to-alls between the devices and their plan,
+timed to their end); the rest is LAMMPS (neighbour lists, communication, integration). With
 ``--ase``, the same structure's MD through :class:`mace_accel.MACEAccelCalculator` (CUDA graphs)
 in the same process, and the ratio. ``--exchange-only W`` (no model file, no GPU): a stand-in
 model that only runs LAMMPS's part of the exchanges, a forward and a reverse exchange in place of
@@ -54,6 +55,7 @@ def _clocks(made):
     """``(model, exchanges)``: wall clocks around ``made``'s ``compute_forces`` and around the
     host exchanges (their copies and LAMMPS's communication), wrapped once."""
     import mace_accel.lammps as accel_lammps
+    import mace_accel.lammps_peers as accel_peers
     from mace_accel.bench.timing import WallClock
 
     model_clock, exchange_clock = WallClock(), WallClock()
@@ -64,7 +66,25 @@ def _clocks(made):
     for name in ("forward_exchange", "reverse_exchange"):
         setattr(accel_lammps._HostExchange, name,
                 exchange_clock.wrap(getattr(accel_lammps._HostExchange, name)))
+        # between the devices the collectives are queued: timed to their end (a sync each side)
+        setattr(accel_peers.PeerExchange, name,
+                exchange_clock.wrap(_synced(getattr(accel_peers.PeerExchange, name))))
+    accel_peers.PeerPlan.__init__ = exchange_clock.wrap(_synced(accel_peers.PeerPlan.__init__))
     return model_clock, exchange_clock
+
+
+def _synced(fn):
+    """``fn`` with the GPU's queued work finished before and after it (where there is a GPU)."""
+    def synced(*args, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+    return synced
 
 
 class _ExchangeOnly:

@@ -321,3 +321,17 @@ def test_a_rank_without_atoms_makes_the_same_exchanges(lammps_model, cu_atoms, m
     lammps_model.compute_forces(empty)
     assert running.calls and [c[:2] for c in empty.calls] == [c[:2] for c in running.calls]
     assert all(str(c[2]).endswith("float64") for c in running.calls + empty.calls)
+
+
+def test_row_sums_add_the_rows_of_each_key_in_their_order():
+    from mace_accel.lammps_peers import RowSum
+
+    keys = np.asarray([5, 2, 5, 9, 2, 5])
+    sources = np.asarray([0, 1, 2, 3, 4, 5])
+    values = torch.randn(6, 3, dtype=torch.float64)
+    grouped = RowSum(keys, sources, torch.device("cpu"))
+    assert grouped.targets.tolist() == [2, 5, 9]
+    want = torch.stack([values[1] + values[4], values[0] + values[2] + values[5], values[3]])
+    assert torch.equal(grouped.sum(values), want)  # the same order, the same bits
+    empty = RowSum(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), torch.device("cpu"))
+    assert empty.sum(values).shape == (0, 3)
