@@ -335,3 +335,29 @@ def test_row_sums_add_the_rows_of_each_key_in_their_order():
     assert torch.equal(grouped.sum(values), want)  # the same order, the same bits
     empty = RowSum(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), torch.device("cpu"))
     assert empty.sum(values).shape == (0, 3)
+
+
+def test_the_ranks_group_is_made_only_where_the_launcher_says_how(monkeypatch):
+    """Without a launcher's rank and size, or with ranks on several hosts and no address, the
+    process group is not made and the reason is one line (the exchange then goes through
+    LAMMPS)."""
+    from mace_accel import lammps_peers
+
+    for name in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                 "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "SLURM_PROCID", "SLURM_NTASKS",
+                 "SLURM_NNODES", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(lammps_peers, "_STATE", {})
+    assert lammps_peers.launcher_world() is None
+    why = lammps_peers.peer_group(torch.device("cpu"), 2)
+    assert why and "launcher" in why and "\n" not in why
+    assert lammps_peers.peer_group(torch.device("cpu"), 2) == why  # decided once
+
+    monkeypatch.setattr(lammps_peers, "_STATE", {})
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")  # two hosts
+    assert lammps_peers.launcher_world()[:3] == (1, 4, 2)
+    assert "MASTER_ADDR" in lammps_peers.peer_group(torch.device("cpu"), 4)
+    monkeypatch.setattr(lammps_peers, "_STATE", {})
+    assert "LAMMPS 2" in lammps_peers.peer_group(torch.device("cpu"), 2)  # a different count
