@@ -87,17 +87,17 @@ def exchange_width(model: torch.nn.Module) -> int:
 
 def world_size(data: Any) -> int:
     """The ranks of the LAMMPS run: the data's ``nprocs`` (``scripts/lammps/
-    mliap-world-size.patch``), else the MPI launcher's count (Open MPI, MPICH, Slurm), else 1.
-    Every rank must take the same path, since each exchange is a call of all ranks together;
-    an overcount only costs speed (a single rank then runs with its ghosts)."""
+    mliap-world-size.patch``), else the MPI launcher's count
+    (:func:`~mace_accel.lammps_peers.launcher_world`), else 1. Every rank must take the same
+    path, since each exchange is a call of all ranks together; an overcount only costs speed
+    (a single rank then runs with its ghosts)."""
+    from mace_accel.lammps_peers import launcher_world
+
     nprocs = getattr(data, "nprocs", None)
     if nprocs is not None:
         return int(nprocs)
-    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
-        value = os.environ.get(name)
-        if value is not None and value.strip().isdigit():
-            return int(value)
-    return 1
+    world = launcher_world()
+    return world[1] if world is not None else 1
 
 
 def ghost_owners(data: Any) -> np.ndarray:

@@ -16,8 +16,8 @@ Every collective is a call of all ranks together, in the same order on each: a r
 local atoms makes them too (with nothing to ask and nothing asked of it).
 
 The process group is made once per process (:func:`peer_group`) from the MPI launcher's
-environment (Open MPI or Slurm; ``MASTER_ADDR`` and ``MASTER_PORT`` where the ranks span several
-hosts). Where it cannot be made, the caller exchanges through LAMMPS and says why once.
+environment (Open MPI or Slurm; MPICH with ``MASTER_ADDR`` and ``MASTER_PORT``, which ranks on
+several hosts need too). Where it cannot be made, the caller exchanges through LAMMPS and says why once.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -35,18 +35,22 @@ Tensor = torch.Tensor
 # the seconds the ranks wait for each other to make the process group
 RENDEZVOUS_SECONDS = 120
 
-_STATE: dict = {}  # "group": the device the group was made for, or "why": why it was not
+_STATE: Dict[str, Optional[str]] = {}  # "why": None once the group is made, else why not
 
 
 def launcher_world() -> Optional[Tuple[int, int, int, Optional[str]]]:
     """``(rank, size, ranks on this host, job id)`` from the MPI launcher's environment (Open
-    MPI, then Slurm), else None."""
+    MPI, then MPICH's Hydra, then Slurm), else None; an unknown count of ranks on this host is
+    0 and an unknown job id None."""
     env = os.environ
     if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
         size = int(env["OMPI_COMM_WORLD_SIZE"])
         return (int(env["OMPI_COMM_WORLD_RANK"]), size,
                 int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", size)),
                 env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid"))
+    if "PMI_SIZE" in env:
+        return (int(env.get("PMI_RANK", 0)), int(env["PMI_SIZE"]),
+                int(env.get("MPI_LOCALNRANKS", 0)), None)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         size = int(env["SLURM_NTASKS"])
         local = size if env.get("SLURM_NNODES", "1") == "1" else 0
@@ -60,19 +64,14 @@ def peer_group(device: torch.device, nprocs: int) -> Optional[str]:
     CPU); None when it is there, else why it cannot be (one line)."""
     import torch.distributed as dist
 
-    if "group" in _STATE or "why" in _STATE:
-        return _STATE.get("why")
-    why = None
-    if dist.is_initialized():
-        if dist.get_world_size() != nprocs:
-            why = (f"torch.distributed has {dist.get_world_size()} ranks, LAMMPS {nprocs}")
-    else:
-        why = _init_group(device, nprocs)
-    if why is None:
-        _STATE["group"] = device
-    else:
-        _STATE["why"] = why
-    return why
+    if "why" not in _STATE:
+        if not dist.is_initialized():
+            _STATE["why"] = _init_group(device, nprocs)
+        elif dist.get_world_size() != nprocs:
+            _STATE["why"] = f"torch.distributed has {dist.get_world_size()} ranks, LAMMPS {nprocs}"
+        else:
+            _STATE["why"] = None
+    return _STATE["why"]
 
 
 def _init_group(device: torch.device, nprocs: int) -> Optional[str]:
@@ -80,7 +79,7 @@ def _init_group(device: torch.device, nprocs: int) -> Optional[str]:
 
     world = launcher_world()
     if world is None:
-        return "no rank and size of an MPI launcher (Open MPI, Slurm) in the environment"
+        return "no rank and size of an MPI launcher (Open MPI, MPICH, Slurm) in the environment"
     rank, size, local_size, job = world
     if size != nprocs:
         return f"the launcher's environment says {size} ranks, LAMMPS {nprocs}"
@@ -175,10 +174,9 @@ class PeerPlan:
         self.own_sources = torch.from_numpy(index[own]).to(device)
         self.own_sum = RowSum(index[own], own, device)  # ghosts' gradients to their owners
         # the owners to ask for, each once: sorted by rank, then index
-        keys = ranks[remote] * (int(index.max(initial=0)) + 1) + index[remote]
-        unique, slot = np.unique(keys, return_inverse=True)
-        asked_ranks = unique // (int(index.max(initial=0)) + 1)
-        asked_index = unique % (int(index.max(initial=0)) + 1)
+        base = int(index.max(initial=0)) + 1
+        unique, slot = np.unique(ranks[remote] * base + index[remote], return_inverse=True)
+        asked_ranks, asked_index = np.divmod(unique, base)
         self.remote_rows = torch.from_numpy(remote).to(device)
         self.remote_slot = torch.from_numpy(slot.reshape(-1)).to(device)
         self.remote_sum = RowSum(slot.reshape(-1), remote, device)  # ghosts to their slots

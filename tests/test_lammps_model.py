@@ -344,7 +344,8 @@ def test_the_ranks_group_is_made_only_where_the_launcher_says_how(monkeypatch):
     from mace_accel import lammps_peers
 
     for name in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                 "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "SLURM_PROCID", "SLURM_NTASKS",
+                 "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "PMI_RANK", "PMI_SIZE",
+                 "MPI_LOCALNRANKS", "SLURM_PROCID", "SLURM_NTASKS",
                  "SLURM_NNODES", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(lammps_peers, "_STATE", {})
