@@ -180,25 +180,35 @@ def test_lammps_equals_the_calculator(files, tmp_path, name, ranks):
 def test_lammps_on_gpus_equals_the_reference(files, tmp_path, name, dtype, ranks):
     """One rank per GPU, the fused kernels inside LAMMPS (host exchanges between the blocks)
     against the float64 reference calculator, within the tolerance table (relative norms)."""
-    from mace_accel import cli
-    from mace_accel.tolerances import MODEL_TOL, rel_norm_error
-
     if torch.cuda.device_count() < ranks:
         pytest.skip(f"{ranks} ranks need {ranks} GPUs")
     model_file, _, made = files[name]
-    lammps_file = tmp_path / f"{name}-{dtype}.pt"
-    assert cli.main(["convert", str(model_file), str(lammps_file), "--lammps",
-                     "--dtype", dtype]) == 0
+    lammps_file = _converted(model_file, tmp_path / f"{name}-{dtype}.pt", dtype)
     atoms = _alloy([int(z) for z in made.model.atomic_numbers][:3])
     energy, forces, virial = calculator_results(model_file, atoms)
     result = _run(tmp_path, lammps_file, _structure(atoms, made), ranks, gpus=True)
     assert result["ranks"] == ranks
+    _check_within_tolerance(result, energy, forces, virial, atoms.get_volume(), dtype)
+
+
+def _converted(model_file: Path, out: Path, dtype: str) -> Path:
+    from mace_accel import cli
+
+    assert cli.main(["convert", str(model_file), str(out), "--lammps", "--dtype", dtype]) == 0
+    return out
+
+
+def _check_within_tolerance(result, energy, forces, virial, volume, dtype: str):
+    """Energy, forces and virial within the tolerance table's model-level bound for ``dtype``
+    (relative norms)."""
+    from mace_accel.tolerances import MODEL_TOL, rel_norm_error
+
     tol = MODEL_TOL[getattr(torch, dtype)]
     assert abs(result["energy"] - energy) <= tol * abs(energy)
     # LAMMPS's forces come back as a list: as float64, not torch's default dtype (float32)
     got = torch.tensor(result["forces"], dtype=torch.float64)
     assert rel_norm_error(got, torch.from_numpy(forces)) <= tol
-    pressure = np.asarray(result["virial_bar"]) / BAR_PER_EV_A3 * atoms.get_volume()
+    pressure = np.asarray(result["virial_bar"]) / BAR_PER_EV_A3 * volume
     assert rel_norm_error(torch.tensor(pressure), torch.tensor(_lammps_virial(virial))) <= tol
 
 
@@ -216,22 +226,14 @@ def test_a_rank_without_atoms_takes_part_in_the_exchanges(files, tmp_path):
 
 def test_float32_features_cross_between_two_ranks(files, tmp_path):
     """A float32 model on two ranks: its ghosts' float32 rows cross through the exchange (two
-    values to each of Comm's doubles) and the results are the float64 calculator's within the
-    float32 tolerance."""
-    from mace_accel import cli
-    from mace_accel.tolerances import MODEL_TOL, rel_norm_error
-
+    values to each of Comm's doubles) and the energy, forces and virial are the float64
+    calculator's within the float32 tolerance."""
     model_file, _, made = files["bundled"]
-    lammps_file = tmp_path / "bundled-float32.pt"
-    assert cli.main(["convert", str(model_file), str(lammps_file), "--lammps",
-                     "--dtype", "float32"]) == 0
+    lammps_file = _converted(model_file, tmp_path / "bundled-float32.pt", "float32")
     atoms = _alloy([int(z) for z in made.model.atomic_numbers])
-    energy, forces, _ = calculator_results(model_file, atoms)
+    energy, forces, virial = calculator_results(model_file, atoms)
     result = _run(tmp_path, lammps_file, _structure(atoms, made), 2)
-    tol = MODEL_TOL[torch.float32]
-    assert abs(result["energy"] - energy) <= tol * abs(energy)
-    got = torch.tensor(result["forces"], dtype=torch.float64)
-    assert rel_norm_error(got, torch.from_numpy(forces)) <= tol
+    _check_within_tolerance(result, energy, forces, virial, atoms.get_volume(), "float32")
 
 
 def test_a_trajectory_is_the_same_on_one_and_two_ranks(files, tmp_path):
