@@ -21,7 +21,7 @@ import torch
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from mace_accel.capture import CaptureError, unpack
+from mace_accel.capture import CaptureError, PinnedResults, unpack
 from mace_accel.errors import ConfigError, InputError
 from mace_accel.models.atoms_state import changed_properties
 from mace_accel.models.batch import model_info
@@ -107,7 +107,7 @@ class MACEAccelCalculator(Calculator):
         self._skin = _check_skin(skin)
         self.graphs = _resolve_graphs(graphs, self.device)
         self._graphed = None
-        self._host: Optional[torch.Tensor] = None  # pinned buffer the packed results land in
+        self._results = PinnedResults()  # where the packed results land
         if self.graphs:
             from mace_accel.capture import GraphedCall
 
@@ -243,22 +243,13 @@ class MACEAccelCalculator(Calculator):
                 self.graphs = False
                 torch.cuda.synchronize(self.device)
             else:
-                packed, shortest = unpack(self._fetch(out["packed"]), n_atoms, out["n_pad"],
-                                          want_stress)
+                packed, shortest = unpack(self._results.fetch(out["packed"]), n_atoms,
+                                          out["n_pad"], want_stress)
                 return _ase_results(packed, want_stress), shortest
         out = evaluate_model(self.model, batch, want_stress)
         results, values = _results(out, n_atoms, want_stress,
                                    [self._resident.shortest_distance(batch)])
         return results, float(values[0])
-
-    def _fetch(self, packed: torch.Tensor) -> np.ndarray:
-        """``packed`` to pinned host memory, then one wait."""
-        size = int(packed.numel())
-        if self._host is None or self._host.numel() < size:
-            self._host = torch.empty(size, dtype=torch.float64, pin_memory=True)
-        self._host[:size].copy_(packed, non_blocking=True)
-        torch.cuda.current_stream(packed.device).synchronize()
-        return self._host.numpy()[:size]
 
 
 @dataclasses.dataclass

@@ -49,6 +49,12 @@ CELLS = ("cell", "rcell")
 LABELS = ("energy", "forces", "stress", "virials", "dipole", "polarizability")
 
 
+# the most edges a captured call has: a graph keeps its working set in its own memory pool, and
+# a capture first runs the call eagerly beside the graphs already kept, so a large structure
+# would need its working set twice; there the call is bound by the GPU's work, not by launches,
+# and runs eagerly (4.2M edges: about 54,000 atoms of a dense solid at 6 Å)
+GRAPH_MAX_EDGES = 1 << 22
+
 # padding edges per padding atom at most: each atom's edges are one thread block's work in the
 # fused convolution, so piling every padding edge onto one atom would make a long tail (a real
 # atom of a dense solid has ~80 edges at 6 Å)
@@ -123,7 +129,8 @@ def pack(inputs: Dict[str, Tensor], out: Dict[str, Tensor], compute_stress: bool
          shortest: Optional[Tensor] = None) -> Tensor:
     """All results of a padded call in one float64 vector, so that a step copies them to the
     host with one copy: ``[energy, shortest edge (Å), stress (9, if computed),
-    node energies (N_pad), forces (3 N_pad)]`` (:func:`unpack` reads it).
+    node energies (N_pad), forces (3 N_pad), edge gradients (3 E_pad, if computed)]``
+    (:func:`unpack` reads it).
 
     ``shortest``: :func:`shortest_edge` of ``inputs`` if already computed (the capture runs it
     on a side stream beside the model)."""
@@ -133,13 +140,16 @@ def pack(inputs: Dict[str, Tensor], out: Dict[str, Tensor], compute_stress: bool
     if compute_stress:
         parts.append(out["stress"][:1].reshape(-1))
     parts += [out["node_energy"].reshape(-1), out["forces"].reshape(-1)]
+    if "edge_gradients" in out:
+        parts.append(out["edge_gradients"].reshape(-1))
     return torch.cat([p.detach().to(torch.float64).reshape(-1) for p in parts])
 
 
-def unpack(flat, n_atoms: int, n_pad: int, with_stress: bool) -> Tuple[Dict[str, object], float]:
+def unpack(flat, n_atoms: int, n_pad: int, with_stress: bool, n_edges: Optional[int] = None
+           ) -> Tuple[Dict[str, object], float]:
     """``(results, shortest edge)`` from a packed vector copied to the host (numpy float64):
     ``energy`` (float), ``node_energy [n_atoms]``, ``forces [n_atoms, 3]``, ``stress [3, 3]``
-    (if packed), as copies."""
+    (if packed), ``edge_gradients [n_edges, 3]`` (if packed: give ``n_edges``), as copies."""
     head = 11 if with_stress else 2
     results: Dict[str, object] = {"energy": float(flat[0])}
     if with_stress:
@@ -147,7 +157,28 @@ def unpack(flat, n_atoms: int, n_pad: int, with_stress: bool) -> Tuple[Dict[str,
     results["node_energy"] = flat[head:head + n_atoms].copy()
     forces = flat[head + n_pad:head + 4 * n_pad].reshape(n_pad, 3)
     results["forces"] = forces[:n_atoms].copy()
+    if n_edges is not None:
+        start = head + 4 * n_pad
+        results["edge_gradients"] = flat[start:start + 3 * n_edges].reshape(n_edges, 3).copy()
     return results, float(flat[1])
+
+
+class PinnedResults:
+    """The page-locked float64 host buffer a call's packed results (:func:`pack`) land in: one
+    copy from the device, then one wait; grown as needed."""
+
+    def __init__(self) -> None:
+        self._host: Optional[Tensor] = None
+
+    def fetch(self, packed: Tensor):
+        """``packed [P]`` (float64, on a CUDA device) as a numpy view of the buffer, valid
+        until the next fetch."""
+        size = int(packed.numel())
+        if self._host is None or self._host.numel() < size:
+            self._host = torch.empty(size, dtype=torch.float64, pin_memory=True)
+        self._host[:size].copy_(packed, non_blocking=True)
+        torch.cuda.current_stream(packed.device).synchronize()
+        return self._host.numpy()[:size]
 
 
 def n_structures(batch: Dict[str, Tensor]) -> int:
@@ -265,8 +296,9 @@ class GraphedCall:
 
     Call it with a one-structure mace batch dict (as :func:`mace_accel.models.batch.atoms_to_batch`
     makes it, on the model's device) and get ``{"energy": [1], "forces": [N, 3],
-    "node_energy": [N], "stress": [1, 3, 3] (if asked), "packed": [P] (:func:`pack`),
-    "n_pad": N_pad}`` (views of the static outputs: copy them before the next call).
+    "node_energy": [N], "stress": [1, 3, 3] (if asked), "edge_gradients": [E, 3] (if asked:
+    dE/dv of each edge vector), "packed": [P] (:func:`pack`), "n_pad": N_pad}`` (views of the
+    static outputs: copy them before the next call).
     """
 
     def __init__(self, model: torch.nn.Module, r_max: float, max_graphs: int = 8) -> None:
@@ -279,11 +311,12 @@ class GraphedCall:
         self.n_captures = 0
 
     # -- public ---------------------------------------------------------------------------------
-    def __call__(self, batch: Dict[str, Tensor], compute_stress: bool) -> Dict[str, Tensor]:
+    def __call__(self, batch: Dict[str, Tensor], compute_stress: bool,
+                 edge_gradients: bool = False) -> Dict[str, Tensor]:
         n_atoms = int(batch["positions"].shape[0])
         n_edges = int(batch["edge_index"].shape[1])
         key = (*padded_shape(n_atoms, n_edges), bool(compute_stress),
-               batch["positions"].dtype, batch["positions"].device)
+               batch["positions"].dtype, batch["positions"].device, bool(edge_gradients))
         entry = self._graphs.get(key)
         if entry is not None:
             self._graphs.move_to_end(key)
@@ -293,7 +326,7 @@ class GraphedCall:
                 self.drop("the model changed since its call was captured")
                 entry = None
         if entry is None:
-            entry = self._capture(key, batch, compute_stress)
+            entry = self._capture(key, batch, compute_stress, edge_gradients)
         entry.graph.replay()
         out = {"energy": entry.outputs["energy"][:1],
                "forces": entry.outputs["forces"][:n_atoms],
@@ -301,6 +334,8 @@ class GraphedCall:
                "packed": entry.packed, "n_pad": key[0]}
         if compute_stress:
             out["stress"] = entry.outputs["stress"][:1]
+        if edge_gradients:
+            out["edge_gradients"] = entry.outputs["edge_gradients"][:n_edges]
         return out
 
     def drop(self, why: str = "") -> None:
@@ -323,29 +358,36 @@ class GraphedCall:
     def _fill(self, entry: _Captured, batch: Dict[str, Tensor]) -> Set[str]:
         return fill_static(entry, batch, self.pad_length)
 
-    def padded_eager(self, batch: Dict[str, Tensor], compute_stress: bool) -> Dict[str, Tensor]:
+    def padded_eager(self, batch: Dict[str, Tensor], compute_stress: bool,
+                     edge_gradients: bool = False) -> Dict[str, Tensor]:
         """The padded call run eagerly (no graph): what a replay computes. For tests, and on
         devices without CUDA graphs."""
         n_atoms, n_edges = int(batch["positions"].shape[0]), int(batch["edge_index"].shape[1])
         key = (*padded_shape(n_atoms, n_edges), bool(compute_stress))
         entry = _Captured(None, self._static_inputs(key, batch), {}, 0, 0)
         self._fill(entry, batch)
-        out = self._run(entry.inputs, compute_stress)
+        out = self._run(entry.inputs, compute_stress, edge_gradients)
         result = {"energy": out["energy"][:1], "forces": out["forces"][:n_atoms],
                   "node_energy": out["node_energy"][:n_atoms],
                   "packed": pack(entry.inputs, out, compute_stress), "n_pad": key[0],
                   "padding": {"energy": out["energy"][1:], "forces": out["forces"][n_atoms:]}}
         if compute_stress:
             result["stress"] = out["stress"][:1]
+        if edge_gradients:
+            result["edge_gradients"] = out["edge_gradients"][:n_edges]
         return result
 
     # -- capture --------------------------------------------------------------------------------
-    def _run(self, inputs: Dict[str, Tensor], compute_stress: bool) -> Dict[str, Tensor]:
-        out = evaluate_model(self.model, dict(inputs), compute_stress)  # stress from the edges
-        keep = ("energy", "forces", "node_energy") + (("stress",) if compute_stress else ())
+    def _run(self, inputs: Dict[str, Tensor], compute_stress: bool,
+             edge_gradients: bool = False) -> Dict[str, Tensor]:
+        # stress from the edges
+        out = evaluate_model(self.model, dict(inputs), compute_stress, edge_gradients)
+        keep = (("energy", "forces", "node_energy") + (("stress",) if compute_stress else ())
+                + (("edge_gradients",) if edge_gradients else ()))
         return {k: out[k] for k in keep}
 
-    def _capture(self, key: Tuple, batch: Dict[str, Tensor], compute_stress: bool) -> _Captured:
+    def _capture(self, key: Tuple, batch: Dict[str, Tensor], compute_stress: bool,
+                 edge_gradients: bool) -> _Captured:
         while len(self._graphs) >= self.max_graphs:
             old, _ = self._graphs.popitem(last=False)
             log.debug("mace-accel: dropped the CUDA graph of bucket %s", old[:3])
@@ -356,8 +398,12 @@ class GraphedCall:
         side = side_stream("warm-up", batch["positions"].device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._run(entry.inputs, compute_stress)
+            self._run(entry.inputs, compute_stress, edge_gradients)
         torch.cuda.current_stream().wait_stream(side)
+        # the warm-up's memory back to the device for the graph's own pool: a large structure's
+        # capture then needs its working set once, not twice
+        torch.cuda.synchronize(batch["positions"].device)
+        torch.cuda.empty_cache()
         keep_edge_orderings(entry)
         try:
             with torch.cuda.graph(entry.graph, pool=self._pool):
@@ -366,7 +412,7 @@ class GraphedCall:
                 side.wait_stream(main)
                 with torch.cuda.stream(side):
                     shortest = shortest_edge(entry.inputs)
-                entry.outputs = self._run(entry.inputs, compute_stress)
+                entry.outputs = self._run(entry.inputs, compute_stress, edge_gradients)
                 main.wait_stream(side)
                 entry.packed = pack(entry.inputs, entry.outputs, compute_stress, shortest)
         except Exception as exc:  # anything the model does that a graph cannot hold

@@ -223,18 +223,21 @@ class LammpsModel(MLIAPUnified):
         self._device: Optional[torch.device] = None
         self._host_arrays = _HostArrays()
         self._said_why = False
+        self._local: Optional[Any] = None  # LocalCall, made on the first one-rank call
 
     def __getstate__(self) -> Dict[str, Any]:
         state = self.__dict__.copy()
         state["_device"] = None  # each process picks its own
         state["_host_arrays"] = _HostArrays()
         state["_said_why"] = False
+        state["_local"] = None
         state.pop("interface", None)  # LAMMPS's coupling, set again on load
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state.setdefault("_host_arrays", _HostArrays())  # files written before these existed
         state.setdefault("_said_why", False)
+        state.setdefault("_local", None)
         self.__dict__.update(state)
 
     # -- LAMMPS's calls ----------------------------------------------------------------------
@@ -254,7 +257,12 @@ class LammpsModel(MLIAPUnified):
             if world_size(data) > 1 and not _is_kokkos(data):
                 self._join_exchanges(data, n_total)
             return
-        batch = self._batch(data, n_local, n_total)
+        owners = (ghost_owners(data) if not _is_kokkos(data) and world_size(data) == 1
+                  else None)
+        if owners is not None and self._local_supported():
+            self._local_forces(data, owners, n_local)
+            return
+        batch = self._batch(data, n_local, n_total, owners)
         out = self.model(batch, training=False, compute_force=False, compute_virials=False,
                          compute_stress=False, compute_displacement=False,
                          compute_edge_forces=True, lammps_mliap=True)
@@ -279,6 +287,35 @@ class LammpsModel(MLIAPUnified):
             data.update_pair_forces(pair_forces.numpy())
 
     # -- inside ------------------------------------------------------------------------------
+    def _local_supported(self) -> bool:
+        """Whether the model's energy depends on the positions through its edge vectors only
+        (mace's MACE and ScaleShiftMACE), as :class:`~mace_accel.lammps_local.LocalCall`
+        needs for pair forces; other classes take mace's LAMMPS mode."""
+        from mace_accel.models.outputs import stress_from_edges_supported
+
+        return stress_from_edges_supported(self.model)
+
+    def _local_forces(self, data: Any, owners: np.ndarray, n_local: int) -> None:
+        """One rank: the calculator's call on the local atoms
+        (:class:`~mace_accel.lammps_local.LocalCall`, CUDA graphs on a GPU); each atom's force
+        added to LAMMPS's force array, or, on a step that asks for the virial, the pair
+        forces handed to LAMMPS (which sums them and the virial)."""
+        if self._local is None:
+            from mace_accel.lammps_local import LocalCall
+            from mace_accel.models.batch import model_info
+
+            self._local = LocalCall(self.model, model_info(self.model).r_max, self.head_index,
+                                    len(self.element_types), self._device,
+                                    getattr(torch, self.dtype), self._device.type == "cuda")
+        per_pair = bool(int(data.vflag))
+        node_energy, forces, energy = self._local(data, owners, per_pair)
+        data.eatoms = node_energy
+        data.energy = energy
+        if not per_pair:
+            np.asarray(data.f)[:n_local] += forces
+        elif int(data.npairs) > 0:
+            data.update_pair_forces(np.ascontiguousarray(forces))
+
     def _exchange(self, data: Any, n_local: int, wanted: bool = True) -> Any:
         """The exchange between the blocks on several ranks: between the devices where the
         ranks' process group can be made (:mod:`mace_accel.lammps_peers`), else LAMMPS's (the
@@ -333,19 +370,19 @@ class LammpsModel(MLIAPUnified):
         prepared = prepare_model(self.model, device, self.dtype, self.head, options)
         self.model, self._device = prepared.model, device
 
-    def _batch(self, data: Any, n_local: int, n_total: int) -> Dict[str, Any]:
+    def _batch(self, data: Any, n_local: int, n_total: int,
+               owners: Optional[np.ndarray]) -> Dict[str, Any]:
         """mace's LAMMPS-mode input of this rank's atoms and pairs (sender ``j``, receiver
         ``i``: a pair ``i -> j`` carries ``j``'s message to ``i``): the local atoms only, each
         pair's sender its ghost's owner, where :func:`ghost_owners` finds every owner here;
-        else the ghosts too, with the exchange that fills in their features."""
+        else (``owners`` None) the ghosts too, with the exchange that fills in their
+        features."""
         device, dtype = self._device, getattr(torch, self.dtype)
 
         def on_device(array: Any) -> Tensor:  # as LAMMPS has it: the casts run on the device
             return torch.as_tensor(array).to(device)
 
         pair_i, pair_j = on_device(data.pair_i).long(), on_device(data.pair_j).long()
-        owners = (ghost_owners(data) if not _is_kokkos(data) and world_size(data) == 1
-                  else None)
         if owners is not None:
             n_nodes, exchange = n_local, None
             senders = on_device(owners)[pair_j]

@@ -12,7 +12,9 @@ velocity Verlet, 1 fs, a 1 Å neighbour skin; ``--warmup`` untimed steps, then `
 ones. Printed by rank 0, one JSON line per run: steps/s, and the time per step inside the
 model's ``compute_forces`` (``model_ms``), of which the ghost exchanges (``exchange_ms``: the
 host copies and LAMMPS's communication, or the all-to-alls between the devices and their plan,
-timed to their end); the rest is LAMMPS (neighbour lists, communication, integration). With
+timed to their end); the rest is LAMMPS (neighbour lists, ML-IAP's pair arrays, communication,
+integration: give it threads with ``OMP_NUM_THREADS``); ``gpu_peak_gib``: rank 0's GPU memory
+at its fullest during the timed steps (with the warm-up's CUDA graphs). With
 ``--ase``, the same structure's MD through :class:`mace_accel.MACEAccelCalculator` (CUDA graphs)
 in the same process, and the ratio. ``--exchange-only W`` (no model file, no GPU): a stand-in
 model that only runs LAMMPS's part of the exchanges, a forward and a reverse exchange in place of
@@ -146,6 +148,8 @@ def _lammps_md(made, clocks, atoms, steps: int, warmup: int) -> dict:
            "velocity all create 300.0 4928459 mom yes rot yes dist gaussian",
            "timestep 0.001", "fix nve all nve", "thermo 0", f"run {warmup}"])
     model_clock.seconds = exchange_clock.seconds = 0.0
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     lmp.command(f"run {steps} pre no post no")
     seconds = time.perf_counter() - t0
@@ -156,6 +160,8 @@ def _lammps_md(made, clocks, atoms, steps: int, warmup: int) -> dict:
               "model_ms": 1e3 * model_clock.seconds / steps,
               "exchange_ms": 1e3 * exchange_clock.seconds / steps,
               "pe": lmp.get_thermo("pe")}
+    if torch.cuda.is_available():  # this rank's GPU memory at its fullest (since the warm-up)
+        record["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     lmp.close()
     _FINALIZE.append(lmp.lib.lammps_mpi_finalize)
     return record if rank == 0 else {}

@@ -6,7 +6,8 @@ under ``mpirun -np N`` for N ranks.
 STRUCTURE.json: ``{"symbols", "positions", "cell", "masses", "elements", "exchange"}``
 (``elements`` and ``masses`` per LAMMPS atom type). OUT.json (written by rank 0): the potential
 energy (eV), the forces (eV/Å, in the structure's atom order), the virial pressure tensor (bar:
-xx, yy, zz, xy, xz, yz) and, with ``--steps``, the positions after that many NVE steps (1 fs).
+xx, yy, zz, xy, xz, yz), the forces of a step that asks for no virial and, with ``--steps``,
+the positions after that many NVE steps (1 fs).
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ def main(argv) -> int:
               "virial_bar": [lmp.extract_compute("virial", 0, 1)[i] for i in range(6)],
               "ranks": lmp.extract_setting("world_size")}
     forces = _gather(lmp, "f")
+    # the forces of a step that asks for no virial (one rank then takes them per atom, not
+    # per pair): step 2 of 3 that do not move the atoms (a zero time step); LAMMPS asks for
+    # the virial on the first and the last
+    lmp.commands_list(["fix still all nve", "timestep 0.0", "fix kept all store/state 2 fx fy fz",
+                       "thermo 0", "run 3"])
+    result["forces_without_virial"] = _gather(lmp, "f_kept").tolist()
+    lmp.commands_list(["unfix kept", "unfix still"])
     if steps:
         lmp.commands_list(["velocity all create 300.0 4928459 mom yes rot yes dist gaussian",
                            "timestep 0.001", "fix nve all nve", f"run {steps}"])
@@ -71,8 +79,9 @@ def main(argv) -> int:
 
 
 def _gather(lmp, name: str) -> np.ndarray:
-    """``[natoms, 3]`` of a per-atom array, every rank's local atoms, in atom-id order."""
-    values = lmp.gather_atoms(name, 1, 3)
+    """``[natoms, 3]`` of a per-atom array (``x``, ``f``, or ``f_ID`` of a fix), every rank's
+    local atoms, in atom-id order."""
+    values = lmp.gather(name, 1, 3)
     return np.asarray(values[:], dtype=np.float64).reshape(-1, 3)
 
 

@@ -54,6 +54,8 @@ class RankData:
         numbers = atoms.get_atomic_numbers()
         self.elems = np.asarray([species[int(numbers[a])] for a in self.owner], dtype=np.int32)
         self.forces = np.zeros((self.ntotal, 3))
+        self.f = self.forces  # LAMMPS's force array, which a model may add to directly
+        self.vflag = 2  # LAMMPS asks for the virial (0: it does not, this step)
         self.eatoms = None
         self.energy = None
         self.exchanges = 0
@@ -96,9 +98,10 @@ def calculator_results(model_file, atoms):
             -atoms.get_stress(voigt=False) * atoms.get_volume())
 
 
-def _run_one_rank(lammps_model: LammpsModel, atoms) -> RankData:
+def _run_one_rank(lammps_model: LammpsModel, atoms, vflag: int = 2) -> RankData:
     model = lammps_model.model
     data = RankData(atoms, list(range(len(atoms))), float(model.r_max), _species(model))
+    data.vflag = vflag
     lammps_model.compute_forces(data)
     return data
 
@@ -120,17 +123,24 @@ def lammps_model(model_file):
     return pickle.loads(pickle.dumps(made))  # as LAMMPS loads the file
 
 
-def test_one_rank_equals_the_calculator(model_file, lammps_model, cu_atoms):
+@pytest.mark.parametrize("vflag", [2, 0])
+def test_one_rank_equals_the_calculator(model_file, lammps_model, cu_atoms, vflag):
+    """With the virial asked for, pair forces (LAMMPS sums them and the virial); without,
+    each local atom's force added to LAMMPS's force array, the ghosts' left at zero."""
     atoms = cu_atoms.copy()
     atoms.numbers[[1, 4]] = 28  # Cu and Ni
     energy, forces, virial = calculator_results(model_file, atoms)
-    data = _run_one_rank(lammps_model, atoms)
+    data = _run_one_rank(lammps_model, atoms, vflag)
     assert data.ntotal > data.nlocal  # periodic images as ghosts
     assert data.exchanges == 1  # the owners' only: one rank's model sees no ghost atoms
     assert data.energy == pytest.approx(energy, rel=1e-12, abs=1e-12)
     np.testing.assert_allclose(data.eatoms.sum(), energy, rtol=1e-12)
     np.testing.assert_allclose(_folded_forces(data, len(atoms)), forces, atol=1e-10)
-    np.testing.assert_allclose(data.virial, virial, atol=1e-9)
+    if vflag:
+        np.testing.assert_allclose(data.virial, virial, atol=1e-9)
+    else:
+        assert not hasattr(data, "virial")  # no per-pair call
+        assert not data.forces[data.nlocal:].any()
 
 
 def test_the_file_names_the_elements_cutoff_and_exchange(lammps_model):

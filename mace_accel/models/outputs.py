@@ -37,10 +37,12 @@ def stress_from_edges_supported(model: torch.nn.Module) -> bool:
             and isinstance(getattr(model, "spherical_harmonics", None), torch.nn.Module))
 
 
-def evaluate(model: torch.nn.Module, batch: Dict[str, Tensor], compute_stress: bool
-             ) -> Dict[str, Tensor]:
-    """``{"energy" [S], "node_energy" [N], "forces" [N, 3], "stress" [S, 3, 3] (if asked)}``
-    of a batch whose edges are grouped by structure (structure 0's edges first, then 1, ...).
+def evaluate(model: torch.nn.Module, batch: Dict[str, Tensor], compute_stress: bool,
+             edge_gradients: bool = False) -> Dict[str, Tensor]:
+    """``{"energy" [S], "node_energy" [N], "forces" [N, 3], "stress" [S, 3, 3] (if asked),
+    "edge_gradients" [E, 3] (if asked: dE/dv of each edge vector v, for models that
+    :func:`stress_from_edges_supported`)}`` of a batch whose edges are grouped by structure
+    (structure 0's edges first, then 1, ...).
 
     Equal to ``model(batch, training=False, compute_force=True, compute_stress=...)`` (mace's
     stress convention and its zeroing of the stress of a structure without a volume); the
@@ -52,10 +54,13 @@ def evaluate(model: torch.nn.Module, batch: Dict[str, Tensor], compute_stress: b
     if plan is not None:
         head = energy_head.forward(model, plan, batch)
         grads = _gradients(head.differentiable.sum(), batch, head.vectors, head.lengths,
-                           compute_stress)
+                           compute_stress, edge_gradients)
         head.wait()  # the energies ran on a side stream beside the backward
         return {"energy": head.energy, "node_energy": head.node_energy, **grads}
-    if not compute_stress or not stress_from_edges_supported(model):
+    if edge_gradients and not stress_from_edges_supported(model):
+        raise ValueError(f"{type(model).__name__}: no per-edge gradients (its energy may "
+                         "depend on more than the edge vectors)")
+    if not (compute_stress or edge_gradients) or not stress_from_edges_supported(model):
         return model(batch, training=False, compute_force=True, compute_stress=compute_stress)
     captured: List[Tensor] = []
     lengths_seen: List[Tensor] = []
@@ -71,16 +76,19 @@ def evaluate(model: torch.nn.Module, batch: Dict[str, Tensor], compute_stress: b
     if len(captured) != 1:
         raise RuntimeError(f"expected one call of the spherical harmonics, saw {len(captured)}")
     lengths = lengths_seen[0] if len(lengths_seen) == 1 else None
-    return {**out, **_gradients(out["energy"].sum(), batch, captured[0], lengths, True)}
+    return {**out, **_gradients(out["energy"].sum(), batch, captured[0], lengths,
+                                compute_stress, edge_gradients)}
 
 
 def _gradients(energy: Tensor, batch: Dict[str, Tensor], vectors: Tensor,
-               lengths: Optional[Tensor], compute_stress: bool) -> Dict[str, Tensor]:
-    """``{"forces" [N, 3], "stress" [S, 3, 3] (if asked)}`` from one backward of the scalar
-    ``energy`` (the sum over structures) to the positions (and the edge ``vectors [E, 3]``,
-    ``lengths [E, 1]`` the model computed from them)."""
+               lengths: Optional[Tensor], compute_stress: bool,
+               edge_gradients: bool = False) -> Dict[str, Tensor]:
+    """``{"forces" [N, 3], "stress" [S, 3, 3] (if asked), "edge_gradients" [E, 3] (if
+    asked)}`` from one backward of the scalar ``energy`` (the sum over structures) to the
+    positions (and the edge ``vectors [E, 3]``, ``lengths [E, 1]`` the model computed from
+    them)."""
     positions = batch["positions"]
-    if not compute_stress:  # seeded with -1: the forces themselves, no negation kernel
+    if not (compute_stress or edge_gradients):  # seeded with -1: the forces, no negation
         grad = torch.autograd.grad([energy], [positions], [torch.full_like(energy, -1.0)],
                                    allow_unused=True)[0]
         return {"forces": grad if grad is not None else torch.zeros_like(positions)}
@@ -96,13 +104,19 @@ def _gradients(energy: Tensor, batch: Dict[str, Tensor], vectors: Tensor,
             torch.zeros_like(vectors) if grad_vectors is None else grad_vectors,
             grads[2], vectors.detach(), lengths.detach())
     forces = -grad_positions if grad_positions is not None else torch.zeros_like(positions)
+    out = {"forces": forces}
+    if edge_gradients:
+        out["edge_gradients"] = (grad_vectors if grad_vectors is not None
+                                 else torch.zeros_like(vectors))
+    if not compute_stress:
+        return out
     n_graphs = int(batch["ptr"].numel()) - 1
     strain = _strain_derivative(vectors.detach(), grad_vectors, batch, n_graphs)
     cell = batch["cell"].view(-1, 3, 3)
     volume = torch.linalg.det(cell).abs().view(-1, 1, 1)
     stress = 0.5 * (strain + strain.transpose(1, 2)) / volume
-    stress = torch.where(stress.abs() < 1e10, stress, torch.zeros_like(stress))  # as mace
-    return {"forces": forces, "stress": stress}
+    out["stress"] = torch.where(stress.abs() < 1e10, stress, torch.zeros_like(stress))  # mace
+    return out
 
 
 def _strain_derivative(vectors: Tensor, grad: Tensor, batch: Dict[str, Tensor],

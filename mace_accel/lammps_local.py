@@ -1,0 +1,150 @@
+"""LAMMPS on one rank: the model's call on the local atoms, as the ASE calculator makes it.
+
+On a run of one rank every ghost atom is a periodic image of a local atom, so LAMMPS's pairs
+``i -> j`` (``rij = r_j - r_i``) are the periodic structure's edges once each ghost ``j`` is
+replaced by its owner: mace's ordinary batch of the local atoms, every atom at the origin and
+each edge's whole vector in its shift (``shifts = r_i - r_j``: mace's edge vector is
+``positions[receiver] - positions[sender] + shift``, receiver ``i``, sender ``j``). The forces
+are then the gradient with respect to the positions, summed onto each atom inside the fused
+kernels (deterministic), and LAMMPS gets them per atom: ``[nlocal, 3]`` back from the device
+instead of ``[npairs, 3]``, and no per-pair loop in LAMMPS. On a GPU the call is a CUDA graph
+replay per shape bucket (:class:`~mace_accel.capture.GraphedCall`, as the calculator's) up to
+:data:`~mace_accel.capture.GRAPH_MAX_EDGES` pairs, eager beyond.
+
+LAMMPS computes the virial from forces where they act (``sum x (x) f`` over local and ghost
+atoms, or per pair), so a step that asks for it (pressure output, a barostat) takes the forces
+per pair instead: the same call also gives each edge's ``dE/dv``, and the pair force
+``f_ij = -dE/dv`` goes to ``update_pair_forces``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from mace_accel.capture import GRAPH_MAX_EDGES, CaptureError, GraphedCall, PinnedResults, unpack
+from mace_accel.models.outputs import evaluate as evaluate_model
+
+Tensor = torch.Tensor
+
+
+class LocalCall:
+    """Energies and forces of the local atoms of a one-rank LAMMPS run.
+
+    Args:
+        model: the accelerated model on ``device``, in ``dtype``.
+        r_max: its cutoff (Å).
+        head_index: the head's index among the model's heads.
+        n_elements: the model's element count (LAMMPS's ``elems`` index them).
+        graphs: replay CUDA graphs (a CUDA device) up to GRAPH_MAX_EDGES pairs; else the
+            eager call.
+    """
+
+    def __init__(self, model: torch.nn.Module, r_max: float, head_index: int, n_elements: int,
+                 device: torch.device, dtype: torch.dtype, graphs: bool) -> None:
+        self.model, self.device, self.dtype = model, device, dtype
+        self.head_index, self.n_elements = int(head_index), int(n_elements)
+        self.graphed: Optional[GraphedCall] = GraphedCall(model, r_max) if graphs else None
+        self._results = PinnedResults()  # where the graph's packed results land
+        # the inputs that change only when LAMMPS rebuilds its lists, kept with what they were
+        # made from (the same tensor again lets the graph skip their copy and its edge sorts)
+        self._edges: Tuple[Optional[Tuple[np.ndarray, ...]], Optional[Tensor]] = (None, None)
+        self._species: Tuple[Optional[np.ndarray], Optional[Tensor]] = (None, None)
+        self._fixed: Dict[str, Tensor] = {}
+
+    def __call__(self, data: Any, owners: np.ndarray, per_pair: bool = False
+                 ) -> Tuple[np.ndarray, np.ndarray, float]:
+        """``(node energies [nlocal], forces, energy)``, float64 host arrays, of the local
+        atoms of ``data`` (LAMMPS's ML-IAP data) whose ghosts' owners are ``owners [ntotal]``
+        (:func:`mace_accel.lammps.ghost_owners`); the forces per atom ``[nlocal, 3]``, or with
+        ``per_pair`` LAMMPS's pair forces ``[npairs, 3]`` (the force on ``pair_i``; its
+        opposite acts on ``pair_j``)."""
+        n_local, n_pairs = int(data.nlocal), int(data.npairs)
+        batch = self.batch(data, owners)
+        if self.graphed is not None and n_pairs <= GRAPH_MAX_EDGES:
+            try:
+                out = self.graphed(batch, compute_stress=False, edge_gradients=per_pair)
+            except CaptureError as exc:
+                warnings.warn(f"mace-accel: this model's call cannot be captured in a CUDA graph "
+                              f"({exc}); LAMMPS's calls run without graphs (slower for small "
+                              "systems)", RuntimeWarning, stacklevel=2)
+                self.graphed = None
+                torch.cuda.synchronize(self.device)
+            else:
+                results, _ = unpack(self._results.fetch(out["packed"]), n_local,
+                                    out["n_pad"], False, n_pairs if per_pair else None)
+                forces = -results["edge_gradients"] if per_pair else results["forces"]
+                return results["node_energy"], forces, float(results["energy"])
+        out = evaluate_model(self.model, batch, False, edge_gradients=per_pair)
+        forces = -out["edge_gradients"] if per_pair else out["forces"]
+        flat = torch.cat([out["node_energy"].detach().reshape(-1)[:n_local],
+                          forces.detach().reshape(-1)]).to(torch.float64).cpu().numpy()
+        node_energy = flat[:n_local]
+        return node_energy, flat[n_local:].reshape(-1, 3), float(node_energy.sum())
+
+    def batch(self, data: Any, owners: np.ndarray) -> Dict[str, Tensor]:
+        """mace's one-structure batch of the local atoms (module docstring): ``positions
+        [nlocal, 3]`` zeros, ``shifts [npairs, 3] = -rij``, ``edge_index [2, npairs]`` (sender:
+        the owner of ``pair_j``; receiver: ``pair_i``), ``node_attrs [nlocal, n_elements]``,
+        one structure."""
+        n_local = int(data.nlocal)
+        rij = torch.as_tensor(np.asarray(data.rij)).to(self.device)
+        batch = {
+            "positions": self._kept("positions", (n_local, 3), self.dtype),
+            "shifts": rij.neg().to(self.dtype),
+            "edge_index": self._edge_index(data, owners),
+            "node_attrs": self._node_attrs(data, n_local),
+            "batch": self._kept("batch", (n_local,), torch.int64),
+            "ptr": self._ptr(n_local),
+            "cell": self._fixed.setdefault(
+                "cell", torch.eye(3, dtype=self.dtype, device=self.device)),
+            "head": self._fixed.setdefault(
+                "head", torch.tensor([self.head_index], dtype=torch.int64, device=self.device)),
+            # read by models with charge and spin embeddings (mace's defaults), else unused
+            "total_charge": self._kept("total_charge", (1,), self.dtype),
+            "total_spin": self._fixed.setdefault(
+                "total_spin", torch.ones(1, dtype=self.dtype, device=self.device)),
+        }
+        return batch
+
+    # -- inputs kept between calls ------------------------------------------------------------
+    def _kept(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """Zeros of ``shape``, the same tensor while the shape holds."""
+        kept = self._fixed.get(name)
+        if kept is None or tuple(kept.shape) != shape:
+            kept = self._fixed[name] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return kept
+
+    def _ptr(self, n_local: int) -> Tensor:
+        kept = self._fixed.get("ptr")
+        if kept is None or int(kept[1]) != n_local:
+            kept = self._fixed["ptr"] = torch.tensor([0, n_local], device=self.device)
+        return kept
+
+    def _edge_index(self, data: Any, owners: np.ndarray) -> Tensor:
+        """``[2, npairs]`` int64, the same tensor until LAMMPS's pairs or owners change (a
+        neighbour-list rebuild)."""
+        source = (np.asarray(data.pair_i), np.asarray(data.pair_j), owners)
+        seen, kept = self._edges
+        if kept is None or not all(a.shape == b.shape and np.array_equal(a, b)
+                                   for a, b in zip(seen, source)):
+            pair_i = torch.as_tensor(source[0]).to(self.device).long()
+            pair_j = torch.as_tensor(source[1]).to(self.device).long()
+            senders = torch.as_tensor(owners).to(self.device)[pair_j]
+            kept = torch.stack([senders, pair_i])
+            self._edges = (tuple(np.array(a, copy=True) for a in source), kept)
+        return kept
+
+    def _node_attrs(self, data: Any, n_local: int) -> Tensor:
+        """``[nlocal, n_elements]`` one-hot, the same tensor until the local atoms' elements
+        change."""
+        elems = np.asarray(data.elems)[:n_local]
+        seen, kept = self._species
+        if kept is None or seen.shape != elems.shape or not np.array_equal(seen, elems):
+            species = torch.as_tensor(elems).to(self.device).long()
+            kept = torch.nn.functional.one_hot(species, self.n_elements).to(self.dtype)
+            self._species = (elems.copy(), kept)
+        return kept
