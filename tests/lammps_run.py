@@ -1,13 +1,15 @@
-"""One LAMMPS run of a structure with mace-accel's ML-IAP model, for tests/test_lammps.py; run
-under ``mpirun -np N`` for N ranks.
+"""LAMMPS runs of structures with mace-accel's ML-IAP model, for tests/test_lammps.py, one after
+another in one process (each a LAMMPS instance of its own); run under ``mpirun -np N`` for N
+ranks.
 
-    python tests/lammps_run.py MODEL.pt STRUCTURE.json OUT.json [--steps N]
+    python tests/lammps_run.py JOBS.json
 
-STRUCTURE.json: ``{"symbols", "positions", "cell", "masses", "elements", "exchange"}``
-(``elements`` and ``masses`` per LAMMPS atom type). OUT.json (written by rank 0): the potential
-energy (eV), the forces (eV/Å, in the structure's atom order), the virial pressure tensor (bar:
-xx, yy, zz, xy, xz, yz), the forces of a step that asks for no virial and, with ``--steps``,
-the positions after that many NVE steps (1 fs).
+JOBS.json: a list of ``{"model", "structure", "out", "steps"}``; ``structure``: ``{"symbols",
+"positions", "cell", "masses", "elements", "exchange"}`` (``elements`` and ``masses`` per LAMMPS
+atom type). Each ``out`` (written by rank 0): the potential energy (eV), the forces (eV/Å, in
+the structure's atom order), the virial pressure tensor (bar: xx, yy, zz, xy, xz, yz), the
+forces of a step that asks for no virial and, with ``steps``, the positions after that many NVE
+steps (1 fs).
 """
 
 from __future__ import annotations
@@ -23,11 +25,19 @@ def main(argv) -> int:
     from mace_accel.lammps import import_before_lammps
 
     import_before_lammps()  # before LAMMPS's library is loaded
+    last = None
+    for job in json.loads(Path(argv[0]).read_text()):
+        last = _run(job["model"], job["structure"], job["out"], int(job.get("steps", 0)))
+    if last is not None:
+        last.lib.lammps_mpi_finalize()  # mpirun expects every rank to finalize MPI, once
+    return 0
+
+
+def _run(model: str, s: dict, out: str, steps: int):
+    """One LAMMPS instance: the structure ``s`` with ``model``, results written to ``out``
+    (rank 0); the closed instance."""
     from lammps import lammps, mliap  # the build under test; under mpirun each rank joins
 
-    model, structure, out = argv[:3]
-    steps = int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 0
-    s = json.loads(Path(structure).read_text())
     elements = s["elements"]
     types = [elements.index(e) + 1 for e in s["symbols"]]
     cell = np.asarray(s["cell"], dtype=float).tolist()
@@ -74,8 +84,7 @@ def main(argv) -> int:
     if lmp.extract_setting("world_rank") == 0:
         Path(out).write_text(json.dumps(result))
     lmp.close()
-    lmp.lib.lammps_mpi_finalize()  # mpirun expects every rank to finalize MPI
-    return 0
+    return lmp
 
 
 def _gather(lmp, name: str) -> np.ndarray:

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Dict, List, Tuple
 
 import numpy as np
 import pytest
@@ -95,12 +96,19 @@ def _run(tmp_path: Path, model_path: Path, structure: dict, ranks: int, steps: i
          gpus: bool = False) -> dict:
     """One LAMMPS run (tests/lammps_run.py) on ``ranks`` MPI ranks; without ``gpus`` the GPUs
     are hidden (the reference backend on the CPU), with it each rank takes its own GPU."""
-    spec = tmp_path / f"structure-{ranks}-{steps}.json"
-    spec.write_text(json.dumps(structure))
-    out = tmp_path / f"out-{ranks}-{steps}.json"
-    command = [sys.executable, str(RUN), str(model_path), str(spec), str(out)]
-    if steps:
-        command += ["--steps", str(steps)]
+    return _run_jobs(tmp_path, [(model_path, structure, steps)], ranks, gpus)[0]
+
+
+def _run_jobs(tmp_path: Path, jobs: List[Tuple[Path, dict, int]], ranks: int,
+              gpus: bool = False) -> List[dict]:
+    """LAMMPS runs of ``(model file, structure, MD steps)`` one after another in one launch of
+    tests/lammps_run.py on ``ranks`` MPI ranks (one start of the ranks' Pythons for all)."""
+    spec = tmp_path / f"jobs-{ranks}.json"
+    outs = [tmp_path / f"out-{ranks}-{k}.json" for k in range(len(jobs))]
+    spec.write_text(json.dumps([{"model": str(model), "structure": structure, "out": str(out),
+                                 "steps": steps}
+                                for (model, structure, steps), out in zip(jobs, outs)]))
+    command = [sys.executable, str(RUN), str(spec)]
     if ranks > 1:
         mpirun = shutil.which("mpirun")
         if mpirun is None:
@@ -113,7 +121,7 @@ def _run(tmp_path: Path, model_path: Path, structure: dict, ranks: int, steps: i
         env["CUDA_VISIBLE_DEVICES"] = ""
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(out.read_text())
+    return [json.loads(out.read_text()) for out in outs]
 
 
 def _alloy(atoms_numbers, repeat=(3, 3, 3)):
@@ -164,14 +172,55 @@ def files(tmp_path_factory, lammps_ready):
     return made
 
 
+TRAJECTORY_STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(files, tmp_path_factory):
+    """``ranks -> {name: result}``: the runs of one rank count in one launch, made on first use:
+    both models' alloys (the bundled model's then runs a short NVE trajectory on one and two
+    ranks) and, on two ranks, the bundled model's slab and its float32 file."""
+    made: Dict[int, Dict[str, dict]] = {}
+
+    def runs(ranks: int) -> Dict[str, dict]:
+        if ranks not in made:
+            folder = tmp_path_factory.mktemp(f"ranks{ranks}")
+            jobs = {name: (files[name][1], _structure(_test_alloy(files[name][2]), files[name][2]),
+                           TRAJECTORY_STEPS if name == "bundled" and ranks <= 2 else 0)
+                    for name in ("bundled", "density")}
+            if ranks == 2:
+                bundled = files["bundled"]
+                jobs["slab"] = (bundled[1], _structure(_slab(bundled[2]), bundled[2]), 0)
+                float32 = _converted(bundled[0], folder / "bundled-float32.pt", "float32")
+                jobs["float32"] = (float32, _structure(_test_alloy(bundled[2]), bundled[2]), 0)
+            made[ranks] = dict(zip(jobs, _run_jobs(folder, list(jobs.values()), ranks)))
+        return made[ranks]
+
+    return runs
+
+
+def _test_alloy(made):
+    """The structure of the equality tests: an alloy of (at most three of) the model's
+    elements."""
+    return _alloy([int(z) for z in made.model.atomic_numbers][:3])
+
+
+def _slab(made):
+    """The test alloy as a slab in a box four times as long along x: with two ranks the second
+    rank's half holds no atom, only ghosts."""
+    atoms = _test_alloy(made)
+    atoms.positions[:, 0] += 1.0  # none across x = 0 (it would be wrapped into the far half)
+    atoms.set_cell([4 * atoms.cell[0, 0], atoms.cell[1, 1], atoms.cell[2, 2]])
+    return atoms
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 @pytest.mark.parametrize("name", ["bundled", "density"])
-def test_lammps_equals_the_calculator(files, tmp_path, name, ranks):
-    model_file, lammps_file, made = files[name]
-    numbers = [int(z) for z in made.model.atomic_numbers][:3]
-    atoms = _alloy(numbers)
+def test_lammps_equals_the_calculator(files, cpu_runs, name, ranks):
+    model_file, _, made = files[name]
+    atoms = _test_alloy(made)
     energy, forces, virial = calculator_results(model_file, atoms)
-    result = _run(tmp_path, lammps_file, _structure(atoms, made), ranks)
+    result = cpu_runs(ranks)[name]
     assert result["ranks"] == ranks
     _check(result, energy, forces, virial, atoms.get_volume())
 
@@ -187,7 +236,7 @@ def test_lammps_on_gpus_equals_the_reference(files, tmp_path, name, dtype, ranks
         pytest.skip(f"{ranks} ranks need {ranks} GPUs")
     model_file, _, made = files[name]
     lammps_file = _converted(model_file, tmp_path / f"{name}-{dtype}.pt", dtype)
-    atoms = _alloy([int(z) for z in made.model.atomic_numbers][:3])
+    atoms = _test_alloy(made)
     energy, forces, virial = calculator_results(model_file, atoms)
     result = _run(tmp_path, lammps_file, _structure(atoms, made), ranks, gpus=True)
     assert result["ranks"] == ranks
@@ -216,36 +265,28 @@ def _check_within_tolerance(result, energy, forces, virial, volume, dtype: str):
     assert rel_norm_error(torch.tensor(pressure), torch.tensor(_lammps_virial(virial))) <= tol
 
 
-def test_a_rank_without_atoms_takes_part_in_the_exchanges(files, tmp_path):
-    """A slab in a box four times as long: the second rank's half holds no atom, only ghosts;
-    it still makes its part of the other rank's exchanges (else both wait for ever)."""
-    model_file, lammps_file, made = files["bundled"]
-    atoms = _alloy([int(z) for z in made.model.atomic_numbers])
-    atoms.positions[:, 0] += 1.0  # none across x = 0 (it would be wrapped into the far half)
-    atoms.set_cell([4 * atoms.cell[0, 0], atoms.cell[1, 1], atoms.cell[2, 2]])
+def test_a_rank_without_atoms_takes_part_in_the_exchanges(files, cpu_runs):
+    """A slab whose second rank's half holds no atom, only ghosts: that rank still makes its
+    part of the other rank's exchanges (else both wait for ever)."""
+    model_file, _, made = files["bundled"]
+    atoms = _slab(made)
     energy, forces, virial = calculator_results(model_file, atoms)
-    result = _run(tmp_path, lammps_file, _structure(atoms, made), 2)
-    _check(result, energy, forces, virial, atoms.get_volume())
+    _check(cpu_runs(2)["slab"], energy, forces, virial, atoms.get_volume())
 
 
-def test_float32_features_cross_between_two_ranks(files, tmp_path):
+def test_float32_features_cross_between_two_ranks(files, cpu_runs):
     """A float32 model on two ranks: its ghosts' float32 rows cross through the exchange (two
     values to each of Comm's doubles) and the energy, forces and virial are the float64
     calculator's within the float32 tolerance."""
     model_file, _, made = files["bundled"]
-    lammps_file = _converted(model_file, tmp_path / "bundled-float32.pt", "float32")
-    atoms = _alloy([int(z) for z in made.model.atomic_numbers])
+    atoms = _test_alloy(made)
     energy, forces, virial = calculator_results(model_file, atoms)
-    result = _run(tmp_path, lammps_file, _structure(atoms, made), 2)
-    _check_within_tolerance(result, energy, forces, virial, atoms.get_volume(), "float32")
+    _check_within_tolerance(cpu_runs(2)["float32"], energy, forces, virial, atoms.get_volume(),
+                            "float32")
 
 
-def test_a_trajectory_is_the_same_on_one_and_two_ranks(files, tmp_path):
-    model_file, lammps_file, made = files["bundled"]
-    atoms = _alloy([int(z) for z in made.model.atomic_numbers])
-    structure = _structure(atoms, made)
-    one = _run(tmp_path, lammps_file, structure, 1, steps=10)
-    two = _run(tmp_path, lammps_file, structure, 2, steps=10)
+def test_a_trajectory_is_the_same_on_one_and_two_ranks(cpu_runs):
+    one, two = cpu_runs(1)["bundled"], cpu_runs(2)["bundled"]
     np.testing.assert_allclose(two["positions_after"], one["positions_after"], atol=1e-9)
     assert two["energy_after"] == pytest.approx(one["energy_after"], rel=1e-10)
 
