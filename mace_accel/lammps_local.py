@@ -53,7 +53,16 @@ class LocalCall:
         # made from (the same tensor again lets the graph skip their copy and its edge sorts)
         self._edges: Tuple[Optional[Tuple[np.ndarray, ...]], Optional[Tensor]] = (None, None)
         self._species: Tuple[Optional[np.ndarray], Optional[Tensor]] = (None, None)
-        self._fixed: Dict[str, Tensor] = {}
+        self._ptr: Tuple[int, Optional[Tensor]] = (-1, None)  # (atoms, [0, atoms])
+        self._zeros: Dict[str, Tensor] = {}
+        # the same for every call
+        self._constant = {
+            "cell": torch.eye(3, dtype=dtype, device=device),
+            "head": torch.tensor([self.head_index], dtype=torch.int64, device=device),
+            # read by models with charge and spin embeddings (mace's defaults), else unused
+            "total_charge": torch.zeros(1, dtype=dtype, device=device),
+            "total_spin": torch.ones(1, dtype=dtype, device=device),
+        }
 
     def __call__(self, data: Any, owners: np.ndarray, per_pair: bool = False
                  ) -> Tuple[np.ndarray, np.ndarray, float]:
@@ -92,45 +101,37 @@ class LocalCall:
         one structure."""
         n_local = int(data.nlocal)
         rij = torch.as_tensor(np.asarray(data.rij)).to(self.device)
-        batch = {
+        return {
             "positions": self._kept("positions", (n_local, 3), self.dtype),
             "shifts": rij.neg().to(self.dtype),
             "edge_index": self._edge_index(data, owners),
             "node_attrs": self._node_attrs(data, n_local),
             "batch": self._kept("batch", (n_local,), torch.int64),
-            "ptr": self._ptr(n_local),
-            "cell": self._fixed.setdefault(
-                "cell", torch.eye(3, dtype=self.dtype, device=self.device)),
-            "head": self._fixed.setdefault(
-                "head", torch.tensor([self.head_index], dtype=torch.int64, device=self.device)),
-            # read by models with charge and spin embeddings (mace's defaults), else unused
-            "total_charge": self._kept("total_charge", (1,), self.dtype),
-            "total_spin": self._fixed.setdefault(
-                "total_spin", torch.ones(1, dtype=self.dtype, device=self.device)),
+            "ptr": self._structure_ptr(n_local),
+            **self._constant,
         }
-        return batch
 
     # -- inputs kept between calls ------------------------------------------------------------
     def _kept(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """Zeros of ``shape``, the same tensor while the shape holds."""
-        kept = self._fixed.get(name)
+        kept = self._zeros.get(name)
         if kept is None or tuple(kept.shape) != shape:
-            kept = self._fixed[name] = torch.zeros(shape, dtype=dtype, device=self.device)
+            kept = self._zeros[name] = torch.zeros(shape, dtype=dtype, device=self.device)
         return kept
 
-    def _ptr(self, n_local: int) -> Tensor:
-        kept = self._fixed.get("ptr")
-        if kept is None or int(kept[1]) != n_local:
-            kept = self._fixed["ptr"] = torch.tensor([0, n_local], device=self.device)
-        return kept
+    def _structure_ptr(self, n_local: int) -> Tensor:
+        """``[0, nlocal]``, the same tensor while the atom count holds (kept with the count on
+        the host: reading it back from the device would wait for the GPU)."""
+        if self._ptr[0] != n_local:
+            self._ptr = (n_local, torch.tensor([0, n_local], device=self.device))
+        return self._ptr[1]
 
     def _edge_index(self, data: Any, owners: np.ndarray) -> Tensor:
         """``[2, npairs]`` int64, the same tensor until LAMMPS's pairs or owners change (a
         neighbour-list rebuild)."""
         source = (np.asarray(data.pair_i), np.asarray(data.pair_j), owners)
         seen, kept = self._edges
-        if kept is None or not all(a.shape == b.shape and np.array_equal(a, b)
-                                   for a, b in zip(seen, source)):
+        if kept is None or not all(np.array_equal(a, b) for a, b in zip(seen, source)):
             pair_i = torch.as_tensor(source[0]).to(self.device).long()
             pair_j = torch.as_tensor(source[1]).to(self.device).long()
             senders = torch.as_tensor(owners).to(self.device)[pair_j]
@@ -143,7 +144,7 @@ class LocalCall:
         change."""
         elems = np.asarray(data.elems)[:n_local]
         seen, kept = self._species
-        if kept is None or seen.shape != elems.shape or not np.array_equal(seen, elems):
+        if kept is None or not np.array_equal(seen, elems):
             species = torch.as_tensor(elems).to(self.device).long()
             kept = torch.nn.functional.one_hot(species, self.n_elements).to(self.dtype)
             self._species = (elems.copy(), kept)
