@@ -21,7 +21,7 @@ import torch
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from mace_accel.capture import CaptureError, PinnedResults, unpack
+from mace_accel.capture import GRAPH_MAX_EDGES, CaptureError, PinnedResults, unpack
 from mace_accel.errors import ConfigError, InputError
 from mace_accel.models.atoms_state import changed_properties
 from mace_accel.models.batch import model_info
@@ -232,7 +232,7 @@ class MACEAccelCalculator(Calculator):
         Returns:
             ``(ASE results, shortest distance in Å)``.
         """
-        if self._graphed is not None:
+        if self._graphed is not None and batch["edge_index"].shape[1] <= GRAPH_MAX_EDGES:
             try:
                 out = self._graphed(batch, compute_stress=want_stress)
             except CaptureError as exc:

@@ -224,6 +224,7 @@ class LammpsModel(MLIAPUnified):
         self._host_arrays = _HostArrays()
         self._said_why = False
         self._local: Optional[Any] = None  # LocalCall, made on the first one-rank call
+        self._positions: Optional[Any] = None  # PositionsCall, made with the model (_prepare)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = self.__dict__.copy()
@@ -231,6 +232,7 @@ class LammpsModel(MLIAPUnified):
         state["_host_arrays"] = _HostArrays()
         state["_said_why"] = False
         state["_local"] = None
+        state["_positions"] = None
         state.pop("interface", None)  # LAMMPS's coupling, set again on load
         return state
 
@@ -238,6 +240,7 @@ class LammpsModel(MLIAPUnified):
         state.setdefault("_host_arrays", _HostArrays())  # files written before these existed
         state.setdefault("_said_why", False)
         state.setdefault("_local", None)
+        state.setdefault("_positions", None)
         self.__dict__.update(state)
 
     # -- LAMMPS's calls ----------------------------------------------------------------------
@@ -257,8 +260,11 @@ class LammpsModel(MLIAPUnified):
             if world_size(data) > 1 and not _is_kokkos(data):
                 self._join_exchanges(data, n_total)
             return
-        owners = (ghost_owners(data) if not _is_kokkos(data) and world_size(data) == 1
-                  else None)
+        one_rank = not _is_kokkos(data) and world_size(data) == 1
+        if one_rank and self._local_supported() and self._positions.usable(data):
+            self._positions_forces(data, n_local)
+            return
+        owners = ghost_owners(data) if one_rank else None
         if owners is not None and self._local_supported():
             self._local_forces(data, owners, n_local)
             return
@@ -294,6 +300,17 @@ class LammpsModel(MLIAPUnified):
         from mace_accel.models.outputs import stress_from_edges_supported
 
         return stress_from_edges_supported(self.model)
+
+    def _positions_forces(self, data: Any, n_local: int) -> None:
+        """One rank, where LAMMPS gives the positions and the box: the ASE calculator's call
+        (:class:`~mace_accel.lammps_local.PositionsCall`); each atom's force added to LAMMPS's
+        force array, and on a step that asks for it the virial from the stress."""
+        node_energy, forces, energy, virial = self._positions(data)
+        data.eatoms = node_energy
+        data.energy = energy
+        np.asarray(data.f)[:n_local] += forces
+        if virial is not None:
+            data.add_virial(virial)
 
     def _local_forces(self, data: Any, owners: np.ndarray, n_local: int) -> None:
         """One rank: the calculator's call on the local atoms
@@ -355,20 +372,26 @@ class LammpsModel(MLIAPUnified):
 
     def _prepare(self) -> None:
         """Move the model to this rank's device (``cuda:<local rank>``, else the CPU), cast it
-        and accelerate it there, as every other way of evaluating a model does
-        (:func:`~mace_accel.models.prepared.prepare_model`)."""
+        and accelerate it there through the ASE calculator that a one-rank run calls
+        (:class:`~mace_accel.lammps_local.PositionsCall`), as every other way of evaluating a
+        model does (:func:`~mace_accel.models.prepared.prepare_model`)."""
+        from ase.data import atomic_numbers
+
         from mace_accel._e3nn_compat import import_mace
-        from mace_accel.models.prepared import prepare_model
-        from mace_accel.options import AccelOptions
+        from mace_accel.calculator import MACEAccelCalculator
+        from mace_accel.lammps_local import PositionsCall
 
         import_mace()
         if torch.cuda.is_available():
             device = torch.device("cuda", local_rank() % torch.cuda.device_count())
         else:
             device = torch.device("cpu")
-        options = AccelOptions(backend="cuda" if device.type == "cuda" else "reference")
-        prepared = prepare_model(self.model, device, self.dtype, self.head, options)
-        self.model, self._device = prepared.model, device
+        calculator = MACEAccelCalculator(
+            model=self.model, device=device, default_dtype=self.dtype, head=self.head,
+            backend="cuda" if device.type == "cuda" else "reference", fallback="error")
+        numbers = [atomic_numbers[symbol] for symbol in self.element_types]
+        self.model, self._device = calculator.model, device
+        self._positions = PositionsCall(calculator, np.asarray(numbers))
 
     def _batch(self, data: Any, n_local: int, n_total: int,
                owners: Optional[np.ndarray]) -> Dict[str, Any]:

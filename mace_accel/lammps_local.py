@@ -1,5 +1,16 @@
 """LAMMPS on one rank: the model's call on the local atoms, as the ASE calculator makes it.
 
+Where LAMMPS gives the positions and the box (``scripts/lammps/mliap-positions.patch``),
+:class:`PositionsCall` hands them to the ASE calculator itself: its neighbour list on the
+device (a Verlet list, rebuilt only when an atom has moved more than half its skin), its CUDA
+graphs, its forces per atom and its stress, which becomes LAMMPS's virial. LAMMPS then makes no
+pair arrays (``pairs_wanted = False``) and copies no pair vectors: a step costs what the
+calculator's call costs plus LAMMPS's integration, communication and neighbour lists. Steps
+that ask for the per-atom virial (``compute stress/atom``) still get ML-IAP's pairs and take
+:class:`LocalCall`.
+
+Otherwise (a LAMMPS without that patch) :class:`LocalCall` makes the calculator's batch from
+ML-IAP's pairs:
 On a run of one rank every ghost atom is a periodic image of a local atom, so LAMMPS's pairs
 ``i -> j`` (``rij = r_j - r_i``) are the periodic structure's edges once each ghost ``j`` is
 replaced by its owner: mace's ordinary batch of the local atoms, every atom at the origin and
@@ -149,3 +160,88 @@ class LocalCall:
             kept = torch.nn.functional.one_hot(species, self.n_elements).to(self.dtype)
             self._species = (elems.copy(), kept)
         return kept
+
+
+# LAMMPS's vflag bits for the per-atom virial (VIRIAL_ATOM, VIRIAL_CENTROID): those steps need
+# forces per pair
+PER_ATOM_VIRIAL = 4 | 8
+
+
+def lammps_cell(box: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """``(cell [3, 3], pbc [3] bool)`` of LAMMPS's box as ``data.box()`` gives it (boxlo;
+    xprd, yprd, zprd, yz, xz, xy; periodic flags): the rows are the vectors ``(xprd, 0, 0)``,
+    ``(xy, yprd, 0)``, ``(xz, yz, zprd)``."""
+    xprd, yprd, zprd, yz, xz, xy = (float(v) for v in box[3:9])
+    cell = np.array([[xprd, 0.0, 0.0], [xy, yprd, 0.0], [xz, yz, zprd]])
+    return cell, np.asarray(box[9:12]) > 0
+
+
+def lammps_virial(stress: np.ndarray, volume: float) -> np.ndarray:
+    """LAMMPS's virial ``[6]`` (xx, yy, zz, xy, xz, yz; eV: the sum of ``r (x) f``) of ASE's
+    stress ``[6]`` (Voigt xx, yy, zz, yz, xz, xy; eV/Å^3, positive = tensile)."""
+    s = np.asarray(stress, dtype=np.float64)
+    return -volume * np.array([s[0], s[1], s[2], s[5], s[4], s[3]])
+
+
+class PositionsCall:
+    """Energies, forces and virial of a one-rank LAMMPS run from its positions and box, through
+    the ASE calculator (module docstring).
+
+    Args:
+        calculator: the :class:`~mace_accel.calculator.MACEAccelCalculator` whose model the
+            LAMMPS model runs.
+        numbers: the atomic number of each of LAMMPS's elements (``elems`` index it).
+    """
+
+    def __init__(self, calculator: Any, numbers: np.ndarray) -> None:
+        self.calculator = calculator
+        self.numbers = np.asarray(numbers, dtype=np.int64)
+        self._atoms: Any = None  # the ase.Atoms the calculator sees, kept while elements hold
+
+    @staticmethod
+    def usable(data: Any) -> bool:
+        """Whether this step can take the positions path: LAMMPS gives positions and box, and
+        the step needs no forces per pair (the per-atom virial, for which LAMMPS made them)."""
+        if not hasattr(data, "pairs_made"):
+            return False
+        return not (data.pairs_made and int(data.vflag) & PER_ATOM_VIRIAL)
+
+    def __call__(self, data: Any) -> Tuple[np.ndarray, np.ndarray, float, Optional[np.ndarray]]:
+        """``(node energies [nlocal], forces [nlocal, 3], energy, virial [6] or None)``,
+        float64 host arrays; the virial where LAMMPS asks for it (``vflag``). Asks LAMMPS for
+        no pair arrays from the next step on where the box is periodic in all three
+        dimensions (the calculator's stress then gives the virial)."""
+        n_local = int(data.nlocal)
+        cell, pbc = lammps_cell(data.box())
+        data.pairs_wanted = not bool(pbc.all())
+        want_virial = bool(int(data.vflag))
+        if want_virial and not pbc.all():
+            raise RuntimeError(
+                "mace-accel: LAMMPS asks for the virial of a box that is not periodic in all "
+                f"three dimensions (periodic: {pbc.tolist()}) on a step without pair arrays; "
+                "keep the box's periodicity fixed during a run")
+        elems = np.asarray(data.elems)[:n_local]
+        atoms = self._structure(elems, pbc)
+        atoms.arrays["positions"][...] = np.asarray(data.x)[:n_local]
+        atoms.set_cell(cell)
+        calc = self.calculator
+        properties = ["energy", "forces", "energies"] + (["stress"] if want_virial else [])
+        calc.calculate(atoms, properties, calc.check_state(atoms))
+        results = calc.results
+        virial = (lammps_virial(results["stress"], abs(float(np.linalg.det(cell))))
+                  if want_virial else None)
+        return results["energies"], results["forces"], float(results["energy"]), virial
+
+    def _structure(self, elems: np.ndarray, pbc: np.ndarray) -> Any:
+        """The ase.Atoms of the local atoms' elements, the same object while they and the
+        periodicity hold (LAMMPS reorders its atoms now and then: a new one then)."""
+        import ase
+
+        numbers = self.numbers[elems]
+        atoms = self._atoms
+        if atoms is None or len(atoms) != len(numbers) \
+                or not np.array_equal(atoms.numbers, numbers) \
+                or not np.array_equal(atoms.pbc, pbc):
+            atoms = self._atoms = ase.Atoms(numbers=numbers, positions=np.zeros((len(numbers), 3)),
+                                            pbc=pbc)
+        return atoms

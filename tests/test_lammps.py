@@ -145,11 +145,13 @@ def _check(result, energy, forces, virial, volume):
     assert result["energy"] == pytest.approx(energy, rel=1e-10, abs=1e-10)
     for name in ("forces", "forces_without_virial"):  # per pair, and (one rank) per atom
         np.testing.assert_allclose(np.asarray(result[name]), forces, atol=1e-9)
-    # LAMMPS's virial pressure (bar): the virial per volume
+    # LAMMPS's virial pressure (bar): the virial per volume; the per-atom virial (bar Å^3)
+    # sums to minus the virial
     want = _lammps_virial(virial) / volume
-    got = np.asarray(result["virial_bar"]) / BAR_PER_EV_A3
-    np.testing.assert_allclose(got, want, atol=1e-9)
-    assert np.linalg.norm(got - want) <= 1e-10 * np.linalg.norm(want)  # as the GPU test
+    for got in (np.asarray(result["virial_bar"]) / BAR_PER_EV_A3,
+                -np.asarray(result["peratom_virial_sum"]) / BAR_PER_EV_A3 / volume):
+        np.testing.assert_allclose(got, want, atol=1e-9)
+        assert np.linalg.norm(got - want) <= 1e-10 * np.linalg.norm(want)  # as the GPU test
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +225,11 @@ def test_lammps_equals_the_calculator(files, cpu_runs, name, ranks):
     result = cpu_runs(ranks)[name]
     assert result["ranks"] == ranks
     _check(result, energy, forces, virial, atoms.get_volume())
+    # one rank: the calculator's call from LAMMPS's positions and box, except on the step of
+    # the per-atom virial, which takes ML-IAP's pairs
+    one = {"positions": 1, "pairs": 0} if ranks == 1 else {"positions": 0, "pairs": 0}
+    assert result["paths"] == one
+    assert result["paths_peratom"] == ({"positions": 0, "pairs": 1} if ranks == 1 else one)
 
 
 @pytest.mark.gpu
@@ -261,8 +268,11 @@ def _check_within_tolerance(result, energy, forces, virial, volume, dtype: str):
         # LAMMPS's forces come back as a list: as float64, not torch's default dtype (float32)
         got = torch.tensor(result[name], dtype=torch.float64)
         assert rel_norm_error(got, torch.from_numpy(forces)) <= tol
+    want = torch.tensor(_lammps_virial(virial))
     pressure = np.asarray(result["virial_bar"]) / BAR_PER_EV_A3 * volume
-    assert rel_norm_error(torch.tensor(pressure), torch.tensor(_lammps_virial(virial))) <= tol
+    assert rel_norm_error(torch.tensor(pressure), want) <= tol
+    peratom = -np.asarray(result["peratom_virial_sum"]) / BAR_PER_EV_A3
+    assert rel_norm_error(torch.tensor(peratom), want) <= tol
 
 
 def test_a_rank_without_atoms_takes_part_in_the_exchanges(files, cpu_runs):
