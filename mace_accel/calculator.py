@@ -121,7 +121,8 @@ class MACEAccelCalculator(Calculator):
         model's dtype, for the head), the validated cell, the parameter the model is followed
         by (:meth:`_follow_model`)."""
         self._resident = ResidentBatch(self.info, self._head, self.info.dtype, self.device,
-                                       skin=self._skin, exact_skin=skin_is_exact(self.model))
+                                       skin=self._skin, exact_skin=skin_is_exact(self.model),
+                                       skin_edges_up_to=GRAPH_MAX_EDGES)
         self._cell_key: Optional[Tuple[bytes, bytes]] = None  # cell and pbc last validated
         self._stress_ok = False
         self._followed = next(self.model.parameters(), None)

@@ -2,25 +2,29 @@
 
 LAMMPS owns the atoms, the domain decomposition, the neighbour lists and the MPI traffic; each
 rank calls :meth:`LammpsModel.compute_forces` with its local atoms, their ghosts, and the pairs
-``i -> j`` of its local atoms ``i`` (``rij = r_j - r_i``). The model runs mace's own forward in
-its LAMMPS mode (``lammps_mliap=True``) with the fused kernels inside. The energy of each local
-atom and the force of each pair go back to LAMMPS, which sums the forces on both atoms of a pair
-and the virial.
+``i -> j`` of its local atoms ``i`` (``rij = r_j - r_i``).
 
-On a run of one rank (LAMMPS on one GPU) every ghost is a periodic image of a local atom, and
-the model sees no ghost atoms at all: each pair's sender is the ghost's owner, found every call
-by one exchange of each local atom's index (:func:`ghost_owners`). Nothing is exchanged between
-the blocks and no ghost's features are computed: the call is the one the ASE calculator makes.
-On several ranks (all of them: each exchange is a call of all ranks together) the node features
-of the ghost atoms, which the later interaction blocks read, come from their owners between the
-blocks, and the backward sends the ghosts' gradients home; a rank without local atoms still
-takes its part in those exchanges. They go between the devices through torch.distributed
-(:mod:`mace_accel.lammps_peers`: NCCL between GPUs, gloo between CPUs); where its process group
-cannot be made, through LAMMPS's own exchange (said once): on a plain LAMMPS the one
-``scripts/lammps/mliap-exchange.patch`` adds (``scripts/build_lammps.sh`` applies it), which
-works on host arrays, so on a GPU each exchange copies the features to the host and back; on a
-KOKKOS build its own, on the device (that path follows mace's ML-IAP object and is untested
-here).
+On a run of one rank (LAMMPS on one GPU) every ghost is a periodic image of a local atom: where
+LAMMPS gives the positions and the box (``scripts/lammps/mliap-positions.patch``) the rank calls
+the ASE calculator itself on them (:class:`~mace_accel.lammps_local.PositionsCall`) and asks
+LAMMPS for no pair arrays; otherwise, and on steps that ask for the per-atom virial, it makes
+the calculator's call from LAMMPS's pairs, each pair's sender the ghost's owner
+(:class:`~mace_accel.lammps_local.LocalCall`, owners from :func:`ghost_owners`).
+
+On several ranks (all of them: each exchange is a call of all ranks together) the model runs
+mace's own forward in its LAMMPS mode (``lammps_mliap=True``) with the fused kernels inside, on
+the local and ghost atoms; the node features of the ghost atoms, which the later interaction
+blocks read, come from their owners between the blocks, and the backward sends the ghosts'
+gradients home; a rank without local atoms still takes its part in those exchanges. They go
+between the devices through torch.distributed (:mod:`mace_accel.lammps_peers`: NCCL between
+GPUs, gloo between CPUs); where its process group cannot be made, through LAMMPS's own exchange
+(said once): on a plain LAMMPS the one ``scripts/lammps/mliap-exchange.patch`` adds
+(``scripts/build_lammps.sh`` applies it), which works on host arrays, so on a GPU each exchange
+copies the features to the host and back; on a KOKKOS build its own, on the device (that path
+follows mace's ML-IAP object and is untested here). The energy of each local atom goes back to
+LAMMPS with the force on every local and ghost atom (LAMMPS adds the ghosts' to their owners and
+takes the virial from them), or, on steps that ask for a virial per pair or per atom, the force
+of each pair.
 
 Write the file LAMMPS loads with ``mace-accel convert MODEL --lammps``.
 """
@@ -118,6 +122,23 @@ def ghost_owners(data: Any) -> np.ndarray:
                            f"{n_local} atoms on a run of one rank; rebuild LAMMPS with "
                            "scripts/build_lammps.sh")
     return owners
+
+
+# LAMMPS's vflag bits of a virial summed per pair (VIRIAL_PAIR) or per atom (VIRIAL_ATOM,
+# VIRIAL_CENTROID): those steps take the forces per pair
+PAIR_VIRIAL = 1 | 4 | 8
+
+
+def atom_forces(pair_forces: Tensor, pair_i: Tensor, pair_j: Tensor, n_atoms: int) -> Tensor:
+    """``[n_atoms, 3]`` float64: each pair's force ``pair_forces [npairs, 3]`` added to its atom
+    ``pair_i`` and subtracted from ``pair_j``, as LAMMPS's ``update_pair_forces`` does, in the
+    same order on every call (on a GPU a sorted accumulation, not atomics)."""
+    forces = pair_forces.new_zeros((n_atoms, 3), dtype=torch.float64)
+    index = torch.cat([pair_i, pair_j])
+    values = torch.cat([pair_forces, -pair_forces]).to(torch.float64)
+    if forces.is_cuda:  # deterministic on a GPU (sorts the indices); index_add_ uses atomics
+        return forces.index_put_((index,), values, accumulate=True)
+    return forces.index_add_(0, index, values)  # one thread in index order on a CPU
 
 
 def _is_kokkos(data: Any) -> bool:
@@ -225,6 +246,7 @@ class LammpsModel(MLIAPUnified):
         self._said_why = False
         self._local: Optional[Any] = None  # LocalCall, made on the first one-rank call
         self._positions: Optional[Any] = None  # PositionsCall, made with the model (_prepare)
+        self._plans: Optional[Any] = None  # lammps_peers.PlanKeeper, on several ranks
 
     def __getstate__(self) -> Dict[str, Any]:
         state = self.__dict__.copy()
@@ -233,6 +255,7 @@ class LammpsModel(MLIAPUnified):
         state["_said_why"] = False
         state["_local"] = None
         state["_positions"] = None
+        state["_plans"] = None
         state.pop("interface", None)  # LAMMPS's coupling, set again on load
         return state
 
@@ -241,6 +264,7 @@ class LammpsModel(MLIAPUnified):
         state.setdefault("_said_why", False)
         state.setdefault("_local", None)
         state.setdefault("_positions", None)
+        state.setdefault("_plans", None)
         self.__dict__.update(state)
 
     # -- LAMMPS's calls ----------------------------------------------------------------------
@@ -251,7 +275,8 @@ class LammpsModel(MLIAPUnified):
         pass
 
     def compute_forces(self, data: Any) -> None:
-        """Energies of the local atoms and forces of the pairs, written into ``data``."""
+        """Energies of the local atoms, their forces (or their pairs'), and where LAMMPS asks
+        for it the virial, written into ``data``."""
         if self._device is None:
             self._prepare()
         n_local, n_total = int(data.nlocal), int(data.ntotal)
@@ -268,7 +293,7 @@ class LammpsModel(MLIAPUnified):
         if owners is not None and self._local_supported():
             self._local_forces(data, owners, n_local)
             return
-        batch = self._batch(data, n_local, n_total, owners)
+        batch, pair_j = self._batch(data, n_local, n_total, owners)
         out = self.model(batch, training=False, compute_force=False, compute_virials=False,
                          compute_stress=False, compute_displacement=False,
                          compute_edge_forces=True, lammps_mliap=True)
@@ -285,12 +310,20 @@ class LammpsModel(MLIAPUnified):
         node_energy = node_energy.cpu()
         data.eatoms = node_energy.numpy()
         data.energy = float(node_energy.sum())
-        if int(data.npairs) > 0:
-            if pair_forces.is_cuda:  # through a kept page-locked array, not a new pageable one
-                host = self._host_arrays.get("pair forces", int(pair_forces.shape[0]), 3,
-                                             torch.float64, pin=True)
-                pair_forces = host.copy_(pair_forces)
-            data.update_pair_forces(pair_forces.numpy())
+        if int(data.npairs) == 0:
+            return
+        if int(data.vflag) & PAIR_VIRIAL:  # LAMMPS sums the virial per pair on this step
+            host = self._host_arrays.get("pair forces", int(pair_forces.shape[0]), 3,
+                                         torch.float64, pin=pair_forces.is_cuda)
+            data.update_pair_forces(host.copy_(pair_forces).numpy())
+            return
+        # the forces on every atom, ghosts included: LAMMPS adds the ghosts' to their owners,
+        # and takes the virial from them where it asks for it (the sum of x times f over the
+        # local and ghost atoms is the sum over the pairs)
+        forces = atom_forces(pair_forces, batch["edge_index"][1], pair_j, n_total)
+        host = self._host_arrays.get("atom forces", n_total, 3, torch.float64,
+                                     pin=forces.is_cuda)
+        np.asarray(data.f)[:n_total] += host.copy_(forces).numpy()
 
     # -- inside ------------------------------------------------------------------------------
     def _local_supported(self) -> bool:
@@ -346,8 +379,10 @@ class LammpsModel(MLIAPUnified):
                if self.exchange_width < 2 else lammps_peers.peer_group(device, world_size(data)))
         if why is None:
             ranks, index = lammps_peers.find_owners(data)
-            plan = lammps_peers.PeerPlan(ranks, index, n_local, device, wanted)
-            return lammps_peers.PeerExchange(plan)
+            if self._plans is None:
+                self._plans = lammps_peers.PlanKeeper()
+            return lammps_peers.PeerExchange(self._plans.plan(ranks, index, n_local, device,
+                                                              wanted))
         if not self._said_why:
             log.warning("mace-accel: the ghost atoms' features cross between the ranks through "
                         "LAMMPS's host arrays, not between the devices: %s", why)
@@ -369,6 +404,16 @@ class LammpsModel(MLIAPUnified):
                 exchange.forward_exchange(rows, rows.clone(), width)
             else:
                 exchange.reverse_exchange(rows, rows.clone(), width)
+
+    def _vectors(self, data: Any, n_total: int, pair_i: Tensor, pair_j: Tensor) -> Tensor:
+        """``[npairs, 3]`` float64 on the device: ``rij``, from the positions LAMMPS gives
+        (``mliap-positions.patch``: ``x[j] - x[i]`` on the device, the same numbers as LAMMPS's,
+        from ``[ntotal, 3]`` instead of ``[npairs, 3]`` copied), else LAMMPS's ``rij``."""
+        positions = getattr(data, "x", None)
+        if positions is None:
+            return torch.as_tensor(np.asarray(data.rij)).to(self._device)
+        x = torch.as_tensor(np.asarray(positions)[:n_total]).to(self._device)
+        return x[pair_j] - x[pair_i]
 
     def _prepare(self) -> None:
         """Move the model to this rank's device (``cuda:<local rank>``, else the CPU), cast it
@@ -394,12 +439,12 @@ class LammpsModel(MLIAPUnified):
         self._positions = PositionsCall(calculator, np.asarray(numbers))
 
     def _batch(self, data: Any, n_local: int, n_total: int,
-               owners: Optional[np.ndarray]) -> Dict[str, Any]:
+               owners: Optional[np.ndarray]) -> Tuple[Dict[str, Any], Tensor]:
         """mace's LAMMPS-mode input of this rank's atoms and pairs (sender ``j``, receiver
         ``i``: a pair ``i -> j`` carries ``j``'s message to ``i``): the local atoms only, each
         pair's sender its ghost's owner, where :func:`ghost_owners` finds every owner here;
         else (``owners`` None) the ghosts too, with the exchange that fills in their
-        features."""
+        features; and LAMMPS's ``pair_j [npairs]`` on the device."""
         device, dtype = self._device, getattr(torch, self.dtype)
 
         def on_device(array: Any) -> Tensor:  # as LAMMPS has it: the casts run on the device
@@ -414,7 +459,7 @@ class LammpsModel(MLIAPUnified):
             exchange = self._exchange(data, n_local)
         species = on_device(torch.as_tensor(data.elems)[:n_nodes]).long()
         return {
-            "vectors": on_device(data.rij).to(dtype),
+            "vectors": self._vectors(data, n_total, pair_i, pair_j).to(dtype),
             "node_attrs": torch.nn.functional.one_hot(
                 species, num_classes=len(self.element_types)).to(dtype),
             "edge_index": torch.stack([senders, pair_i]),
@@ -425,4 +470,4 @@ class LammpsModel(MLIAPUnified):
             "total_spin": torch.ones(1, dtype=dtype, device=device),
             "lammps_class": exchange,
             "natoms": (n_local, n_nodes - n_local),
-        }
+        }, pair_j

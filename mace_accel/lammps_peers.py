@@ -194,6 +194,33 @@ class PeerPlan:
         self.back_sum = RowSum(send_index.cpu().numpy(), np.arange(len(send_index)), device)
 
 
+class PlanKeeper:
+    """The last :class:`PeerPlan`, kept while every rank's atoms and ghosts stay where they
+    were (LAMMPS moves them only when it rebuilds its neighbour lists): a step then makes no
+    plan, only one all-reduce of a flag (whether any rank's owners changed), since making a
+    plan is a call of all ranks together and every rank must take the same branch."""
+
+    def __init__(self) -> None:
+        self._kept: Optional[Tuple[np.ndarray, np.ndarray, int, bool, PeerPlan]] = None
+
+    def plan(self, ranks: np.ndarray, index: np.ndarray, n_local: int, device: torch.device,
+             wanted: bool = True) -> PeerPlan:
+        """The plan for owners ``ranks``, ``index`` (:func:`find_owners`): the kept one where
+        no rank's owners changed since it was made, else a new one."""
+        import torch.distributed as dist
+
+        kept = self._kept
+        same = (kept is not None and kept[2] == n_local and kept[3] == wanted
+                and np.array_equal(kept[0], ranks) and np.array_equal(kept[1], index))
+        changed = torch.tensor([0 if same else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX)
+        if int(changed.item()) == 0:
+            return kept[4]
+        plan = PeerPlan(ranks, index, n_local, device, wanted)
+        self._kept = (ranks.copy(), index.copy(), n_local, wanted, plan)
+        return plan
+
+
 class PeerExchange:
     """The exchange mace's LAMMPS mode calls between the blocks (``forward_exchange``,
     ``reverse_exchange`` on ``[ntotal, W]`` rows), on the device (:class:`PeerPlan`)."""

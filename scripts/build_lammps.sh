@@ -80,4 +80,7 @@ if ! cmake --build . --target install-python > install.log 2>&1; then
     exit 1
   fi
 fi
+# the patches this build was made with, beside it (tests/test_lammps.py rebuilds a cached build
+# that lacks one of scripts/lammps/series)
+cp "$stamp" "$build/.mace-accel-patches"
 echo "LAMMPS built in $build (lmp: $build/lmp; Python module installed for $python)"

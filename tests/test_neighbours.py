@@ -321,3 +321,25 @@ def test_cuda_gives_the_cpu_pairs(name):
     assert not nl.update(pos.cuda() + 0.1, cell.cuda(), pbc)[2]
     assert nl.update(pos, cell, pbc)[2]  # back on the CPU: rebuilt
     assert _triples(*nl.update(pos, cell, pbc)[:2]) == _ours(atoms, cutoff + 0.5)
+
+
+@pytest.mark.parametrize("limit", [None, 10])
+def test_a_list_longer_than_the_limit_gives_only_the_pairs_within_the_cutoff(limit):
+    """An exact model is given the Verlet list's pairs beyond the cutoff up to
+    ``skin_edges_up_to`` edges (a graph replay keeps its edge tensors); a longer list gives only
+    the pairs within the cutoff (an eager call: less work and memory)."""
+    from mace_accel.models.batch import model_info
+    from mace_accel.models.checkpoint import default_model_path, load_model
+    from mace_accel.models.resident import ResidentBatch
+
+    info = model_info(load_model(default_model_path(), device="cpu", dtype=torch.float64))
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((3, 3, 3))
+    atoms.rattle(stdev=0.05, seed=1)
+    resident = ResidentBatch(info, info.heads[-1], torch.float64, torch.device("cpu"), skin=0.5,
+                             exact_skin=True, skin_edges_up_to=limit)
+    batch = resident.batch(atoms)
+    pos, cell = batch["positions"], batch["cell"].reshape(3, 3)
+    inside = _inside(pos, cell, (batch["edge_index"], batch["unit_shifts"]), info.r_max)
+    listed = _triples(batch["edge_index"], batch["unit_shifts"])
+    assert inside == _ours(atoms, info.r_max)
+    assert (listed == inside) == (limit is not None)  # else the skin's pairs too
