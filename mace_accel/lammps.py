@@ -141,6 +141,34 @@ def atom_forces(pair_forces: Tensor, pair_i: Tensor, pair_j: Tensor, n_atoms: in
     return forces.index_add_(0, index, values)  # one thread in index order on a CPU
 
 
+def local_pairs(x: Tensor, n_local: int, cutoff: float) -> Tuple[Tensor, Tensor]:
+    """``(pair_i, pair_j)`` ``[npairs]`` int64: the pairs of the first ``n_local`` atoms of
+    ``x [ntotal, 3]`` (a rank's local atoms, then its ghosts) with any other atom closer than
+    ``cutoff``, as ML-IAP's pair arrays hold them (every ghost an atom of its own, no periodic
+    images), sorted by ``i`` then ``j`` (the same order every call, whatever vesin's)."""
+    from mace_accel.models.neighbours import neighbour_list
+
+    no_cell = torch.zeros((3, 3), dtype=torch.float64, device=x.device)
+    edge_index, _ = neighbour_list(x, no_cell, (False, False, False), cutoff)
+    i, j = edge_index[0], edge_index[1]
+    local = i < n_local
+    i, j = i[local], j[local]
+    order = torch.argsort(i * x.shape[0] + j)
+    return i[order], j[order]
+
+
+def data_pairs_made(data: Any) -> bool:
+    """Whether LAMMPS made this step's pair arrays (always, unless a model asked for none:
+    ``mliap-positions.patch``)."""
+    return bool(getattr(data, "pairs_made", True))
+
+
+def voigt_virial(virial: np.ndarray) -> np.ndarray:
+    """LAMMPS's order ``[6]`` (xx, yy, zz, xy, xz, yz) of a ``[3, 3]`` virial."""
+    v = np.asarray(virial, dtype=np.float64)
+    return np.array([v[0, 0], v[1, 1], v[2, 2], v[0, 1], v[0, 2], v[1, 2]])
+
+
 def _is_kokkos(data: Any) -> bool:
     """Whether ``data`` is the KOKKOS build's ML-IAP data (arrays on the device, its own
     exchange and ``update_pair_forces_gpu``). This path is written after mace's own ML-IAP
@@ -289,6 +317,8 @@ class LammpsModel(MLIAPUnified):
         if one_rank and self._local_supported() and self._positions.usable(data):
             self._positions_forces(data, n_local)
             return
+        if not one_rank and hasattr(data, "pairs_made"):  # the pairs are found on the device
+            data.pairs_wanted = False
         owners = ghost_owners(data) if one_rank else None
         if owners is not None and self._local_supported():
             self._local_forces(data, owners, n_local)
@@ -310,9 +340,14 @@ class LammpsModel(MLIAPUnified):
         node_energy = node_energy.cpu()
         data.eatoms = node_energy.numpy()
         data.energy = float(node_energy.sum())
-        if int(data.npairs) == 0:
+        if pair_forces.shape[0] == 0:
             return
-        if int(data.vflag) & PAIR_VIRIAL:  # LAMMPS sums the virial per pair on this step
+        if not data_pairs_made(data):  # the pairs were found here: LAMMPS cannot sum them
+            if int(data.vflag) & PAIR_VIRIAL:  # a virial per pair (per atom makes pairs)
+                pairs_virial = -(batch["vectors"].to(torch.float64)[:, :, None]
+                                 * pair_forces[:, None, :]).sum(dim=0)
+                data.add_virial(voigt_virial(pairs_virial.cpu().numpy()))
+        elif int(data.vflag) & PAIR_VIRIAL:  # LAMMPS sums the virial per pair on this step
             host = self._host_arrays.get("pair forces", int(pair_forces.shape[0]), 3,
                                          torch.float64, pin=pair_forces.is_cuda)
             data.update_pair_forces(host.copy_(pair_forces).numpy())
@@ -405,15 +440,29 @@ class LammpsModel(MLIAPUnified):
             else:
                 exchange.reverse_exchange(rows, rows.clone(), width)
 
-    def _vectors(self, data: Any, n_total: int, pair_i: Tensor, pair_j: Tensor) -> Tensor:
-        """``[npairs, 3]`` float64 on the device: ``rij``, from the positions LAMMPS gives
-        (``mliap-positions.patch``: ``x[j] - x[i]`` on the device, the same numbers as LAMMPS's,
-        from ``[ntotal, 3]`` instead of ``[npairs, 3]`` copied), else LAMMPS's ``rij``."""
+    def _pairs(self, data: Any, n_local: int, n_total: int) -> Tuple[Tensor, Tensor, Tensor]:
+        """``(pair_i, pair_j [npairs] int64, rij [npairs, 3] float64)`` on the device, the
+        pairs ``i -> j`` of the local atoms ``i`` within the cutoff, sorted by ``i`` then
+        ``j`` where they are found here. Where LAMMPS gives the positions
+        (``mliap-positions.patch``) the vectors are ``x[j] - x[i]`` on the device (the numbers
+        LAMMPS's ``rij`` holds, from ``[ntotal, 3]`` copied instead of ``[npairs, 3]``) and the
+        pairs themselves are found there among the local and ghost atoms (vesin) on the steps
+        LAMMPS made none; otherwise LAMMPS's arrays."""
+        device = self._device
+
+        def on_device(array: Any) -> Tensor:  # as LAMMPS has it: the casts run on the device
+            return torch.as_tensor(np.asarray(array)).to(device)
+
         positions = getattr(data, "x", None)
         if positions is None:
-            return torch.as_tensor(np.asarray(data.rij)).to(self._device)
-        x = torch.as_tensor(np.asarray(positions)[:n_total]).to(self._device)
-        return x[pair_j] - x[pair_i]
+            return (on_device(data.pair_i).long(), on_device(data.pair_j).long(),
+                    on_device(data.rij))
+        x = on_device(np.asarray(positions)[:n_total])
+        if data_pairs_made(data):
+            pair_i, pair_j = on_device(data.pair_i).long(), on_device(data.pair_j).long()
+        else:
+            pair_i, pair_j = local_pairs(x, n_local, 2.0 * self.rcutfac)
+        return pair_i, pair_j, x[pair_j] - x[pair_i]
 
     def _prepare(self) -> None:
         """Move the model to this rank's device (``cuda:<local rank>``, else the CPU), cast it
@@ -450,7 +499,7 @@ class LammpsModel(MLIAPUnified):
         def on_device(array: Any) -> Tensor:  # as LAMMPS has it: the casts run on the device
             return torch.as_tensor(array).to(device)
 
-        pair_i, pair_j = on_device(data.pair_i).long(), on_device(data.pair_j).long()
+        pair_i, pair_j, vectors = self._pairs(data, n_local, n_total)
         if owners is not None:
             n_nodes, exchange = n_local, None
             senders = on_device(owners)[pair_j]
@@ -459,7 +508,7 @@ class LammpsModel(MLIAPUnified):
             exchange = self._exchange(data, n_local)
         species = on_device(torch.as_tensor(data.elems)[:n_nodes]).long()
         return {
-            "vectors": self._vectors(data, n_total, pair_i, pair_j).to(dtype),
+            "vectors": vectors.to(dtype),
             "node_attrs": torch.nn.functional.one_hot(
                 species, num_classes=len(self.element_types)).to(dtype),
             "edge_index": torch.stack([senders, pair_i]),

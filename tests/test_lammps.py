@@ -250,6 +250,9 @@ def test_lammps_equals_the_calculator(files, cpu_runs, name, ranks):
     one = {"positions": 1, "pairs": 0} if ranks == 1 else {"positions": 0, "pairs": 0}
     assert result["paths"] == one, "a LAMMPS without mliap-positions.patch? scripts/build_lammps.sh"
     assert result["paths_peratom"] == ({"positions": 0, "pairs": 1} if ranks == 1 else one)
+    # several ranks find the pairs on the device where LAMMPS makes none (every step after the
+    # first but the per-atom virial's)
+    assert (result["pairs_found"] > 0) == (ranks > 1)
 
 
 @pytest.mark.gpu

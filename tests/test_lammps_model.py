@@ -266,6 +266,20 @@ def test_ghost_owners_on_one_rank(cu_atoms):
         ghost_owners(Broken(cu_atoms, list(range(len(cu_atoms))), 4.5, {29: 0}))
 
 
+def test_local_pairs_are_ml_iaps_pairs_in_order(cu_atoms):
+    """The pairs found among a rank's local and ghost atoms are ML-IAP's (every pair of a
+    local atom within the cutoff, a ghost an atom of its own), sorted by i then j."""
+    from mace_accel.lammps import local_pairs
+
+    atoms = cu_atoms.repeat((1, 2, 2))
+    atoms.rattle(stdev=0.1, seed=2)
+    data = RankData(atoms, list(range(0, len(atoms), 2)), 4.5, {29: 0})  # half of them local
+    pair_i, pair_j = local_pairs(torch.from_numpy(data.x), data.nlocal, 4.5)
+    found = list(zip(pair_i.tolist(), pair_j.tolist()))
+    assert found == sorted(found)
+    assert found == sorted(zip(data.pair_i.tolist(), data.pair_j.tolist()))
+
+
 def test_the_ranks_come_from_lammps_else_the_launcher(monkeypatch):
     from mace_accel.lammps import world_size
 
