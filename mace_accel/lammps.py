@@ -344,7 +344,7 @@ class LammpsModel(MLIAPUnified):
             return
         if not data_pairs_made(data):  # the pairs were found here: LAMMPS cannot sum them
             if int(data.vflag) & PAIR_VIRIAL:  # a virial per pair (per atom makes pairs)
-                pairs_virial = -(batch["vectors"].to(torch.float64)[:, :, None]
+                pairs_virial = -(batch["vectors"].detach().to(torch.float64)[:, :, None]
                                  * pair_forces[:, None, :]).sum(dim=0)
                 data.add_virial(voigt_virial(pairs_virial.cpu().numpy()))
         elif int(data.vflag) & PAIR_VIRIAL:  # LAMMPS sums the virial per pair on this step

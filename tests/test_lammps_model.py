@@ -313,6 +313,40 @@ def test_ghost_atoms_with_exchanges_equal_the_calculator(model_file, lammps_mode
     np.testing.assert_allclose(data.fdotr_virial(), virial, atol=1e-9)
 
 
+@pytest.mark.parametrize("vflag", [2, 1])
+def test_pairs_found_on_the_device_equal_the_calculator(model_file, lammps_model, cu_atoms,
+                                                       monkeypatch, vflag):
+    """Several ranks where LAMMPS made no pair arrays (``mliap-positions.patch``): the pairs
+    are found among the positions; forces on the local and ghost atoms, and a virial per pair
+    (``vflag`` 1) given to LAMMPS directly, else (2) LAMMPS's sum of x f."""
+    import mace_accel.lammps as lammps_module
+
+    monkeypatch.setattr(lammps_module, "world_size", lambda data: 2)
+
+    class NoPairs(RankData):  # LAMMPS gave positions and made no pair arrays
+        pairs_made, pairs_wanted, given = False, True, None
+
+        def add_virial(self, v):
+            self.given = np.asarray(v)
+
+    atoms = cu_atoms.copy()
+    atoms.numbers[[1, 4]] = 28
+    energy, forces, virial = calculator_results(model_file, atoms)
+    model = lammps_model.model
+    data = NoPairs(atoms, list(range(len(atoms))), float(model.r_max), _species(model))
+    data.vflag = vflag
+    lammps_model.compute_forces(data)
+    assert data.pairs_wanted is False  # asked for none from now on
+    assert data.energy == pytest.approx(energy, rel=1e-12, abs=1e-12)
+    np.testing.assert_allclose(_folded_forces(data, len(atoms)), forces, atol=1e-10)
+    want = virial[[0, 1, 2, 0, 0, 1], [0, 1, 2, 1, 2, 2]]  # LAMMPS's order
+    if vflag == 1:
+        np.testing.assert_allclose(data.given, want, atol=1e-9)
+    else:
+        assert data.given is None
+        np.testing.assert_allclose(data.fdotr_virial(), virial, atol=1e-9)
+
+
 def test_a_rank_without_atoms_makes_the_same_exchanges(lammps_model, cu_atoms, monkeypatch):
     """Each exchange is a call of all ranks together: a rank without local atoms makes the
     same exchanges, of the same widths and in the same order, as one whose model runs."""
