@@ -201,10 +201,16 @@ class PositionsCall:
     @staticmethod
     def usable(data: Any) -> bool:
         """Whether this step can take the positions path: LAMMPS gives positions and box, and
-        the step needs no forces per pair (the per-atom virial, for which LAMMPS made them)."""
+        the step needs no forces per pair: those of the per-atom virial, and of a virial in a
+        box that is not periodic in all three dimensions (the calculator's stress needs one),
+        for which LAMMPS made them."""
         if not hasattr(data, "pairs_made"):
             return False
-        return not (data.pairs_made and int(data.vflag) & PER_ATOM_VIRIAL)
+        if not data.pairs_made:
+            return True
+        vflag = int(data.vflag)
+        return not (vflag & PER_ATOM_VIRIAL
+                    or (vflag and not lammps_cell(data.box())[1].all()))
 
     def __call__(self, data: Any) -> Tuple[np.ndarray, np.ndarray, float, Optional[np.ndarray]]:
         """``(node energies [nlocal], forces [nlocal, 3], energy, virial [6] or None)``,

@@ -5,7 +5,8 @@ ranks.
     python tests/lammps_run.py JOBS.json
 
 JOBS.json: a list of ``{"model", "structure", "out", "steps"}``; ``structure``: ``{"symbols",
-"positions", "cell", "masses", "elements", "exchange"}`` (``elements`` and ``masses`` per LAMMPS
+"positions", "cell", "masses", "elements", "exchange"}`` and optionally ``"boundary"`` (LAMMPS's,
+default ``"p p p"``) (``elements`` and ``masses`` per LAMMPS
 atom type). Each ``out`` (written by rank 0): the potential energy (eV), the forces (eV/Å, in
 the structure's atom order), the virial pressure tensor (bar: xx, yy, zz, xy, xz, yz), the
 forces of a step that asks for no virial, the per-atom virial summed over the atoms (``compute
@@ -77,7 +78,8 @@ def _run(model: str, s: dict, out: str, steps: int):
     lmp = lammps(cmdargs=["-log", "none", "-screen", "none", "-nocite"])
     mliap.activate_mliappy(lmp)  # the ML-IAP Python coupling, in a Python-driven LAMMPS
     lmp.commands_list([
-        "units metal", "atom_style atomic", "atom_modify map array", "boundary p p p",
+        "units metal", "atom_style atomic", "atom_modify map array",
+        f"boundary {s.get('boundary', 'p p p')}",
         f"region box prism 0 {cell[0][0]!r} 0 {cell[1][1]!r} 0 {cell[2][2]!r} "
         f"{cell[1][0]!r} {cell[2][0]!r} {cell[2][1]!r} units box",
         f"create_box {len(elements)} box",

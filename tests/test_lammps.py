@@ -201,7 +201,8 @@ TRAJECTORY_STEPS = 10
 def cpu_runs(files, tmp_path_factory):
     """``ranks -> {name: result}``: the runs of one rank count in one launch, made on first use:
     both models' alloys (the bundled model's then runs a short NVE trajectory on one and two
-    ranks) and, on two ranks, the bundled model's slab and its float32 file."""
+    ranks), on one and two ranks the bundled model's alloy in a tilted box and in a box that is
+    not periodic along z, and on two ranks its slab and its float32 file."""
     made: Dict[int, Dict[str, dict]] = {}
 
     def runs(ranks: int) -> Dict[str, dict]:
@@ -210,6 +211,11 @@ def cpu_runs(files, tmp_path_factory):
             jobs = {name: (files[name][1], _structure(_test_alloy(files[name][2]), files[name][2]),
                            TRAJECTORY_STEPS if name == "bundled" and ranks <= 2 else 0)
                     for name in ("bundled", "density")}
+            if ranks <= 2:
+                bundled = files["bundled"]
+                jobs["tilted"] = (bundled[1], _structure(_tilted(bundled[2]), bundled[2]), 0)
+                jobs["open"] = (bundled[1], dict(_structure(_in_vacuum(bundled[2]), bundled[2]),
+                                                 boundary="p p f"), 0)
             if ranks == 2:
                 bundled = files["bundled"]
                 jobs["slab"] = (bundled[1], _structure(_slab(bundled[2]), bundled[2]), 0)
@@ -225,6 +231,25 @@ def _test_alloy(made):
     """The structure of the equality tests: an alloy of (at most three of) the model's
     elements."""
     return _alloy([int(z) for z in made.model.atomic_numbers][:3])
+
+
+def _tilted(made):
+    """The test alloy in a triclinic box (LAMMPS's tilts xy, xz, yz), its atoms at the same
+    fractional coordinates."""
+    atoms = _test_alloy(made)
+    length = atoms.cell[0, 0]
+    atoms.set_cell([[length, 0, 0], [0.9, length, 0], [0.6, -0.7, length]], scale_atoms=True)
+    return atoms
+
+
+def _in_vacuum(made):
+    """The test alloy as a film between two vacuum layers along z, each wider than the cutoff:
+    the same energy, forces and virial in a box not periodic along z (LAMMPS's boundary
+    ``p p f``) as in this periodic one."""
+    atoms = _test_alloy(made)
+    atoms.positions[:, 2] += 10.0
+    atoms.set_cell([atoms.cell[0, 0], atoms.cell[1, 1], atoms.cell[2, 2] + 20.0])
+    return atoms
 
 
 def _slab(made):
@@ -296,6 +321,26 @@ def _check_within_tolerance(result, energy, forces, virial, volume, dtype: str):
     assert rel_norm_error(torch.tensor(pressure), want) <= tol
     peratom = -np.asarray(result["peratom_virial_sum"]) / BAR_PER_EV_A3
     assert rel_norm_error(torch.tensor(peratom), want) <= tol
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_tilted_box_equals_the_calculator(files, cpu_runs, ranks):
+    """A triclinic box: on one rank its tilts make the calculator's cell."""
+    model_file, _, made = files["bundled"]
+    atoms = _tilted(made)
+    energy, forces, virial = calculator_results(model_file, atoms)
+    _check(cpu_runs(ranks)["tilted"], energy, forces, virial, atoms.get_volume())
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_box_open_along_z_equals_the_calculator(files, cpu_runs, ranks):
+    """LAMMPS's ``boundary p p f``: one rank asks for the pair arrays there and takes the
+    virial from the pair forces (the calculator has no stress without three periodic
+    directions)."""
+    model_file, _, made = files["bundled"]
+    atoms = _in_vacuum(made)
+    energy, forces, virial = calculator_results(model_file, atoms)
+    _check(cpu_runs(ranks)["open"], energy, forces, virial, atoms.get_volume())
 
 
 def test_a_rank_without_atoms_takes_part_in_the_exchanges(files, cpu_runs):
