@@ -392,7 +392,9 @@ class LammpsModel(MLIAPUnified):
             self._local = LocalCall(self.model, model_info(self.model).r_max, self.head_index,
                                     len(self.element_types), self._device,
                                     getattr(torch, self.dtype), self._device.type == "cuda")
-        per_pair = bool(int(data.vflag))
+        # forces per pair where LAMMPS takes a virial (this pair style's, or a hybrid's sum of
+        # x f over all forces: mliap-positions.patch says so; a LAMMPS without it cannot)
+        per_pair = bool(int(data.vflag)) or bool(getattr(data, "pair_forces_needed", True))
         node_energy, forces, energy = self._local(data, owners, per_pair)
         data.eatoms = node_energy
         data.energy = energy

@@ -6,7 +6,8 @@ device (a Verlet list, rebuilt only when an atom has moved more than half its sk
 graphs, its forces per atom and its stress, which becomes LAMMPS's virial. LAMMPS then makes no
 pair arrays (``pairs_wanted = False``) and copies no pair vectors: a step costs what the
 calculator's call costs plus LAMMPS's integration, communication and neighbour lists. Steps
-that ask for the per-atom virial (``compute stress/atom``) still get ML-IAP's pairs and take
+that need forces per pair (the per-atom virial of ``compute stress/atom``; a virial that a
+``hybrid`` pair style takes from all forces) still get ML-IAP's pairs and take
 :class:`LocalCall`.
 
 Otherwise (a LAMMPS without that patch) :class:`LocalCall` makes the calculator's batch from
@@ -162,11 +163,6 @@ class LocalCall:
         return kept
 
 
-# LAMMPS's vflag bits for the per-atom virial (VIRIAL_ATOM, VIRIAL_CENTROID): those steps need
-# forces per pair
-PER_ATOM_VIRIAL = 4 | 8
-
-
 def lammps_cell(box: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """``(cell [3, 3], pbc [3] bool)`` of LAMMPS's box as ``data.box()`` gives it (boxlo;
     xprd, yprd, zprd, yz, xz, xy; periodic flags): the rows are the vectors ``(xprd, 0, 0)``,
@@ -201,16 +197,17 @@ class PositionsCall:
     @staticmethod
     def usable(data: Any) -> bool:
         """Whether this step can take the positions path: LAMMPS gives positions and box, and
-        the step needs no forces per pair: those of the per-atom virial, and of a virial in a
-        box that is not periodic in all three dimensions (the calculator's stress needs one),
-        for which LAMMPS made them."""
+        the step needs no forces per pair: those of the per-atom virial or of a virial that
+        another pair style takes from all forces (``pair_forces_needed``), and those of a
+        virial in a box that is not periodic in all three dimensions (the calculator's stress
+        needs one); LAMMPS made the pairs for these."""
         if not hasattr(data, "pairs_made"):
             return False
         if not data.pairs_made:
             return True
-        vflag = int(data.vflag)
-        return not (vflag & PER_ATOM_VIRIAL
-                    or (vflag and not lammps_cell(data.box())[1].all()))
+        if data.pair_forces_needed:
+            return False
+        return not (int(data.vflag) and not lammps_cell(data.box())[1].all())
 
     def __call__(self, data: Any) -> Tuple[np.ndarray, np.ndarray, float, Optional[np.ndarray]]:
         """``(node energies [nlocal], forces [nlocal, 3], energy, virial [6] or None)``,

@@ -6,7 +6,7 @@ ranks.
 
 JOBS.json: a list of ``{"model", "structure", "out", "steps"}``; ``structure``: ``{"symbols",
 "positions", "cell", "masses", "elements", "exchange"}`` and optionally ``"boundary"`` (LAMMPS's,
-default ``"p p p"``) (``elements`` and ``masses`` per LAMMPS
+default ``"p p p"``) and ``"overlay"`` (the model under ``pair_style hybrid/overlay``) (``elements`` and ``masses`` per LAMMPS
 atom type). Each ``out`` (written by rank 0): the potential energy (eV), the forces (eV/Å, in
 the structure's atom order), the virial pressure tensor (bar: xx, yy, zz, xy, xz, yz), the
 forces of a step that asks for no virial, the per-atom virial summed over the atoms (``compute
@@ -89,8 +89,8 @@ def _run(model: str, s: dict, out: str, steps: int):
         lmp.command(f"create_atoms {t} single {x!r} {y!r} {z!r} units box remap yes")
     lmp.commands_list(
         [f"mass {i + 1} {m!r}" for i, m in enumerate(s["masses"])]
-        + [f"pair_style mliap unified {model} 0 exchange {s['exchange']}",
-           f"pair_coeff * * {' '.join(elements)}",
+        + _pair_style(model, s, elements)
+        + [
            "neighbor 1.0 bin", "neigh_modify every 1 delay 0 check yes",
            "compute virial all pressure NULL virial",
            "thermo_style custom step pe c_virial[1] c_virial[2] c_virial[3] c_virial[4] "
@@ -129,6 +129,16 @@ def _run(model: str, s: dict, out: str, steps: int):
         Path(out).write_text(json.dumps(result))
     lmp.close()
     return lmp
+
+
+def _pair_style(model: str, s: dict, elements) -> list:
+    """The model's pair style, alone or (``"overlay"``) under ``hybrid/overlay`` with a pair
+    style of zero forces, which makes LAMMPS take the virial from all forces."""
+    mliap = f"mliap unified {model} 0 exchange {s['exchange']}"
+    if not s.get("overlay"):
+        return [f"pair_style {mliap}", f"pair_coeff * * {' '.join(elements)}"]
+    return [f"pair_style hybrid/overlay {mliap} zero 2.0",
+            f"pair_coeff * * mliap {' '.join(elements)}", "pair_coeff * * zero"]
 
 
 def _gather(lmp, name: str) -> np.ndarray:

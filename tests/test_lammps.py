@@ -201,8 +201,9 @@ TRAJECTORY_STEPS = 10
 def cpu_runs(files, tmp_path_factory):
     """``ranks -> {name: result}``: the runs of one rank count in one launch, made on first use:
     both models' alloys (the bundled model's then runs a short NVE trajectory on one and two
-    ranks), on one and two ranks the bundled model's alloy in a tilted box and in a box that is
-    not periodic along z, and on two ranks its slab and its float32 file."""
+    ranks), on one and two ranks the bundled model's alloy in a tilted box, in a box that is
+    not periodic along z and under hybrid/overlay, and on two ranks its slab and its float32
+    file."""
     made: Dict[int, Dict[str, dict]] = {}
 
     def runs(ranks: int) -> Dict[str, dict]:
@@ -216,6 +217,8 @@ def cpu_runs(files, tmp_path_factory):
                 jobs["tilted"] = (bundled[1], _structure(_tilted(bundled[2]), bundled[2]), 0)
                 jobs["open"] = (bundled[1], dict(_structure(_in_vacuum(bundled[2]), bundled[2]),
                                                  boundary="p p f"), 0)
+                jobs["overlay"] = (bundled[1], dict(_structure(_test_alloy(bundled[2]),
+                                                               bundled[2]), overlay=True), 0)
             if ranks == 2:
                 bundled = files["bundled"]
                 jobs["slab"] = (bundled[1], _structure(_slab(bundled[2]), bundled[2]), 0)
@@ -341,6 +344,16 @@ def test_a_box_open_along_z_equals_the_calculator(files, cpu_runs, ranks):
     atoms = _in_vacuum(made)
     energy, forces, virial = calculator_results(model_file, atoms)
     _check(cpu_runs(ranks)["open"], energy, forces, virial, atoms.get_volume())
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_under_hybrid_overlay_the_virial_holds(files, cpu_runs, ranks):
+    """``pair_style hybrid/overlay`` with a pair style of zero forces: LAMMPS takes the virial
+    as the sum of x f over all forces, so one rank hands it the forces per pair."""
+    model_file, _, made = files["bundled"]
+    atoms = _test_alloy(made)
+    energy, forces, virial = calculator_results(model_file, atoms)
+    _check(cpu_runs(ranks)["overlay"], energy, forces, virial, atoms.get_volume())
 
 
 def test_a_rank_without_atoms_takes_part_in_the_exchanges(files, cpu_runs):

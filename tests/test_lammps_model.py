@@ -59,6 +59,7 @@ class RankData:
         self.forces = np.zeros((self.ntotal, 3))
         self.f = self.forces  # LAMMPS's force array, which a model may add to directly
         self.vflag = 2  # LAMMPS asks for the virial (0: it does not, this step)
+        self.pair_forces_needed = False  # no per-atom virial, no hybrid pair style
         self.eatoms = None
         self.energy = None
         self.exchanges = 0
