@@ -452,8 +452,8 @@ class LammpsModel(MLIAPUnified):
         LAMMPS made none; otherwise LAMMPS's arrays."""
         device = self._device
 
-        def on_device(array: Any) -> Tensor:  # as LAMMPS has it: the casts run on the device
-            return torch.as_tensor(np.asarray(array)).to(device)
+        def on_device(array: Any) -> Tensor:  # as LAMMPS has it (KOKKOS: on the device already)
+            return torch.as_tensor(array).to(device)
 
         positions = getattr(data, "x", None)
         if positions is None:
