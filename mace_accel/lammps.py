@@ -163,10 +163,10 @@ def data_pairs_made(data: Any) -> bool:
     return bool(getattr(data, "pairs_made", True))
 
 
-def voigt_virial(virial: np.ndarray) -> np.ndarray:
-    """LAMMPS's order ``[6]`` (xx, yy, zz, xy, xz, yz) of a ``[3, 3]`` virial."""
-    v = np.asarray(virial, dtype=np.float64)
-    return np.array([v[0, 0], v[1, 1], v[2, 2], v[0, 1], v[0, 2], v[1, 2]])
+def _on_device(array: Any, device: torch.device) -> Tensor:
+    """One of LAMMPS's arrays on ``device`` as LAMMPS holds it (dtype kept: casts run on the
+    device; a KOKKOS build's arrays are there already)."""
+    return torch.as_tensor(array).to(device)
 
 
 def _is_kokkos(data: Any) -> bool:
@@ -346,7 +346,9 @@ class LammpsModel(MLIAPUnified):
             if int(data.vflag) & PAIR_VIRIAL:  # a virial per pair (per atom makes pairs)
                 pairs_virial = -(batch["vectors"].detach().to(torch.float64)[:, :, None]
                                  * pair_forces[:, None, :]).sum(dim=0)
-                data.add_virial(voigt_virial(pairs_virial.cpu().numpy()))
+                from mace_accel.lammps_local import lammps_order
+
+                data.add_virial(lammps_order(pairs_virial.cpu().numpy()))
         elif int(data.vflag) & PAIR_VIRIAL:  # LAMMPS sums the virial per pair on this step
             host = self._host_arrays.get("pair forces", int(pair_forces.shape[0]), 3,
                                          torch.float64, pin=pair_forces.is_cuda)
@@ -451,17 +453,14 @@ class LammpsModel(MLIAPUnified):
         pairs themselves are found there among the local and ghost atoms (vesin) on the steps
         LAMMPS made none; otherwise LAMMPS's arrays."""
         device = self._device
-
-        def on_device(array: Any) -> Tensor:  # as LAMMPS has it (KOKKOS: on the device already)
-            return torch.as_tensor(array).to(device)
-
         positions = getattr(data, "x", None)
         if positions is None:
-            return (on_device(data.pair_i).long(), on_device(data.pair_j).long(),
-                    on_device(data.rij))
-        x = on_device(np.asarray(positions)[:n_total])
+            return (_on_device(data.pair_i, device).long(), _on_device(data.pair_j, device).long(),
+                    _on_device(data.rij, device))
+        x = _on_device(np.asarray(positions)[:n_total], device)
         if data_pairs_made(data):
-            pair_i, pair_j = on_device(data.pair_i).long(), on_device(data.pair_j).long()
+            pair_i = _on_device(data.pair_i, device).long()
+            pair_j = _on_device(data.pair_j, device).long()
         else:
             pair_i, pair_j = local_pairs(x, n_local, 2.0 * self.rcutfac)
         return pair_i, pair_j, x[pair_j] - x[pair_i]
@@ -497,18 +496,14 @@ class LammpsModel(MLIAPUnified):
         else (``owners`` None) the ghosts too, with the exchange that fills in their
         features; and LAMMPS's ``pair_j [npairs]`` on the device."""
         device, dtype = self._device, getattr(torch, self.dtype)
-
-        def on_device(array: Any) -> Tensor:  # as LAMMPS has it: the casts run on the device
-            return torch.as_tensor(array).to(device)
-
         pair_i, pair_j, vectors = self._pairs(data, n_local, n_total)
         if owners is not None:
             n_nodes, exchange = n_local, None
-            senders = on_device(owners)[pair_j]
+            senders = _on_device(owners, device)[pair_j]
         else:
             n_nodes, senders = n_total, pair_j
             exchange = self._exchange(data, n_local)
-        species = on_device(torch.as_tensor(data.elems)[:n_nodes]).long()
+        species = _on_device(torch.as_tensor(data.elems)[:n_nodes], device).long()
         return {
             "vectors": vectors.to(dtype),
             "node_attrs": torch.nn.functional.one_hot(

@@ -11,8 +11,7 @@ that need forces per pair (the per-atom virial of ``compute stress/atom``; a vir
 :class:`LocalCall`.
 
 Otherwise (a LAMMPS without that patch) :class:`LocalCall` makes the calculator's batch from
-ML-IAP's pairs:
-On a run of one rank every ghost atom is a periodic image of a local atom, so LAMMPS's pairs
+ML-IAP's pairs. On a run of one rank every ghost atom is a periodic image of a local atom, so LAMMPS's pairs
 ``i -> j`` (``rij = r_j - r_i``) are the periodic structure's edges once each ghost ``j`` is
 replaced by its owner: mace's ordinary batch of the local atoms, every atom at the origin and
 each edge's whole vector in its shift (``shifts = r_i - r_j``: mace's edge vector is
@@ -172,11 +171,18 @@ def lammps_cell(box: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return cell, np.asarray(box[9:12]) > 0
 
 
+def lammps_order(virial: np.ndarray) -> np.ndarray:
+    """LAMMPS's order ``[6]`` (xx, yy, zz, xy, xz, yz) of a symmetric ``[3, 3]`` tensor."""
+    v = np.asarray(virial, dtype=np.float64)
+    return np.array([v[0, 0], v[1, 1], v[2, 2], v[0, 1], v[0, 2], v[1, 2]])
+
+
 def lammps_virial(stress: np.ndarray, volume: float) -> np.ndarray:
     """LAMMPS's virial ``[6]`` (xx, yy, zz, xy, xz, yz; eV: the sum of ``r (x) f``) of ASE's
     stress ``[6]`` (Voigt xx, yy, zz, yz, xz, xy; eV/Å^3, positive = tensile)."""
-    s = np.asarray(stress, dtype=np.float64)
-    return -volume * np.array([s[0], s[1], s[2], s[5], s[4], s[3]])
+    from ase.stress import voigt_6_to_full_3x3_stress
+
+    return -volume * lammps_order(voigt_6_to_full_3x3_stress(np.asarray(stress, np.float64)))
 
 
 class PositionsCall:

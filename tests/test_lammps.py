@@ -214,11 +214,10 @@ def cpu_runs(files, tmp_path_factory):
                     for name in ("bundled", "density")}
             if ranks <= 2:
                 bundled = files["bundled"]
-                jobs["tilted"] = (bundled[1], _structure(_tilted(bundled[2]), bundled[2]), 0)
-                jobs["open"] = (bundled[1], dict(_structure(_in_vacuum(bundled[2]), bundled[2]),
-                                                 boundary="p p f"), 0)
-                jobs["overlay"] = (bundled[1], dict(_structure(_test_alloy(bundled[2]),
-                                                               bundled[2]), overlay=True), 0)
+                for name, (structure, settings) in OTHER_SETUPS.items():
+                    jobs[name] = (bundled[1],
+                                  dict(_structure(structure(bundled[2]), bundled[2]), **settings),
+                                  0)
             if ranks == 2:
                 bundled = files["bundled"]
                 jobs["slab"] = (bundled[1], _structure(_slab(bundled[2]), bundled[2]), 0)
@@ -253,6 +252,20 @@ def _in_vacuum(made):
     atoms.positions[:, 2] += 10.0
     atoms.set_cell([atoms.cell[0, 0], atoms.cell[1, 1], atoms.cell[2, 2] + 20.0])
     return atoms
+
+
+# the bundled model's runs in other setups, on one and two ranks: name -> (its structure, the
+# run's settings beyond it; tests/lammps_run.py)
+OTHER_SETUPS = {
+    # a triclinic box: on one rank its tilts make the calculator's cell
+    "tilted": (_tilted, {}),
+    # LAMMPS's boundary p p f: one rank asks for the pair arrays there and takes the virial from
+    # the pair forces (the calculator has no stress without three periodic directions)
+    "open": (_in_vacuum, {"boundary": "p p f"}),
+    # pair_style hybrid/overlay with a pair style of zero forces: LAMMPS takes the virial as
+    # the sum of x f over all forces, so one rank hands it the forces per pair
+    "overlay": (_test_alloy, {"overlay": True}),
+}
 
 
 def _slab(made):
@@ -327,33 +340,13 @@ def _check_within_tolerance(result, energy, forces, virial, volume, dtype: str):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_a_tilted_box_equals_the_calculator(files, cpu_runs, ranks):
-    """A triclinic box: on one rank its tilts make the calculator's cell."""
+@pytest.mark.parametrize("setup", sorted(OTHER_SETUPS))
+def test_other_setups_equal_the_calculator(files, cpu_runs, setup, ranks):
+    """A tilted box, a box open along z, the model under hybrid/overlay (OTHER_SETUPS)."""
     model_file, _, made = files["bundled"]
-    atoms = _tilted(made)
+    atoms = OTHER_SETUPS[setup][0](made)
     energy, forces, virial = calculator_results(model_file, atoms)
-    _check(cpu_runs(ranks)["tilted"], energy, forces, virial, atoms.get_volume())
-
-
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_box_open_along_z_equals_the_calculator(files, cpu_runs, ranks):
-    """LAMMPS's ``boundary p p f``: one rank asks for the pair arrays there and takes the
-    virial from the pair forces (the calculator has no stress without three periodic
-    directions)."""
-    model_file, _, made = files["bundled"]
-    atoms = _in_vacuum(made)
-    energy, forces, virial = calculator_results(model_file, atoms)
-    _check(cpu_runs(ranks)["open"], energy, forces, virial, atoms.get_volume())
-
-
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_under_hybrid_overlay_the_virial_holds(files, cpu_runs, ranks):
-    """``pair_style hybrid/overlay`` with a pair style of zero forces: LAMMPS takes the virial
-    as the sum of x f over all forces, so one rank hands it the forces per pair."""
-    model_file, _, made = files["bundled"]
-    atoms = _test_alloy(made)
-    energy, forces, virial = calculator_results(model_file, atoms)
-    _check(cpu_runs(ranks)["overlay"], energy, forces, virial, atoms.get_volume())
+    _check(cpu_runs(ranks)[setup], energy, forces, virial, atoms.get_volume())
 
 
 def test_a_rank_without_atoms_takes_part_in_the_exchanges(files, cpu_runs):
