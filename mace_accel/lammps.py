@@ -479,6 +479,9 @@ class LammpsModel(MLIAPUnified):
         import_mace()
         if torch.cuda.is_available():
             device = torch.device("cuda", local_rank() % torch.cuda.device_count())
+            # a rank owns its GPU: whatever launches on the current device (vesin, cuBLAS's
+            # handles) must find this one, and no rank should open a context on another
+            torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
         calculator = MACEAccelCalculator(

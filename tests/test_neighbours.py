@@ -323,6 +323,19 @@ def test_cuda_gives_the_cpu_pairs(name):
     assert _triples(*nl.update(pos, cell, pbc)[:2]) == _ours(atoms, cutoff + 0.5)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_list_on_a_gpu_other_than_the_current_one():
+    """vesin launches on the current device: a list of positions on another GPU (a LAMMPS rank's,
+    a calculator's on ``cuda:1``) must still be right, not an illegal memory access."""
+    atoms, cutoff = CASES["molecule"]
+    big = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((12, 12, 12))  # a cell list, not brute
+    big.pbc = False
+    with torch.cuda.device(0):
+        for system, cut in ((atoms, cutoff), (big, 5.0)):
+            assert _ours(system, cut, device="cuda:1") == _ours(system, cut)
+
+
 @pytest.mark.parametrize("limit", [None, 10])
 def test_a_list_longer_than_the_limit_gives_only_the_pairs_within_the_cutoff(limit):
     """An exact model is given the Verlet list's pairs beyond the cutoff up to

@@ -18,6 +18,7 @@ vesin is imported inside the functions: importing this module does no work.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from typing import Any, Optional, Sequence, Tuple
@@ -189,7 +190,10 @@ def _compute(calculator, positions: Tensor, cell64: Tensor, pbc: Pbc) -> Tuple[T
         box = cell64.to(device=device).contiguous()  # vesin: box on the points' device
     else:
         box = torch.zeros((3, 3), dtype=torch.float64, device=device)  # ignored by vesin
-    pairs, shifts = calculator.compute(points, box, list(pbc), quantities="PS", copy=True)
+    # vesin launches on the current CUDA device: on another one its kernels would read this
+    # device's memory (an illegal access), so make positions' device the current one
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        pairs, shifts = calculator.compute(points, box, list(pbc), quantities="PS", copy=True)
     pairs = torch.as_tensor(pairs, device=device).to(torch.int64)  # vesin: uint64
     shifts = torch.as_tensor(shifts, device=device)  # vesin: int32
     # vesin leaves out i == j with a zero shift; mace drops them too: filter, do not assume
