@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -22,6 +23,8 @@ from mace_accel.models import energy_head
 from mace_accel.options import MACE_BACKEND, AccelOptions, cuda_unavailable_reason, make_options
 from mace_accel.patches import PatchRecord, find_blocks, link_across_blocks
 from mace_accel.tolerances import energy_error, model_tolerance, rel_norm_error
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -121,6 +124,24 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return torch.get_default_dtype()
 
 
+def start_compiles(model: torch.nn.Module) -> None:
+    """Start compiling, on background threads, the CUDA kernels the fused modules of ``model``
+    launch in a forces call, in its dtype and on its device: the first call (the check against
+    the plain model, or the user's) then finds them compiled or compiling, instead of compiling
+    them one after another as it reaches them. A module whose head start fails is left to
+    compile (and report) when it is called."""
+    from mace_accel.patches.adopt import FusedModule
+
+    dtype, device = model_dtype(model), model_device(model)
+    for module in model.modules():
+        if isinstance(module, FusedModule):
+            try:
+                module.start_compiles(dtype, device)
+            except Exception as exc:  # the call compiles what it launches and raises there
+                log.debug("mace-accel: no head start for %s's kernels (%s)",
+                          module.describe(), exc)
+
+
 def resolve_backend(options: AccelOptions, device: torch.device,
                     stacklevel: int = 3) -> AccelOptions:
     """``options`` with the backend that will run for a model on ``device``.
@@ -195,6 +216,8 @@ def accelerate(model: torch.nn.Module, backend: Optional[str] = None,
     report.notes.extend(link_across_blocks(model, opts))
     report.notes.append(energy_head.describe(model))
     report.mace_built = coverage.mace_built(model)
+    if opts.backend == "cuda":
+        start_compiles(model)
     if opts.verify and report.patched:
         verify_or_revert(model, report)
     return report

@@ -65,6 +65,12 @@ class FusedModule(torch.nn.Module):
         """One line: what this module computes (for reports)."""
         return type(self).__name__
 
+    def start_compiles(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Start compiling, on background threads, the CUDA kernels a forces call of this
+        module launches (:func:`~mace_accel.ops.runtime.compile_soon`), so that a model's first
+        call does not compile them one after another; modules without kernels of their own do
+        nothing."""
+
     def extra_repr(self) -> str:
         return f"{self.describe()}, backend={self.backend!r}"
 

@@ -57,6 +57,9 @@ class FusedConvTP(FusedModule):
             return self.spec.describe() + FOLD_NOTE
         return self.spec.describe()
 
+    def start_compiles(self, dtype: torch.dtype, device: torch.device) -> None:
+        autograd.start_compiles(self._key, dtype, device, self.options.deterministic)
+
     def forward(self, node_feats: torch.Tensor, edge_attrs: torch.Tensor,
                 tp_weights: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
         """Message ``[n_nodes, dim_out]``.

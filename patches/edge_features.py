@@ -72,6 +72,12 @@ class FusedSphericalHarmonics(FusedModule):
     def describe(self) -> str:
         return self.spec.describe()
 
+    def start_compiles(self, dtype: torch.dtype, device: torch.device) -> None:
+        from mace_accel.ops.edge_vectors import autograd as edge_vectors
+
+        autograd.start_compiles(self._key, dtype, device)
+        edge_vectors.start_compiles(dtype, device)  # fused with the edge features (its patch)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., (lmax+1)^2]`` spherical harmonics of ``x [..., 3]`` (e3nn's layout)."""
         _check_floating("vectors", x, 3)
@@ -148,6 +154,9 @@ class FusedRadialEmbedding(FusedModule):
             values += tuple(transform._buffers.values()) + tuple(transform._parameters.values())
         return tuple((id(v), v._version) if isinstance(v, torch.Tensor) else v
                      for v in values) + (self.apply_cutoff,)
+
+    def start_compiles(self, dtype: torch.dtype, device: torch.device) -> None:
+        autograd.start_compiles(self._key, dtype, device)
 
     def _current_key(self) -> str:
         if torch.compiler.is_compiling():  # no _version guards in a graph: the spec as fused

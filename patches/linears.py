@@ -63,6 +63,9 @@ class _FusedLinearBase(FusedModule):
         weight = self._parameters["weight"]
         return self._derived("weights", [weight], dtype, build)
 
+    def start_compiles(self, dtype: torch.dtype, device: torch.device) -> None:
+        autograd.start_compiles(self._key, dtype, device)
+
     def _apply_map(self, x: torch.Tensor, elem: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.spec.dim_in:
             raise InputError(f"node features must have shape [n_nodes, {self.spec.dim_in}] for "

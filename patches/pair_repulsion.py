@@ -42,6 +42,9 @@ class FusedPairRepulsion(FusedModule):
         return (f"{self.spec.describe()}: each atom's received edges summed in a fixed order "
                 f"({kind}), the edges' slopes kept for the backward")
 
+    def start_compiles(self, dtype: torch.dtype, device: torch.device) -> None:
+        autograd.start_compiles(self.spec, dtype, device)
+
     def _current_spec(self) -> ZBLSpec:
         spec = self._spec_reread(tuple((id(t), t._version) for t in self._buffers.values()),
                                  lambda: zbl_spec_from_module(self.sync_original(),

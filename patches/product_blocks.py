@@ -57,6 +57,9 @@ class FusedSymmetricContraction(FusedModule):
         tensor)."""
         return tuple((id(t), t._version) for t in self.contractions.buffers())
 
+    def start_compiles(self, dtype: torch.dtype, device: torch.device) -> None:
+        autograd.start_compiles(self._key, dtype, device)
+
     def _current_key(self) -> str:
         """The registry key of the spec as the buffers are now: read again from the module
         when they changed since the last call (a state dict with other U matrices gets kernels

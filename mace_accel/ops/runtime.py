@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import queue
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -121,39 +123,126 @@ def device_index(device: torch.device) -> int:
 
 
 _MEMORY_CACHE: Dict[str, bytes] = {}
+_PENDING: Dict[str, "Future[bytes]"] = {}  # compiles started by compile_soon, until done
 _LOCK = threading.Lock()
+# background compiles at once (threads: NVRTC releases the GIL; what they gain is in
+# docs/performance.md, "Cold start")
+COMPILE_THREADS = 8
+
+
+class _Compiler:
+    """Daemon threads that compile in the background: unlike a ThreadPoolExecutor's, the
+    process does not wait for them at exit (a kernel started but never launched is not worth
+    waiting for; the disk cache's writes are atomic)."""
+
+    def __init__(self, threads: int) -> None:
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        for i in range(threads):
+            threading.Thread(target=self._work, name=f"mace-accel-nvrtc-{i}", daemon=True).start()
+
+    def submit(self, fn, *args) -> "Future[bytes]":
+        future: "Future[bytes]" = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._queue.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # kept for whoever waits on it
+                    future.set_exception(exc)
+
+
+_COMPILER: Optional[_Compiler] = None
+
+
+def _nvrtc_version() -> str:
+    from cupy_backends.cuda.libs import nvrtc
+
+    return str(nvrtc.getVersion())
+
+
+def _cubin_key(source: str, arch: str, options: Tuple[str, ...]) -> str:
+    return hashlib.sha256("\0".join((source, arch, *options, _nvrtc_version()))
+                          .encode()).hexdigest()
+
+
+def _nvrtc_compile(source: str, arch: str, options: Tuple[str, ...]) -> bytes:
+    """The cubin of ``source`` from NVRTC (no cache)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, "mace_accel_kernel.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *options])
+        return nvrtc.getCUBIN(prog)
+    except Exception as exc:
+        raise KernelError(f"NVRTC failed to compile a generated kernel for {arch}: "
+                          f"{exc}\n{nvrtc.getProgramLog(prog)}") from exc
+    finally:
+        nvrtc.destroyProgram(prog)
 
 
 def compile_cubin(source: str, arch: str, options: Tuple[str, ...] = NVRTC_OPTIONS) -> bytes:
     """Compile ``source`` for ``arch`` (e.g. ``"sm_90"``) with NVRTC; cached in memory and disk.
+    Where :func:`compile_soon` started the same compile, wait for it.
 
     Raises:
         KernelError: NVRTC rejected the source (the log is in the message).
     """
-    from cupy_backends.cuda.libs import nvrtc
-
-    key = hashlib.sha256("\0".join((source, arch, *options, str(nvrtc.getVersion())))
-                         .encode()).hexdigest()
+    key = _cubin_key(source, arch, options)
     with _LOCK:
         if key in _MEMORY_CACHE:
             return _MEMORY_CACHE[key]
-    path = cache_dir() / f"{key}.cubin"
-    if path.is_file():
-        cubin = path.read_bytes()
-    else:
-        prog = nvrtc.createProgram(source, "mace_accel_kernel.cu", [], [])
+        pending = _PENDING.get(key)
+    if pending is not None:
         try:
-            nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *options])
-        except Exception as exc:
-            log = nvrtc.getProgramLog(prog)
-            raise KernelError(f"NVRTC failed to compile a generated kernel for {arch}: {exc}\n"
-                              f"{log}") from exc
-        cubin = nvrtc.getCUBIN(prog)
-        nvrtc.destroyProgram(prog)
-        _write_atomic(path, cubin)
+            return pending.result()
+        except Exception:  # compiled again below: the error is raised where the kernel is needed
+            pass
+    return _compile_to_caches(source, arch, options, key)
+
+
+def compile_soon(source: str, arch: str, options: Tuple[str, ...] = NVRTC_OPTIONS) -> None:
+    """Start compiling ``source`` on a background thread, for a kernel the model's first calls
+    are expected to launch (:meth:`~mace_accel.patches.adopt.FusedModule.start_compiles`):
+    several compile at once instead of one after another as the call reaches them. Nothing to
+    do where it is compiled or started already, or on disk. A failure here is not reported: the
+    kernel, if it is launched, is compiled again and fails there."""
+    global _COMPILER
+    key = _cubin_key(source, arch, options)
     with _LOCK:
-        _MEMORY_CACHE[key] = cubin
-    return cubin
+        if key in _MEMORY_CACHE or key in _PENDING or (cache_dir() / f"{key}.cubin").is_file():
+            return
+        if _COMPILER is None:
+            _COMPILER = _Compiler(min(COMPILE_THREADS, os.cpu_count() or 1))
+            os.register_at_fork(after_in_child=_forget_compiles)
+        _PENDING[key] = _COMPILER.submit(_compile_to_caches, source, arch, options, key)
+
+
+def _forget_compiles() -> None:
+    """In a forked child: the parent's compiling threads are not there, so nothing it started
+    may be waited for (the child compiles what it needs itself)."""
+    global _COMPILER, _PENDING, _LOCK
+    _COMPILER, _PENDING, _LOCK = None, {}, threading.Lock()
+
+
+def _compile_to_caches(source: str, arch: str, options: Tuple[str, ...], key: str) -> bytes:
+    """The cubin of ``source`` from the disk cache or NVRTC, then in both caches."""
+    try:
+        path = cache_dir() / f"{key}.cubin"
+        if path.is_file():
+            cubin = path.read_bytes()
+        else:
+            cubin = _nvrtc_compile(source, arch, options)
+            _write_atomic(path, cubin)
+        with _LOCK:
+            _MEMORY_CACHE[key] = cubin
+        return cubin
+    finally:
+        with _LOCK:
+            _PENDING.pop(key, None)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -47,6 +47,12 @@ def _cuda(key: str, t: Tensor, deterministic: bool):
                                                       deterministic=deterministic))
 
 
+def start_compiles(key: str, dtype: torch.dtype, device: torch.device,
+                   deterministic: bool) -> None:
+    """Start compiling the CUDA kernels of the spec under ``key`` that a forces call launches."""
+    _cuda(key, torch.empty(0, dtype=dtype, device=device), deterministic).start_compiles()
+
+
 def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 

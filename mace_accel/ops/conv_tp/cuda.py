@@ -6,7 +6,7 @@ current stream; launch geometry comes from the :class:`~.schedule.ConvPlan`.
 
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -28,6 +28,7 @@ from mace_accel.ops.runtime import (
     INT32_MAX,
     Kernel,
     check_tensor,
+    compile_soon,
     kernel_device,
     device_limits,
     i32,
@@ -95,10 +96,12 @@ class CudaConvPrimitives:
     def _staging(self, direction: str, n_edges: int) -> Optional[staged.Staging]:
         """How ``direction`` stages on a graph of ``n_edges`` edges (None: plain kernels)."""
         staging = self.staging.get(direction)
-        if (staging is None or n_edges < self.staged_min_edges
-                or int(self.arch.split("_")[1]) < 80):  # cp.async needs sm_80
+        if staging is None or n_edges < self.staged_min_edges or not self._can_stage():
             return None
         return staging
+
+    def _can_stage(self) -> bool:
+        return int(self.arch.split("_")[1]) >= 80  # the staged kernels' cp.async needs sm_80
 
     def _launches(self, direction: str, needs, atomic: bool, w_sorted: bool, tensors,
                   n_edges: int) -> List[Tuple[KernelPlan, Kernel]]:
@@ -139,20 +142,42 @@ class CudaConvPrimitives:
     def _kernel_of(self, plan: KernelPlan, st: Optional[staged.StagePlan], needs,
                    atomic: bool, w_sorted: bool) -> Kernel:
         """The kernel of one launch: forward where ``needs`` is None; plain where ``st`` is."""
+        return self._kernel(*self._source_of(plan, st, needs, atomic, w_sorted))
+
+    @staticmethod
+    def _source_of(plan: KernelPlan, st: Optional[staged.StagePlan], needs, atomic: bool,
+                   w_sorted: bool) -> Tuple[str, Callable[[], str], int]:
+        """``(name, render, dynamic shared bytes)`` of the kernel of one launch."""
         if needs is None and st is None:
-            return self._kernel(forward_name(plan, w_sorted),
-                                lambda: render_forward(plan, w_sorted))
+            return forward_name(plan, w_sorted), lambda: render_forward(plan, w_sorted), 0
         if needs is None:
-            return self._kernel(staged.staged_forward_name(plan, st, w_sorted),
-                                lambda: staged.render_staged_forward(plan, st, w_sorted),
-                                st.shared_bytes)
+            return (staged.staged_forward_name(plan, st, w_sorted),
+                    lambda: staged.render_staged_forward(plan, st, w_sorted), st.shared_bytes)
         if st is None:
-            return self._kernel(backward_name(plan, needs, atomic, w_sorted),
-                                lambda: render_backward(plan, needs, atomic, w_sorted))
-        return self._kernel(staged.staged_backward_name(plan, st, needs, atomic, w_sorted),
-                            lambda: staged.render_staged_backward(plan, st, needs, atomic,
-                                                                  w_sorted),
-                            st.shared_bytes)
+            return (backward_name(plan, needs, atomic, w_sorted),
+                    lambda: render_backward(plan, needs, atomic, w_sorted), 0)
+        return (staged.staged_backward_name(plan, st, needs, atomic, w_sorted),
+                lambda: staged.render_staged_backward(plan, st, needs, atomic, w_sorted),
+                st.shared_bytes)
+
+    def start_compiles(self) -> None:
+        """Start compiling (:func:`~mace_accel.ops.runtime.compile_soon`) what a forces call
+        launches: the forward, and the backward with the gradients of a first layer (none for
+        its node features) and of a later one with its per-sender sum; plain kernels first,
+        then the staged ones of large graphs."""
+        atomic = not self.deterministic
+        for staged_pass in (False, True):
+            for needs in (None, (False, True, True), (True, True, True)):
+                staging = self.staging.get("forward" if needs is None else "backward")
+                if staged_pass and (staging is None or not self._can_stage()):
+                    continue
+                launches, _ = self._plan_launches("forward" if needs is None else "backward",
+                                                  needs, staging if staged_pass else None)
+                for plan, st in launches:
+                    _, render, _ = self._source_of(plan, st, needs, atomic, False)
+                    compile_soon(render(), self.arch)
+            if not staged_pass and self.deterministic:  # the per-sender sum of d(node_feats)
+                compile_soon(render_sender_sum(self.plan.backward_launches[0]), self.arch)
 
     # -- checks before launch -------------------------------------------------------------------
     def _check(self, n: int, graph: KernelGraph, **tensors: torch.Tensor) -> None:

@@ -59,6 +59,11 @@ def _cuda(key: str, t: Tensor):
     return registry.cached((key, t.dtype, t.device), build)
 
 
+def start_compiles(key: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Start compiling the CUDA kernels of the spec under ``key`` that a forces call launches."""
+    _cuda(key, torch.empty(0, dtype=dtype, device=device)).start_compiles()
+
+
 def _check_backend(backend: str) -> None:
     if backend not in ("cuda", "reference"):
         raise KernelError(f"backend must be 'cuda' or 'reference', got {backend!r}")

@@ -20,6 +20,7 @@ from mace_accel.ops.runtime import (
     INT32_MAX,
     Kernel,
     check_tensor,
+    compile_soon,
     kernel_device,
     device_limits,
     i32,
@@ -48,6 +49,12 @@ class _EdgeKernels:
 
     def _render(self, which: str) -> str:
         raise NotImplementedError
+
+    def start_compiles(self) -> None:
+        """Start compiling the forward and the backward
+        (:func:`~mace_accel.ops.runtime.compile_soon`)."""
+        for which in ("forward", "backward"):
+            compile_soon(self._render(which), self.plan.arch)
 
     def _launch(self, which: str, n_edges: int, args: tuple) -> None:
         if n_edges == 0:

@@ -37,6 +37,11 @@ def _cuda(t: Tensor):
                            lambda: CudaEdgeVectors(t.dtype, t.device))
 
 
+def start_compiles(dtype: torch.dtype, device: torch.device) -> None:
+    """Start compiling the edge vectors' CUDA kernels for ``dtype`` on ``device``."""
+    _cuda(torch.empty(0, dtype=dtype, device=device)).start_compiles()
+
+
 def edge_gradient(g_vec: Tensor, g_len: Tensor, vectors: Tensor, lengths: Tensor) -> Tensor:
     """``[E, 3]``: the gradient each edge's vector gets from ``g_vec [E, 3]`` and, through its
     length, from ``g_len [E, 1]`` (torch's norm backward: zero where the length is zero)."""

@@ -11,8 +11,8 @@ import torch
 from mace_accel.errors import KernelSizeError
 from mace_accel.ops.edge_vectors.codegen import THREADS, kernel_name, render_kernels
 from mace_accel.ops.graph import KernelGraph
-from mace_accel.ops.runtime import INT32_MAX, Kernel, check_tensor, device_limits, i32, \
-    kernel_device, ptr
+from mace_accel.ops.runtime import INT32_MAX, Kernel, check_tensor, compile_soon, device_limits, \
+    i32, kernel_device, ptr
 from mace_accel.options import dtype_name
 
 Tensor = torch.Tensor
@@ -28,6 +28,11 @@ class CudaEdgeVectors:
         self.arch = device_limits(self.device).arch
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._kernels: Dict[str, Kernel] = {}
+
+    def start_compiles(self) -> None:
+        """Start compiling the forward and backward (one source:
+        :func:`~mace_accel.ops.runtime.compile_soon`)."""
+        compile_soon(render_kernels(dtype_name(self.dtype), self.arch), self.arch)
 
     def _kernel(self, which: str) -> Kernel:
         if which not in self._kernels:

@@ -38,6 +38,14 @@ def _cuda(key: str, t: Tensor):
     return registry.kernels_for(key, t, CudaIrrepsLinear)
 
 
+def start_compiles(key: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Start compiling the CUDA kernels of the map under ``key`` and of its transpose (what
+    the backward applies)."""
+    like = torch.empty(0, dtype=dtype, device=device)
+    for k in (key, _TRANSPOSED[key]):
+        _cuda(k, like).start_compiles()
+
+
 def reference(spec: LinearSpec, x: Tensor, w: Tensor, elem: Tensor) -> Tensor:
     """``[N, dim_out]`` with plain differentiable torch ops."""
     n = x.shape[0]

@@ -15,6 +15,7 @@ from mace_accel.ops.runtime import (
     Kernel,
     check_rows,
     check_tensor,
+    compile_soon,
     kernel_device,
     device_limits,
     i32,
@@ -35,6 +36,10 @@ class CudaIrrepsLinear:
         self.plan = codegen.plan_kernel(spec, dtype_name(dtype), device_limits(self.device).arch)
         self._kernel: Optional[Kernel] = None
         self.gemm_min_nodes = gemm.MIN_NODES_FLOAT64  # (benchmarks set it to time the kernel)
+
+    def start_compiles(self) -> None:
+        """Start compiling the kernel (:func:`~mace_accel.ops.runtime.compile_soon`)."""
+        compile_soon(codegen.render_kernel(self.plan), self.plan.arch)
 
     def _check(self, name: str, t: Tensor, shape, dtype: torch.dtype) -> None:
         check_tensor(name, t, shape, dtype, self.device, self.spec.describe())

@@ -12,6 +12,7 @@ from mace_accel.ops import registry
 from mace_accel.ops.graph import graph_from_edge_index
 from mace_accel.ops.pair_repulsion import reference
 from mace_accel.ops.pair_repulsion.spec import ZBLSpec
+from mace_accel.ops.runtime import compile_soon
 
 Tensor = torch.Tensor
 
@@ -21,6 +22,14 @@ def _kernels(spec: ZBLSpec, like: Tensor):
 
     return registry.cached(("pair_repulsion", spec, like.dtype, like.device),
                            lambda: CudaZBL(spec, like.dtype, like.device))
+
+
+def start_compiles(spec: ZBLSpec, dtype: torch.dtype, device: torch.device) -> None:
+    """Start compiling the CUDA kernel of ``spec`` (:func:`~mace_accel.ops.runtime.compile_soon`)
+    without loading it (its primitives compile when they are made)."""
+    from mace_accel.ops.pair_repulsion.cuda import kernel_source
+
+    compile_soon(*kernel_source(spec, dtype, device))
 
 
 class _Repulsion(torch.autograd.Function):

@@ -18,17 +18,21 @@ Tensor = torch.Tensor
 WHAT = "ZBL pair repulsion"
 
 
+def kernel_source(spec: ZBLSpec, dtype: torch.dtype, device: torch.device) -> Tuple[str, str]:
+    """``(source, arch)`` of the ZBL kernel of ``spec`` for ``dtype`` on ``device``."""
+    arch = device_limits(kernel_device(dtype, device)).arch
+    return render_kernel(spec, dtype_name(dtype)), arch
+
+
 class CudaZBL:
     """The ZBL kernel of ``spec`` for ``dtype`` on ``device``, with its per-element tables."""
 
     def __init__(self, spec: ZBLSpec, dtype: torch.dtype, device: torch.device) -> None:
         self.spec, self.dtype = spec, dtype
         self.device = kernel_device(dtype, device)
-        arch = device_limits(self.device).arch
-        name = dtype_name(dtype)
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.kernel = Kernel(render_kernel(spec, name), kernel_name(spec, name), self.device,
-                             arch)
+        source, arch = kernel_source(spec, dtype, self.device)
+        self.kernel = Kernel(source, kernel_name(spec, dtype_name(dtype)), self.device, arch)
         numbers = torch.tensor(spec.numbers, dtype=dtype, device=self.device)
         self.zpow = torch.pow(numbers, spec.a_exp)  # mace's Z^a_exp, in the model's dtype
         self.radii = torch.tensor(spec.radii, dtype=dtype, device=self.device)

@@ -46,6 +46,11 @@ def _cuda(key: str, t: Tensor):
     return registry.kernels_for(key, t, CudaSymmetricContraction)
 
 
+def start_compiles(key: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Start compiling the CUDA kernels of the spec under ``key`` that a forces call launches."""
+    _cuda(key, torch.empty(0, dtype=dtype, device=device)).start_compiles()
+
+
 def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 

@@ -19,6 +19,7 @@ from mace_accel.ops.runtime import (
     INT32_MAX,
     Kernel,
     check_tensor,
+    compile_soon,
     kernel_device,
     device_limits,
     i32,
@@ -59,6 +60,12 @@ class CudaSymmetricContraction:
             k = self._kernels[name] = Kernel(source, name, self.device, self.plan.arch,
                                              dynamic_shared=shared)
         return k
+
+    def start_compiles(self) -> None:
+        """Start compiling (:func:`~mace_accel.ops.runtime.compile_soon`) what a forces call
+        launches: the forward and the backward to the features."""
+        compile_soon(codegen.render_forward(self.plan, self.spec), self.plan.arch)
+        compile_soon(codegen.render_backward(self.plan, self.spec), self.plan.arch)
 
     def _launch(self, name: str, render, n_nodes: int, args: tuple) -> None:
         if n_nodes == 0:
