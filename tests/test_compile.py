@@ -112,9 +112,9 @@ def _conv_case(which: str):
     _, key, x, y, w, g, graph, n = _conv_problem()
     static = (graph, n, key, REF, True)
     if which == "forward":
-        return conv_ops.conv_tp_op, (_grad(x), _grad(y), _grad(w)) + static
+        return conv_ops.conv_tp_op.op, (_grad(x), _grad(y), _grad(w)) + static
     needs = {"backward": (True, True, True), "backward-y-only": (False, True, False)}[which]
-    return conv_ops.conv_tp_backward_op, (_grad(x), _grad(y), _grad(w), _grad(g)) + static + needs
+    return conv_ops.conv_tp_backward_op.op, (_grad(x), _grad(y), _grad(w), _grad(g)) + static + needs
 
 
 def _sc_case(which: str, requires_grad: bool = True):
@@ -122,15 +122,15 @@ def _sc_case(which: str, requires_grad: bool = True):
     leaf = _grad if requires_grad else (lambda t: t)
     x, g, v, ws = leaf(x), leaf(g), leaf(v), [leaf(t) for t in weights]
     if which == "forward":
-        return sc_ops.sc_op, (x, elem, ws, key, REF)
+        return sc_ops.sc_op.op, (x, elem, ws, key, REF)
     if which == "backward":
-        return sc_ops.sc_backward_op, (x, elem, ws, g, key, REF)
+        return sc_ops.sc_backward_op.op, (x, elem, ws, g, key, REF)
     if which == "weight_grad":  # the weight gradient of the forward (empty v)
-        return sc_ops.sc_weight_grad_op, (x, x.new_empty((0,)), elem, ws, g, key, REF)
+        return sc_ops.sc_weight_grad_op.op, (x, x.new_empty((0,)), elem, ws, g, key, REF)
     if which == "weight_grad-directional":  # along v: the double backward's weight part
-        return sc_ops.sc_weight_grad_op, (x, v, elem, ws, g, key, REF)
+        return sc_ops.sc_weight_grad_op.op, (x, v, elem, ws, g, key, REF)
     needs = {"double_backward": (True, True), "double_backward-g-only": (False, True)}[which]
-    return sc_ops.sc_double_backward_op, (x, v, elem, ws, g, key, REF) + needs
+    return sc_ops.sc_double_backward_op.op, (x, v, elem, ws, g, key, REF) + needs
 
 
 def _edge_case(which: str, name: str):
@@ -140,19 +140,19 @@ def _edge_case(which: str, name: str):
     grad_sh, grad_radial = _rand(gen, n, sh.dim), _rand(gen, n, radial.num_basis)
     grad_cutoff = lengths.new_empty((0,)) if radial.apply_cutoff else _grad(_rand(gen, n, 1))
     if which == "sh":
-        return edge_ops.sh_op, (_grad(vectors), sh_key, REF)
+        return edge_ops.sh_op.op, (_grad(vectors), sh_key, REF)
     if which == "sh_backward":
-        return edge_ops.sh_backward_op, (_grad(vectors), _grad(grad_sh), sh_key, REF)
+        return edge_ops.sh_backward_op.op, (_grad(vectors), _grad(grad_sh), sh_key, REF)
     if which == "sh_double_backward":
-        return edge_ops.sh_double_backward_op, (_grad(vectors), _grad(grad_sh),
+        return edge_ops.sh_double_backward_op.op, (_grad(vectors), _grad(grad_sh),
                                                 _grad(_rand(gen, n, 3)), sh_key, REF)
     if which == "radial":
-        return edge_ops.radial_op, (_grad(lengths), radial_key, REF)
+        return edge_ops.radial_op.op, (_grad(lengths), radial_key, REF)
     if which == "radial_backward":
-        return edge_ops.radial_backward_op, (_grad(lengths), _grad(grad_radial), grad_cutoff,
+        return edge_ops.radial_backward_op.op, (_grad(lengths), _grad(grad_radial), grad_cutoff,
                                              radial_key, REF)
     assert which == "radial_double_backward"
-    return edge_ops.radial_double_backward_op, (_grad(lengths), _grad(grad_radial), grad_cutoff,
+    return edge_ops.radial_double_backward_op.op, (_grad(lengths), _grad(grad_radial), grad_cutoff,
                                                 _grad(_rand(gen, n, 1)), radial_key, REF)
 
 

@@ -34,9 +34,9 @@ def test_symmetric_contraction_ops_pass_opcheck():
     spec, key, x, elem, weights = _sc_inputs()
     g = torch.randn(x.shape[0], spec.dim_out, dtype=F64)
     checks = ("test_schema", "test_faketensor", "test_autograd_registration")
-    torch.library.opcheck(sc_ops.sc_op, (x.requires_grad_(), elem, weights, key, "reference"),
+    torch.library.opcheck(sc_ops.sc_op.op, (x.requires_grad_(), elem, weights, key, "reference"),
                           test_utils=checks)
-    torch.library.opcheck(sc_ops.sc_backward_op, (x, elem, weights, g, key, "reference"),
+    torch.library.opcheck(sc_ops.sc_backward_op.op, (x, elem, weights, g, key, "reference"),
                           test_utils=checks)
 
 

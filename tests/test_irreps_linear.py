@@ -78,8 +78,9 @@ def test_double_backward_matches_e3nn():
 
 
 def test_eager_calls_equal_the_custom_op_to_the_second_derivative():
-    """Eager calls skip torch's dispatcher (:func:`autograd._eager`); torch.compile traces the
-    custom op: both give the same values, gradients and double backward, weights included."""
+    """Eager calls skip torch's dispatcher (:mod:`mace_accel.ops.custom_op`); torch.compile
+    traces the registered op (``.op``): both give the same values, gradients and double
+    backward, weights included."""
     from mace_accel.ops.irreps_linear import spec as linear_spec
 
     lin = _linear()
@@ -89,7 +90,7 @@ def test_eager_calls_equal_the_custom_op_to_the_second_derivative():
     x = torch.randn(5, spec.dim_in, dtype=torch.float64, requires_grad=True)
     elem = x.new_empty((0,), dtype=torch.int32)
     results = []
-    for call in (autograd.linear_op, autograd._eager):
+    for call in (autograd.linear_op.op, autograd.linear_op):
         w = linear_spec.effective_weights(spec, lin.weight, scales, False)
         y = call(x, w, transpose_weights(spec, w), elem, key, "reference")
         (gx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
@@ -97,7 +98,7 @@ def test_eager_calls_equal_the_custom_op_to_the_second_derivative():
     for a, b in zip(*results):
         assert torch.equal(a, b)
     with torch.no_grad():
-        assert torch.equal(autograd._eager(x, w, w, elem, key, "reference"), results[0][0])
+        assert torch.equal(autograd.linear_op(x, w, w, elem, key, "reference"), results[0][0])
 
 
 @pytest.mark.parametrize("name", sorted(CATALOG))

@@ -135,5 +135,5 @@ def test_opcheck_schema_fake_and_autograd_registration(torch_kernels):
     h = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
     wt = torch.randn(12, 8, dtype=torch.float64, requires_grad=True)
     g = torch.randn(6, 12, dtype=torch.float64, requires_grad=True)
-    torch.library.opcheck(autograd.mm_op, (h, wt, True))
-    torch.library.opcheck(autograd.mm_op, (g, wt, False))
+    torch.library.opcheck(autograd.mm_op.op, (h, wt, True))
+    torch.library.opcheck(autograd.mm_op.op, (g, wt, False))

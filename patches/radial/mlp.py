@@ -331,6 +331,11 @@ class FusedRadialMLP(FusedModule):
                                                          tf32x3=fast), weights[-1])
         return radial_mlp.radial_mlp(x, weights, tf32x3=fast)
 
+    def start_compiles(self, dtype: torch.dtype, device: torch.device) -> None:
+        """The table lookups (what a forces call at inference runs; the MLP's own kernels
+        are compiled when a call takes them)."""
+        radial_table.start_compiles(self, self.hs[-1], dtype, device)
+
     # -- the whole MLP in one tensor-core kernel per pass (CUDA float32, inference) -------------
     def _no_weight_grads(self) -> bool:
         return not grads_wanted(self.raw_weights())

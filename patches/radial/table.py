@@ -111,6 +111,14 @@ def table_input(user, x: Tensor):
     return found
 
 
+def start_compiles(user, width: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Start compiling the lookups of ``user``'s tables of ``width`` weights a row where
+    tables may run (the option on, the CUDA backend, float32 or float64)."""
+    if getattr(user.options, "radial_table", False) and user.backend == "cuda" \
+            and dtype in SPECS:
+        table_ops.start_compiles(width, dtype, SPECS[dtype].degree, device)
+
+
 def mlp_function(mlp) -> PairFunction:
     """``pairs -> f(r, which)``: an e3nn ``FullyConnectedNet`` radial MLP
     (:class:`~mace_accel.patches.radial.mlp.FusedRadialMLP`) of the linked embedding's

@@ -26,6 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from mace_accel.ops import registry
+from mace_accel.ops.custom_op import custom_op
 from mace_accel.ops.conv_tp import reference
 from mace_accel.ops.conv_tp.spec import TPSpec
 from mace_accel.ops.graph import ConvGraph, KernelGraph
@@ -58,7 +59,7 @@ def _empty(like: Tensor) -> Tensor:
 
 
 # -- forward ---------------------------------------------------------------------------------------
-@torch.library.custom_op("mace_accel::conv_tp", mutates_args=())
+@custom_op("mace_accel::conv_tp")
 def conv_tp_op(x: Tensor, y: Tensor, w: Tensor, graph: List[Tensor], n_nodes: int, key: str,
                backend: str, deterministic: bool) -> Tensor:
     """``[n_nodes, dim_out]``: gather ``x`` by sender, tensor product with ``y`` weighted by
@@ -76,7 +77,7 @@ def _(x, y, w, graph, n_nodes, key, backend, deterministic):
 
 
 # -- backward --------------------------------------------------------------------------------------
-@torch.library.custom_op("mace_accel::conv_tp_backward", mutates_args=())
+@custom_op("mace_accel::conv_tp_backward")
 def conv_tp_backward_op(x: Tensor, y: Tensor, w: Tensor, g: Tensor, graph: List[Tensor],
                         n_nodes: int, key: str, backend: str, deterministic: bool, need_x: bool,
                         need_y: bool, need_w: bool) -> Tuple[Tensor, Tensor, Tensor]:

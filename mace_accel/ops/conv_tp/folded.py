@@ -26,6 +26,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from mace_accel.ops import registry
+from mace_accel.ops.custom_op import custom_op
 from mace_accel.ops.conv_tp import autograd as conv_autograd
 from mace_accel.ops.conv_tp import reference
 from mace_accel.ops.conv_tp.cuda import BackwardBuffers
@@ -170,7 +171,7 @@ class LastLayer:
             return torch.mm(h.t(), gw)
 
 
-@torch.library.custom_op("mace_accel::folded_conv_tp", mutates_args=())
+@custom_op("mace_accel::folded_conv_tp")
 def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, graph: List[Tensor],
                       n_nodes: int, key: str, backend: str, deterministic: bool, gemm: str,
                       max_edges: int) -> Tensor:
@@ -192,7 +193,7 @@ def _(x, y, h, w_last, graph, n_nodes, key, backend, deterministic, gemm, max_ed
     return x.new_empty((n_nodes, registry.lookup(key).dim_out))
 
 
-@torch.library.custom_op("mace_accel::folded_conv_tp_backward", mutates_args=())
+@custom_op("mace_accel::folded_conv_tp_backward")
 def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, g: Tensor,
                                graph: List[Tensor], n_nodes: int, key: str, backend: str,
                                deterministic: bool, gemm: str, max_edges: int,

@@ -29,6 +29,7 @@ import torch
 
 from mace_accel.errors import KernelError
 from mace_accel.ops import registry
+from mace_accel.ops.custom_op import custom_op
 from mace_accel.ops.edge_features import reference
 from mace_accel.ops.edge_features.spec import RadialSpec, SHSpec
 
@@ -86,7 +87,7 @@ def _no_third_derivative(ctx, *grads):
 
 
 # == spherical harmonics ===========================================================================
-@torch.library.custom_op("mace_accel::edge_sh", mutates_args=())
+@custom_op("mace_accel::edge_sh")
 def sh_op(vectors: Tensor, key: str, backend: str) -> Tensor:
     """``edge_attrs [E, dim]`` of ``vectors [E, 3]`` (contiguous)."""
     _check_backend(backend)
@@ -101,7 +102,7 @@ def _(vectors, key, backend):
     return vectors.new_empty((vectors.shape[0], registry.lookup(key).dim))
 
 
-@torch.library.custom_op("mace_accel::edge_sh_backward", mutates_args=())
+@custom_op("mace_accel::edge_sh_backward")
 def sh_backward_op(vectors: Tensor, grad: Tensor, key: str, backend: str) -> Tensor:
     """``d vectors [E, 3]`` of ``<grad, Y(vectors)>``."""
     _check_backend(backend)
@@ -116,7 +117,7 @@ def _(vectors, grad, key, backend):
     return vectors.new_empty((vectors.shape[0], 3))
 
 
-@torch.library.custom_op("mace_accel::edge_sh_double_backward", mutates_args=())
+@custom_op("mace_accel::edge_sh_double_backward")
 def sh_double_backward_op(vectors: Tensor, grad: Tensor, upstream: Tensor, key: str,
                           backend: str) -> Tuple[Tensor, Tensor]:
     """``(d vectors [E, 3], d grad [E, dim])`` for the upstream gradient ``[E, 3]`` of the
@@ -187,7 +188,7 @@ def spherical_harmonics(key: str, vectors: Tensor, backend: str = "cuda") -> Ten
 
 
 # == radial embedding ==============================================================================
-@torch.library.custom_op("mace_accel::edge_radial", mutates_args=())
+@custom_op("mace_accel::edge_radial")
 def radial_op(lengths: Tensor, key: str, backend: str) -> Tuple[Tensor, Tensor]:
     """``(feats [E, B], cutoff [E, 1])`` of ``lengths [E, 1]``; ``cutoff`` is an empty tensor
     when the spec applies it (``feats = radial * cutoff``)."""
@@ -208,7 +209,7 @@ def _(lengths, key, backend):
             _empty(lengths) if spec.apply_cutoff else lengths.new_empty((n, 1)))
 
 
-@torch.library.custom_op("mace_accel::edge_radial_backward", mutates_args=())
+@custom_op("mace_accel::edge_radial_backward")
 def radial_backward_op(lengths: Tensor, grad: Tensor, grad_cutoff: Tensor, key: str,
                        backend: str) -> Tensor:
     """``d lengths [E, 1]`` of ``<grad, feats> + <grad_cutoff, cutoff>`` (``grad_cutoff``
@@ -226,7 +227,7 @@ def _(lengths, grad, grad_cutoff, key, backend):
     return lengths.new_empty(lengths.shape)
 
 
-@torch.library.custom_op("mace_accel::edge_radial_double_backward", mutates_args=())
+@custom_op("mace_accel::edge_radial_double_backward")
 def radial_double_backward_op(lengths: Tensor, grad: Tensor, grad_cutoff: Tensor,
                               upstream: Tensor, key: str,
                               backend: str) -> Tuple[Tensor, Tensor, Tensor]:

@@ -14,6 +14,7 @@ from typing import Dict
 import torch
 
 from mace_accel.ops import registry
+from mace_accel.ops.custom_op import custom_op
 from mace_accel.ops.irreps_linear.spec import LinearSpec, weight_block
 
 FAMILY = "irreps_linear"
@@ -87,7 +88,7 @@ def _apply(x: Tensor, w: Tensor, elem: Tensor, key: str, backend: str) -> Tensor
     return _cuda(key, x).apply(x, w, elem)
 
 
-@torch.library.custom_op("mace_accel::irreps_linear", mutates_args=())
+@custom_op("mace_accel::irreps_linear")
 def linear_op(x: Tensor, w: Tensor, wt: Tensor, elem: Tensor, key: str,
               backend: str) -> Tensor:
     """``[N, dim_out]``: the map of spec ``key`` applied to ``x``. ``wt`` is ``w`` transposed
@@ -101,15 +102,15 @@ def _(x, w, wt, elem, key, backend):
     return x.new_empty((x.shape[0], registry.lookup(key).dim_out))
 
 
-def _gradients(ctx, g: Tensor, apply_transposed) -> tuple:
-    """``(d x, d W, None x 4)`` of the map; ``apply_transposed(g, wt, w, elem, key_t,
-    backend)`` applies the transposed map differentiably (double backward)."""
+def _backward(ctx, g: Tensor) -> tuple:
+    """``(d x, d W, None x 4)`` of the map; ``d x`` is the transposed map, differentiable
+    (double backward)."""
     x, w, wt, elem = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[:2]
     g = g.contiguous()
     gx = gw = None
     if need_x:
-        gx = apply_transposed(g, wt, w, elem, _TRANSPOSED[ctx.key], ctx.backend)
+        gx = linear_op(g, wt, w, elem, _TRANSPOSED[ctx.key], ctx.backend)
     if need_w:
         gw = weight_grad(registry.lookup(ctx.key), x, g, elem)
     return gx, gw, None, None, None, None
@@ -121,42 +122,12 @@ def _setup(ctx, inputs, output) -> None:
     ctx.key, ctx.backend = key, backend
 
 
-def _backward(ctx, g):
-    return _gradients(ctx, g, linear_op)
-
-
 linear_op.register_autograd(_backward, setup_context=_setup)
-
-
-class _EagerLinear(torch.autograd.Function):
-    """The op's autograd outside torch's dispatcher, for eager calls: a custom op's autograd
-    wrapper costs more host time a call in grad mode (what force evaluation and training run
-    in) than a 2,048-node MH-1 linear takes on the GPU."""
-
-    @staticmethod
-    def forward(ctx, x, w, wt, elem, key, backend):
-        _setup(ctx, (x, w, wt, elem, key, backend), None)
-        return _apply(x, w, elem, key, backend)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gradients(ctx, g, _eager)
-
-
-def _eager(x: Tensor, w: Tensor, wt: Tensor, elem: Tensor, key: str, backend: str) -> Tensor:
-    """:func:`linear_op` for eager calls (same results, less host time): the plain function
-    where nothing needs a gradient, else the autograd function."""
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or wt.requires_grad):
-        return _EagerLinear.apply(x, w, wt, elem, key, backend)
-    return _apply(x, w, elem, key, backend)
 
 
 def irreps_linear(key: str, x: Tensor, w: Tensor, wt: Tensor, elem: Tensor,
                   backend: str = "cuda") -> Tensor:
     """Differentiable map ``[N, dim_out]`` (see module docstring); ``x`` is made contiguous.
-    Traced by torch.compile as the custom op :func:`linear_op`; eager calls skip the
-    dispatcher (:func:`_eager`)."""
-    x = x.contiguous()
-    if torch.compiler.is_compiling():
-        return linear_op(x, w, wt, elem, key, backend)
-    return _eager(x, w, wt, elem, key, backend)
+    The custom op :func:`linear_op` (eager calls skip the dispatcher:
+    :mod:`mace_accel.ops.custom_op`)."""
+    return linear_op(x.contiguous(), w, wt, elem, key, backend)

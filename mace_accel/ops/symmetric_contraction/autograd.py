@@ -28,6 +28,7 @@ import torch
 
 from mace_accel.errors import KernelError
 from mace_accel.ops import registry
+from mace_accel.ops.custom_op import custom_op
 from mace_accel.ops.symmetric_contraction import reference
 from mace_accel.ops.symmetric_contraction.spec import SCSpec
 
@@ -61,7 +62,7 @@ def _upstream(a: Optional[Tensor]) -> Optional[Tensor]:
 
 
 # -- forward ---------------------------------------------------------------------------------------
-@torch.library.custom_op("mace_accel::symmetric_contraction", mutates_args=())
+@custom_op("mace_accel::symmetric_contraction")
 def sc_op(x: Tensor, elem: Tensor, weights: List[Tensor], key: str, backend: str) -> Tensor:
     """``[N, dim_out]``: the product basis of ``x [N, C, D]`` (mace's mul_ir layout)."""
     spec = registry.lookup(key)
@@ -76,7 +77,7 @@ def _(x, elem, weights, key, backend):
 
 
 # -- backward to x -----------------------------------------------------------------------------
-@torch.library.custom_op("mace_accel::symmetric_contraction_backward", mutates_args=())
+@custom_op("mace_accel::symmetric_contraction_backward")
 def sc_backward_op(x: Tensor, elem: Tensor, weights: List[Tensor], g: Tensor, key: str,
                    backend: str) -> Tensor:
     """``d x [N, C, D]`` of ``<g, sc(x, W)>``."""
@@ -92,7 +93,7 @@ def _(x, elem, weights, g, key, backend):
 
 
 # -- weight gradients ------------------------------------------------------------------------------
-@torch.library.custom_op("mace_accel::symmetric_contraction_weight_grad", mutates_args=())
+@custom_op("mace_accel::symmetric_contraction_weight_grad")
 def sc_weight_grad_op(x: Tensor, v: Tensor, elem: Tensor, weights: List[Tensor], g: Tensor,
                       key: str, backend: str) -> List[Tensor]:
     """``d W_j [Z, K_j, C]`` of ``<g, sc(x, W)>``, or with a non-empty ``v [N, C, D]`` of
@@ -111,7 +112,7 @@ def _(x, v, elem, weights, g, key, backend):
 
 
 # -- double backward ---------------------------------------------------------------------------
-@torch.library.custom_op("mace_accel::symmetric_contraction_double_backward", mutates_args=())
+@custom_op("mace_accel::symmetric_contraction_double_backward")
 def sc_double_backward_op(x: Tensor, v: Tensor, elem: Tensor, weights: List[Tensor], g: Tensor,
                           key: str, backend: str, need_x: bool,
                           need_g: bool) -> Tuple[Tensor, Tensor]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Tuple
 import torch
 
 from mace_accel.ops import registry
+from mace_accel.ops.custom_op import custom_op
 from mace_accel.ops.tf32x3_gemm.spec import GemmSpec, unsupported_reason
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def _mm(a: Tensor, wt: Tensor, transposed: bool) -> Tensor:
     return _gemm(a, wt, k, n, "nk") if transposed else _gemm(a, wt, n, k, "kn")
 
 
-@torch.library.custom_op("mace_accel::tf32x3_mm", mutates_args=())
+@custom_op("mace_accel::tf32x3_mm")
 def mm_op(a: Tensor, wt: Tensor, transposed: bool) -> Tensor:
     """:func:`_mm` as a differentiable op."""
     return _mm(a, wt, transposed)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mace_accel.ops import registry
+from mace_accel.ops.custom_op import custom_op
 from mace_accel.ops.radial.dmma_gemm import codegen
 from mace_accel.ops.radial.dmma_gemm.spec import DmmaGemmSpec, pack, unsupported_reason
 from mace_accel.ops.runtime import aligned16, torch_arch
@@ -44,7 +45,7 @@ def _mm(a: Tensor, packed: Tensor, w: Tensor, forward: bool) -> Tensor:
     return kernels.forward(aligned16(a), packed)  # the kernel copies 16-byte pairs
 
 
-@torch.library.custom_op("mace_accel::dmma_mm", mutates_args=())
+@custom_op("mace_accel::dmma_mm")
 def mm_op(a: Tensor, packed: Tensor, w: Tensor, forward: bool) -> Tensor:
     """``a [M, narrow] W`` (``forward``) or ``a [M, wide] W^T``; ``packed``:
     :func:`pack_weight` of ``w``."""

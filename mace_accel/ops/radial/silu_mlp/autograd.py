@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from mace_accel.ops import registry
+from mace_accel.ops.custom_op import custom_op
 from mace_accel.ops.radial import mlp as radial_mlp
 from mace_accel.ops.radial.silu_mlp.spec import SiluMLPSpec, unpack_weights
 
@@ -62,7 +63,7 @@ def _vjp(spec: SiluMLPSpec, x: Tensor, w: Tensor, g: Tensor, need_x: bool,
     return gx, gw
 
 
-@torch.library.custom_op("mace_accel::silu_mlp", mutates_args=())
+@custom_op("mace_accel::silu_mlp")
 def silu_mlp_op(x: Tensor, w: Tensor, key: str, backend: str) -> Tensor:
     """``[E, h_L]``: the SiLU MLP of spec ``key`` applied to ``x [E, h0]``."""
     spec = registry.lookup(key)
@@ -76,7 +77,7 @@ def _(x, w, key, backend):
     return x.new_empty((x.shape[0], registry.lookup(key).widths[-1]))
 
 
-@torch.library.custom_op("mace_accel::silu_mlp_backward", mutates_args=())
+@custom_op("mace_accel::silu_mlp_backward")
 def silu_mlp_backward_op(x: Tensor, w: Tensor, g: Tensor, key: str, backend: str) -> Tensor:
     """``[E, h0]``: ``d x`` of ``<g, silu_mlp(x, w)>``, the forward recomputed."""
     spec = registry.lookup(key)
@@ -109,7 +110,7 @@ def _backward(ctx, g):
 silu_mlp_op.register_autograd(_backward, setup_context=_setup)
 
 
-@torch.library.custom_op("mace_accel::silu_mlp_keep", mutates_args=())
+@custom_op("mace_accel::silu_mlp_keep")
 def silu_mlp_keep_op(x: Tensor, w: Tensor, key: str) -> Tuple[Tensor, Tensor]:
     """``(out [E, h_L], slopes)``: the float64 tensor-core forward (CUDA) that also keeps every
     layer's ``silu'(z)`` for its backward (an opaque buffer, not differentiable)."""
@@ -125,7 +126,7 @@ def _(x, w, key):
     return x.new_empty((x.shape[0], spec.widths[-1])), x.new_empty((numel,))
 
 
-@torch.library.custom_op("mace_accel::silu_mlp_kept_backward", mutates_args=())
+@custom_op("mace_accel::silu_mlp_kept_backward")
 def silu_mlp_kept_backward_op(slopes: Tensor, w: Tensor, g: Tensor, key: str) -> Tensor:
     """``[E, h0]``: ``d x`` of ``<g, silu_mlp(x, w)>`` from the slopes the forward kept."""
     return _cuda(key, g).backward_kept(slopes, w, g)

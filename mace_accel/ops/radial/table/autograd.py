@@ -16,13 +16,23 @@ from mace_accel.ops.radial.table.table import evaluate
 Tensor = torch.Tensor
 
 
-def _kernels(coeffs: Tensor):
-    """The kernels of tables shaped and typed as ``coeffs`` on its device."""
+def _kernels_for(n_out: int, dtype: torch.dtype, degree: int, device: torch.device):
+    """The kernels of tables of ``n_out`` weights a row, ``dtype`` and ``degree``."""
     from mace_accel.ops.radial.table.cuda import CudaRadialTable
 
-    n_out, degree = int(coeffs.shape[2]), int(coeffs.shape[1]) - 1
-    return registry.cached(("radial_table", n_out, coeffs.dtype, degree, coeffs.device),
-                           lambda: CudaRadialTable(n_out, coeffs.dtype, degree, coeffs.device))
+    return registry.cached(("radial_table", n_out, dtype, degree, device),
+                           lambda: CudaRadialTable(n_out, dtype, degree, device))
+
+
+def _kernels(coeffs: Tensor):
+    """The kernels of tables shaped and typed as ``coeffs`` on its device."""
+    return _kernels_for(int(coeffs.shape[2]), coeffs.dtype, int(coeffs.shape[1]) - 1,
+                        coeffs.device)
+
+
+def start_compiles(n_out: int, dtype: torch.dtype, degree: int, device: torch.device) -> None:
+    """Start compiling the kernels of tables of ``n_out`` weights a row (a forces call's)."""
+    _kernels_for(n_out, dtype, degree, torch.device(device)).start_compiles()
 
 
 class _Lookup(torch.autograd.Function):

@@ -13,7 +13,7 @@ from mace_accel.errors import KernelError
 from mace_accel.ops.radial.table.codegen import TABLE_EDGES, TablePlan, grid, kernel_name, \
     plan_kernel, render_kernel
 from mace_accel.ops.runtime import Kernel, check_aligned, check_rows, check_tensor, \
-    device_limits, i32, kernel_device, ptr
+    compile_soon, device_limits, i32, kernel_device, ptr
 from mace_accel.options import dtype_name
 
 Tensor = torch.Tensor
@@ -31,6 +31,13 @@ class CudaRadialTable:
         self.arch = device_limits(self.device).arch
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._kernels: Dict[str, Tuple[Kernel, TablePlan]] = {}
+
+    def start_compiles(self) -> None:
+        """Start compiling the lookup and both backwards (which one a call takes depends on
+        its edge count: :func:`~mace_accel.patches.radial.table.walks_sorted`)."""
+        for direction in ("forward", "backward", "sorted_backward"):
+            plan = plan_kernel(direction, self.n_out, dtype_name(self.dtype), self.degree)
+            compile_soon(render_kernel(plan), self.arch)
 
     def _kernel(self, direction: str) -> Tuple[Kernel, TablePlan]:
         """The loaded kernel of ``direction`` and its plan (built on first use)."""
