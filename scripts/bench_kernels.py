@@ -875,41 +875,6 @@ def tf32x3_gemm(args) -> None:
                         args.repeats)
 
 
-@family("dmma-gemm",
-        opt("--edges", type=ints, default="20000,539000", help="rows (edges)"),
-        *GEMM_SHAPE,
-        opt("--geometries", type=names, default="",
-            help="other geometries warps:m_tiles:chunk:stages, comma-separated"))
-def dmma_gemm(args) -> None:
-    """The float64 DMMA GEMM kernel against torch.mm (cuBLAS float64, the same tensor cores).
-
-    The radial MLP's last-layer forward h @ W (sm_90), W column-major as the model keeps it,
-    in CUDA graphs, each with its error against cuBLAS.
-    """
-    from mace_accel.ops.radial.dmma_gemm.cuda import CudaDmmaGemm
-    from mace_accel.ops.radial.dmma_gemm.spec import DmmaGemmSpec, pack
-
-    k = args.hidden
-    for n in args.widths:
-        spec = DmmaGemmSpec(k, n)
-        w = _column_major(k, n, torch.float64)
-        packed = pack(spec, w)
-        kernels = {"default": CudaDmmaGemm(spec, w.device)}
-        for text in args.geometries:
-            try:
-                kernels[text] = CudaDmmaGemm(spec, w.device,
-                                             tuple(int(v) for v in text.split(":")))
-            except ValueError as exc:
-                say(f"  skip {text}: {exc}")
-        for e in args.edges:
-            h = torch.randn(e, k, device="cuda", dtype=torch.float64)
-            ref = torch.mm(h, w)
-            rows = {"cublas": partial(torch.mm, h, w),
-                    **{f"dmma {label}": partial(kernel.forward, h, packed)
-                       for label, kernel in kernels.items()}}
-            _time_gemms(rows, e, k, n, 8, lambda name: ref, args.repeats)
-
-
 @family("gemm-layouts",
         opt("--edges", type=int, default=539136, help="rows (edges)"),
         opt("--dtypes", type=dtypes, default="float32,float64", help="comma-separated"))

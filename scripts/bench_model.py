@@ -4,6 +4,11 @@ batched MD against torch-sim's own MACE model. Same process, same systems.
 
     python scripts/bench_model.py graphs [--sizes 256,2048] [--md 256,864] [--serial] [--shares]
     python scripts/bench_model.py torchsim [--systems 64 --atoms 108 --steps 100]
+    python scripts/bench_model.py radial-routes [--models mpa0-medium,mp0-medium]
+
+``radial-routes``: one eager forces call with the radial tables off, each radial-MLP route
+against the simpler ones (the faster routes switched off in turn), rounds interleaved: the
+numbers that keep or remove a radial kernel variant (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -249,6 +254,66 @@ def torchsim(args) -> None:
                 torch.cuda.empty_cache()
 
 
+# the routes of FusedRadialMLP.route each dtype takes, from the default to the simplest: the
+# route-choosing methods switched off for each (see FusedRadialMLP.route)
+ROUTE_SWITCHES = {
+    "float32": {"default": (), "no-whole": ("_whole_kernels",),
+                "layers": ("_whole_kernels", "_fused_hidden")},
+    "float64": {"default": (), "no-hidden": ("_fused_hidden",)},
+}
+
+
+def radial_routes(args) -> None:
+    from mace_accel.models.architectures import build_architecture
+    from mace_accel.models.outputs import evaluate
+    from mace_accel.options import AccelOptions
+    from mace_accel.patches.radial.mlp import FusedRadialMLP
+    from mace_accel.surgery import accelerate
+
+    originals = {n: getattr(FusedRadialMLP, n) for n in ("_whole_kernels", "_fused_hidden")}
+
+    def switch_off(names) -> None:
+        for n, f in originals.items():
+            setattr(FusedRadialMLP, n, (lambda self, *a: False) if n in names else f)
+
+    def route_of(model) -> str:
+        route = next(m._kernels["route"] for m in model.modules()
+                     if isinstance(m, FusedRadialMLP) and "route" in m._kernels)
+        return f"{route.path}/{route.last_gemm}"
+
+    try:
+        for name in args.models:
+            for dtype_name in args.dtypes:
+                dtype = getattr(torch, dtype_name)
+                model = build_architecture(name, dtype=dtype, device="cuda")
+                accelerate(model, options=AccelOptions(radial_table=False), verify=False)
+                for p in model.parameters():
+                    p.requires_grad_(False)
+                info = model_info(model)
+                for size in args.sizes:
+                    batch, edges = make_batch(build_system(info, size), info, dtype, "cuda")
+                    routes = ROUTE_SWITCHES[dtype_name]
+                    times: Dict[str, List[float]] = {r: [] for r in routes}
+                    taken = {}
+                    for rounds in (1, args.rounds):  # the first compiles and warms up
+                        for _ in range(rounds):
+                            for label, off in routes.items():
+                                switch_off(off)
+                                ms = time_calls(lambda: evaluate(model, dict(batch), False),
+                                                "cuda", 1, args.repeats).samples_ms
+                                taken[label] = route_of(model)
+                                if rounds > 1:
+                                    times[label] += list(ms)
+                    medians = {r: round(sorted(t)[len(t) // 2], 3) for r, t in times.items()}
+                    print(json.dumps({"model": name, "dtype": dtype_name, "atoms": size,
+                                      "edges": edges, "ms": medians, "routes": taken}),
+                          flush=True)
+                model = None
+                torch.cuda.empty_cache()
+    finally:
+        switch_off(())
+
+
 def main(argv=None) -> None:
     def csv(item):
         return lambda text: [item(t) for t in text.split(",") if t]
@@ -275,11 +340,17 @@ def main(argv=None) -> None:
     t.add_argument("--steps", type=int, default=100)
     t.add_argument("--dtype", default="float32")
     t.add_argument("--device", default="cuda")
+    r = modes.add_parser("radial-routes", help="the radial MLP's routes with the tables off")
+    r.add_argument("--models", type=csv(str), default="mpa0-medium,mp0-medium")
+    r.add_argument("--dtypes", type=csv(str), default="float32,float64")
+    r.add_argument("--sizes", type=csv(int), default="1024,6912", help="atom counts")
+    r.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default: 4)")
+    r.add_argument("--repeats", type=int, default=6, help="calls a route per round")
     for sub in (g, t):
         sub.add_argument("--model", default="mp-medium")
     g.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
-    {"graphs": graphs, "torchsim": torchsim}[args.mode](args)
+    {"graphs": graphs, "torchsim": torchsim, "radial-routes": radial_routes}[args.mode](args)
 
 
 if __name__ == "__main__":

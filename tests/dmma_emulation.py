@@ -1,5 +1,5 @@
 """The m16n8k8 float64 fragment layout of the PTX ISA in torch, lane by lane: what the CPU tests
-of the DMMA kernels (test_silu_mlp_dmma.py, test_dmma_gemm.py) emulate the kernels with."""
+of the DMMA kernels (test_silu_mlp_dmma.py) emulate the kernels with."""
 
 from __future__ import annotations
 

@@ -57,7 +57,6 @@ _NOT_KIND = {
     "conv_tp": [(r"^.+?-(?=float(32|64)-)", ""), (r"-g\d+(?=-)", "")],
     "edge_features": [(r"^.+?-(?=float(32|64)-)", "")],
     "symmetric_contraction": [(r"^.+?-(?=float(32|64)-)", "")],
-    "dmma_gemm": [(r"^\w+?_(?=(forward|backward))", "")],
     "irreps_linear": [(r"^\w+?_(?=(t_)?float(32|64)$)", "")],
     "radial_table": [(r"_n\d+$", "")],
     # <problem> (mma.sync), <problem>_mace_radial_wgmma[_bwd]_<spec hash>_<geometry>

@@ -28,7 +28,6 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     """
     from mace_accel.ops.conv_tp import codegen as conv_tp
     from mace_accel.ops.conv_tp import staged as conv_tp_staged
-    from mace_accel.ops.radial.dmma_gemm import codegen as dmma_gemm
     from mace_accel.ops.edge_features import codegen as edge_features_codegen
     from mace_accel.ops.edge_vectors import codegen as edge_vectors
     from mace_accel.ops.irreps_linear import catalog as irreps_linear
@@ -41,7 +40,6 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
 
     yield from conv_tp.catalog_sources(limits)
     yield from conv_tp_staged.catalog_sources(limits)
-    yield from dmma_gemm.catalog_sources(limits)
     yield from edge_features_codegen.catalog_sources(limits)
     yield from edge_vectors.catalog_sources(limits)
     yield from irreps_linear.catalog_sources(limits)

@@ -18,8 +18,6 @@ from mace_accel.errors import InputError
 from mace_accel.ops import registry
 from mace_accel.ops.radial import mlp as radial_mlp
 from mace_accel.ops.conv_tp import folded
-from mace_accel.ops.radial.dmma_gemm import autograd as dmma_gemm
-from mace_accel.ops.radial.dmma_gemm.spec import unsupported_reason as dmma_gemm_unsupported
 from mace_accel.ops.limits import LARGE_GRAPH_EDGES
 from mace_accel.ops.radial.tc import apply as radial_tc
 from mace_accel.ops.radial.tc.spec import RadialSpec
@@ -92,7 +90,7 @@ class RadialRoute:
             folded into the conv) the hidden activations ``[E, h_{L-1}]``.
         recompute: the TP weights are recomputed in the backward instead of kept (the folded
             conv recomputes them; the fused hidden layers then keep no slopes either).
-        last_gemm: what runs the last layer's GEMMs: ``"tf32x3"``, ``"dmma"`` or ``"cublas"``.
+        last_gemm: what runs the last layer's GEMMs: ``"tf32x3"`` or ``"cublas"``.
         n_edges, dtype, device: the call it was made for.
         tables: ``(found, tables)`` for the ``"table"`` path (what
             :func:`~mace_accel.patches.radial.table.lookup` takes), else None.
@@ -189,7 +187,7 @@ class FusedRadialMLP(FusedModule):
         if self.backend != "cuda":
             return head
         table = radial_table.describe(self, "mlp")
-        return (head + self._float32_last() + self._float64_last()
+        return (head + self._float32_last() + "; last layer in float64 on cuBLAS"
                 + ("" if table is None else f"; at inference: {table}"))
 
     def describe_radial(self) -> str:
@@ -217,15 +215,6 @@ class FusedRadialMLP(FusedModule):
                 f"{FUSED_MIN_EDGES} edges the hidden layers with widths in multiples of "
                 "4 (with their SiLU), on the tensor cores (3xTF32 kernels, float32 "
                 "accuracy)")
-
-    def _float64_last(self) -> str:
-        """The report's words on the float64 last layer."""
-        why = dmma_gemm_unsupported(*self.hs[-2:])
-        if why is not None:
-            return f"; last layer in float64 on cuBLAS ({why})"
-        return ("; last layer's forward in float64 on the float64 tensor-core GEMM kernel on "
-                f"{dmma.ARCH} GPUs (at inference, and where the conv recomputes the TP weights; "
-                "its input gradient and training on cuBLAS), elsewhere cuBLAS")
 
     def __setstate__(self, state) -> None:
         state.setdefault("fold_last", False)  # saved before the fold existed
@@ -258,35 +247,23 @@ class FusedRadialMLP(FusedModule):
         """Whether the last layer of ``t``'s dtype and device runs on the 3xTF32 kernels."""
         return self._tf32x3() and tf32x3.runs_on(t, *self.hs[-2:])
 
-    def uses_dmma(self, t: torch.Tensor) -> bool:
-        """Whether the last layer of ``t``'s dtype and device runs on the float64 tensor-core
-        GEMM kernels (:mod:`mace_accel.ops.radial.dmma_gemm`: float64 on sm_90, CUDA backend)."""
-        return self.backend == "cuda" and dmma_gemm.runs_on(t, *self.hs[-2:])
-
     def last_gemm(self, t: torch.Tensor) -> str:
         """What runs the last layer's GEMMs for ``t``'s dtype and device where the conv applies
-        it itself (:mod:`mace_accel.ops.conv_tp.folded`): ``"tf32x3"``, ``"dmma"`` or
-        ``"cublas"``."""
-        return "tf32x3" if self.uses_tf32x3(t) else "dmma" if self.uses_dmma(t) else "cublas"
+        it itself (:mod:`mace_accel.ops.conv_tp.folded`): ``"tf32x3"`` or ``"cublas"``."""
+        return "tf32x3" if self.uses_tf32x3(t) else "cublas"
 
     def last_layer(self, hidden: torch.Tensor,
                    w: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[E, h_L]`` = ``hidden [E, h_{L-1}] @ W_last`` (differentiable); ``w``: the folded
         ``W_last`` where the caller has it already (else fetched: built again when training).
-        float64 on sm_90 at inference: the DMMA kernels (their op passes no gradient to the
-        weight, so training keeps cuBLAS). Profiled as radial-MLP work wherever it is called
-        from (the fused conv applies it when the last layer is folded in)."""
+        float64 on cuBLAS (a float64 tensor-core GEMM of our own was within 4% of it end to
+        end: docs/performance.md, "The radial MLP's kernels"). Profiled as radial-MLP work
+        wherever it is called from (the fused conv applies it when the last layer is folded
+        in)."""
         if w is None:
             w = self.last_weight(hidden.dtype)
         with part_range(RADIAL_MLP):
-            if self.uses_dmma(hidden) and self._no_weight_grads():
-                return dmma_gemm.linear(hidden, self._packed_last(hidden.dtype), w)
             return tf32x3.linear(hidden, w) if self.uses_tf32x3(hidden) else torch.mm(hidden, w)
-
-    def _packed_last(self, dtype: torch.dtype) -> torch.Tensor:
-        """The folded ``W_last`` in the DMMA kernels' fragment buffer."""
-        return self._derived("packed_last", self.raw_weights(), dtype,
-                             lambda d: dmma_gemm.pack_weight(self.last_weight(d)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[E, h_L]`` per-edge TP weights of the radial features ``x [E, h0]``

@@ -31,7 +31,6 @@ from mace_accel.ops.conv_tp import autograd as conv_autograd
 from mace_accel.ops.conv_tp import reference
 from mace_accel.ops.conv_tp.cuda import BackwardBuffers
 from mace_accel.ops.graph import ConvGraph, KernelGraph, ReceiverRows, receiver_chunks
-from mace_accel.ops.radial.dmma_gemm import autograd as dmma
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 from mace_accel.profiling import RADIAL_MLP, part_range
 
@@ -140,25 +139,21 @@ class _Rows:
         return acc.gx, acc.gy
 
 
-GEMMS = ("cublas", "tf32x3", "dmma")
+GEMMS = ("cublas", "tf32x3")
 
 
 class LastLayer:
-    """``h @ W_last`` and ``g @ W_last^T`` on cuBLAS or on our tensor-core kernels (``gemm``:
-    one of :data:`GEMMS`; 3xTF32 in float32 both ways, DMMA in float64 for ``h @ W_last`` with
-    ``W_last`` packed once per op call, its ``g @ W_last^T`` on cuBLAS, faster there). Separate
-    GEMM launches of the radial MLP's layer: profiled as radial-MLP work."""
+    """``h @ W_last`` and ``g @ W_last^T`` on cuBLAS or on the 3xTF32 kernels in float32
+    (``gemm``: one of :data:`GEMMS`). Separate GEMM launches of the radial MLP's layer:
+    profiled as radial-MLP work."""
 
     def __init__(self, w: Tensor, gemm: str) -> None:
         if gemm not in GEMMS:
             raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
         self.w, self.kind = w, gemm
-        self.packed = dmma.pack_weight(w) if gemm == "dmma" else None
 
     def mm(self, a: Tensor) -> Tensor:
         with part_range(RADIAL_MLP):
-            if self.kind == "dmma":
-                return dmma.mm(a, self.packed, self.w)
             return tf32x3.mm(a, self.w) if self.kind == "tf32x3" else torch.mm(a, self.w)
 
     def mm_t(self, g: Tensor) -> Tensor:
@@ -288,9 +283,9 @@ def folded_conv_tp(key: str, graph: ConvGraph, node_feats: Tensor, edge_attrs: T
         graph: the edges. node_feats ``[N, dim_in1]``, edge_attrs ``[E, dim_in2]``,
             hidden ``[E, h]``, w_last ``[h, weight_numel]``: one dtype and device.
         max_edges: edges per chunk (default :func:`chunk_edges`).
-        gemm: what runs the weights' GEMMs, one of :data:`GEMMS`: cuBLAS, or our
-            tensor-core kernels (CUDA; ``"tf32x3"`` float32, ``"dmma"`` float64 on sm_90: the
-            caller checks they run there); the create_graph backward composes torch ops.
+        gemm: what runs the weights' GEMMs, one of :data:`GEMMS`: cuBLAS, or the 3xTF32
+            kernels (CUDA float32: the caller checks they run there); the create_graph backward
+            composes torch ops.
     """
     if max_edges is None:
         max_edges = chunk_edges(w_last.shape[1], w_last.dtype, w_last.device)

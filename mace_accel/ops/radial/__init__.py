@@ -6,7 +6,6 @@ product weights (``[E, n_basis] -> [E, weight_numel]``), in every form it runs.
   elements where the weights depend on them), looked up instead of evaluated;
 - :mod:`.silu_mlp`: the whole MLP in one kernel (FMA; DMMA in float64);
 - :mod:`.tc`: its hidden layers on tensor cores (mma.sync, wgmma);
-- :mod:`.dmma_gemm`: the float64 last layer as a DMMA GEMM.
 
 Which of them a call takes is decided once per call by
 :meth:`mace_accel.patches.radial.mlp.FusedRadialMLP.route`. The 3xTF32 GEMM that runs the
