@@ -164,8 +164,8 @@ def test_find_max_size_upper_bound_nothing_fits_and_errors():
 
 
 def test_find_max_size_counts_a_kernel_size_limit_as_not_fitting():
-    """A cell past a kernel's int32 indices does not fit, like one past the memory (the
-    session-11 search stopped at 442k atoms on the SiLU MLP's edge-count check instead)."""
+    """A cell past a kernel's int32 indices does not fit, like one past the memory (else the
+    search stops there with an error: at 442k atoms on the SiLU MLP's edge-count check)."""
     from mace_accel.errors import KernelSizeError
 
     def try_size(n):
