@@ -95,14 +95,20 @@ def link(model: torch.nn.Module, options) -> Optional[str]:
             "kernels)")
 
 
+def _tables_allowed(user, dtype: torch.dtype) -> bool:
+    """Whether ``user``'s options and backend let its tables run in ``dtype``: the option on,
+    the CUDA backend, float32 or float64 (a call asks more: :func:`table_input`)."""
+    return bool(getattr(user.options, "radial_table", False)) and user.backend == "cuda" \
+        and dtype in SPECS
+
+
 def table_input(user, x: Tensor):
     """The :class:`~mace_accel.patches.edge_features.TableInput` behind ``user``'s input ``x``
     where its tables may run: the option on, CUDA float32 or float64, no weight gradient
     (inference), not under ``torch.compile``, and ``x`` the linked embedding's last output;
     else None."""
     embedding = getattr(user, "embedding", None)
-    if embedding is None or not getattr(user.options, "radial_table", False) \
-            or user.backend != "cuda" or not x.is_cuda or x.dtype not in SPECS \
+    if embedding is None or not _tables_allowed(user, x.dtype) or not x.is_cuda \
             or torch.compiler.is_compiling() or not user._no_weight_grads():
         return None
     found = embedding.table_input(x)
@@ -113,9 +119,8 @@ def table_input(user, x: Tensor):
 
 def start_compiles(user, width: int, dtype: torch.dtype, device: torch.device) -> None:
     """Start compiling the lookups of ``user``'s tables of ``width`` weights a row where
-    tables may run (the option on, the CUDA backend, float32 or float64)."""
-    if getattr(user.options, "radial_table", False) and user.backend == "cuda" \
-            and dtype in SPECS:
+    tables may run (:func:`_tables_allowed`)."""
+    if _tables_allowed(user, dtype):
         table_ops.start_compiles(width, dtype, SPECS[dtype].degree, device)
 
 
