@@ -46,22 +46,30 @@ class _EdgeKernels:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.plan: EdgePlan = plan_for(spec, dtype_name(dtype), device_limits(self.device), sms)
         self._kernels: Dict[str, Kernel] = {}
+        self._sources: Dict[str, str] = {}
 
     def _render(self, which: str) -> str:
         raise NotImplementedError
+
+    def _source(self, which: str) -> str:
+        """Kernel ``which``'s source, rendered once: the head start and the first launch both
+        need it, and rendering works through the symbolic programs (tenths of a second)."""
+        if which not in self._sources:
+            self._sources[which] = self._render(which)
+        return self._sources[which]
 
     def start_compiles(self) -> None:
         """Start compiling the forward and the backward
         (:func:`~mace_accel.ops.runtime.compile_soon`)."""
         for which in ("forward", "backward"):
-            compile_soon(self._render(which), self.plan.arch)
+            compile_soon(self._source(which), self.plan.arch)
 
     def _launch(self, which: str, n_edges: int, args: tuple) -> None:
         if n_edges == 0:
             return
         k = self._kernels.get(which)
         if k is None:
-            k = self._kernels[which] = Kernel(self._render(which),
+            k = self._kernels[which] = Kernel(self._source(which),
                                               kernel_name(self.family, which), self.device,
                                               self.plan.arch)
         k.launch(self.plan.blocks(n_edges), self.plan.threads, args + (i32(n_edges),))
