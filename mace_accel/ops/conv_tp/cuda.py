@@ -168,11 +168,12 @@ class CudaConvPrimitives:
         atomic = not self.deterministic
         for staged_pass in (False, True):
             for needs in (None, (False, True, True), (True, True, True)):
-                staging = self.staging.get("forward" if needs is None else "backward")
+                direction = "forward" if needs is None else "backward"
+                staging = self.staging.get(direction)
                 if staged_pass and (staging is None or not self._can_stage()):
                     continue
-                launches, _ = self._plan_launches("forward" if needs is None else "backward",
-                                                  needs, staging if staged_pass else None)
+                launches, _ = self._plan_launches(direction, needs,
+                                                  staging if staged_pass else None)
                 for plan, st in launches:
                     _, render, _ = self._source_of(plan, st, needs, atomic, False)
                     compile_soon(render(), self.arch)
