@@ -748,15 +748,15 @@ def radial_tc(args) -> None:
             help="comma-separated edge counts (21,248: a 256-atom MP-medium cell; 539,136: "
                  "6,912 atoms)"),
         opt("--widths", type=ints, default="8,64,64,64", help="the hidden layers' widths"),
-        opt("--dtypes", type=dtypes, default="float32,float64", help="comma-separated"))
+        opt("--dtypes", type=dtypes, default="float64", help="comma-separated"))
 def silu_mlp(args) -> None:
-    """The radial MLP's hidden layers: the fused SiLU MLP kernels against GEMM + SiLU.
+    """The radial MLP's float64 hidden layers: the fused SiLU MLP kernels against GEMM + SiLU.
 
-    Forward + d x of the fused kernels (mace_accel.ops.radial.silu_mlp) and of the GEMM + SiLU path
-    (mace_accel.ops.radial.mlp), eager and in CUDA graphs, and each fused kernel alone, with
-    the FLOPs and the bytes it moves. In float64 on the DMMA kernels also: the forward that
-    keeps the slopes, the backward from them, the FMA-unit (SIMT) kernels, other geometries,
-    and how far the DMMA outputs are from the SIMT ones.
+    Forward + d x of the fused kernels (mace_accel.ops.radial.silu_mlp, float64 tensor cores)
+    and of the GEMM + SiLU path (mace_accel.ops.radial.mlp), eager and in CUDA graphs, and each
+    fused kernel alone, with the FLOPs and the bytes it moves; also the forward that keeps the
+    slopes, the backward from them, other geometries, and how far the backward from the kept
+    slopes is from the recomputing one.
     """
     from mace_accel.bench.timing import graph_replay
     from mace_accel.ops.radial import mlp as radial_mlp
@@ -790,27 +790,18 @@ def silu_mlp(args) -> None:
                     "fused, in a graph": graph_replay(fused_path),
                     "fused forward kernel": partial(cuda.forward, x, packed),
                     "fused backward kernel": partial(cuda.backward, x, packed, g)}
-            if dtype == torch.float64 and cuda.kind == "dmma":
-                simt = CudaSiluMLP(spec, dtype, x.device, kind="simt")
-                slopes = cuda.forward(x, packed, keep_slopes=True)[1]
-                rows.update({
-                    "DMMA forward, slopes kept": partial(cuda.forward, x, packed,
-                                                         keep_slopes=True),
-                    "DMMA backward from slopes": partial(cuda.backward_kept, slopes, packed, g),
-                    "SIMT forward kernel": partial(simt.forward, x, packed),
-                    "SIMT backward kernel": partial(simt.backward, x, packed, g)})
-                for variant in ({"forward_warps": 12}, {"unroll": 4},
-                                {"forward_warps": 12, "unroll": 4}, {"forward_warps": 4}):
-                    other = CudaSiluMLP(spec, dtype, x.device, variant=variant)
-                    label = ",".join(f"{k}={v}" for k, v in variant.items())
-                    rows[f"DMMA {label} fwd"] = partial(other.forward, x, packed,
-                                                        keep_slopes=True)
-                want_gx = simt.backward(x, packed, g)
-                say(f"   DMMA vs SIMT kernels: max |d out| "
-                    f"{(cuda.forward(x, packed) - simt.forward(x, packed)).abs().max():.2e}, "
-                    f"max |d gx| {(cuda.backward(x, packed, g) - want_gx).abs().max():.2e}, "
-                    f"from the kept slopes "
-                    f"{(cuda.backward_kept(slopes, packed, g) - want_gx).abs().max():.2e}")
+            slopes = cuda.forward(x, packed, keep_slopes=True)[1]
+            rows.update({
+                "forward, slopes kept": partial(cuda.forward, x, packed, keep_slopes=True),
+                "backward from slopes": partial(cuda.backward_kept, slopes, packed, g)})
+            for variant in ({"forward_warps": 12}, {"unroll": 4},
+                            {"forward_warps": 12, "unroll": 4}, {"forward_warps": 4}):
+                other = CudaSiluMLP(spec, dtype, x.device, variant=variant)
+                label = ",".join(f"{k}={v}" for k, v in variant.items())
+                rows[f"{label} fwd"] = partial(other.forward, x, packed, keep_slopes=True)
+            want_gx = cuda.backward(x, packed, g)
+            say(f"   backward from the kept slopes vs recomputing: max |d gx| "
+                f"{(cuda.backward_kept(slopes, packed, g) - want_gx).abs().max():.2e}")
             for name, fn in rows.items():
                 say(f"{dname(dtype):8s} {edges:7d} edges {name:26s} "
                     f"{event_ms(fn, args.repeats, warmup=3):7.3f} ms")

@@ -255,10 +255,11 @@ def torchsim(args) -> None:
 
 
 # the routes of FusedRadialMLP.route each dtype takes, from the default to the simplest: the
-# route-choosing methods switched off for each (see FusedRadialMLP.route)
+# route-choosing functions switched off for each (see FusedRadialMLP.route; "has_backward" is
+# the whole-MLP input-gradient kernel, without which the backward runs on the 3xTF32 layers)
 ROUTE_SWITCHES = {
-    "float32": {"default": (), "no-whole": ("_whole_kernels",),
-                "layers": ("_whole_kernels", "_fused_hidden")},
+    "float32": {"default": (), "no-backward-kernel": ("has_backward",),
+                "layers": ("_whole_kernels",)},
     "float64": {"default": (), "no-hidden": ("_fused_hidden",)},
 }
 
@@ -267,14 +268,17 @@ def radial_routes(args) -> None:
     from mace_accel.models.architectures import build_architecture
     from mace_accel.models.outputs import evaluate
     from mace_accel.options import AccelOptions
+    from mace_accel.ops.radial import mlp as radial_mlp
     from mace_accel.patches.radial.mlp import FusedRadialMLP
     from mace_accel.surgery import accelerate
 
-    originals = {n: getattr(FusedRadialMLP, n) for n in ("_whole_kernels", "_fused_hidden")}
+    owners = {"_whole_kernels": FusedRadialMLP, "_fused_hidden": FusedRadialMLP,
+              "has_backward": radial_mlp.radial_tc}
+    originals = {n: getattr(owner, n) for n, owner in owners.items()}
 
     def switch_off(names) -> None:
         for n, f in originals.items():
-            setattr(FusedRadialMLP, n, (lambda self, *a: False) if n in names else f)
+            setattr(owners[n], n, (lambda *a: False) if n in names else f)
 
     def route_of(model) -> str:
         route = next(m._kernels["route"] for m in model.modules()
@@ -286,7 +290,8 @@ def radial_routes(args) -> None:
             for dtype_name in args.dtypes:
                 dtype = getattr(torch, dtype_name)
                 model = build_architecture(name, dtype=dtype, device="cuda")
-                accelerate(model, options=AccelOptions(radial_table=False), verify=False)
+                options = AccelOptions(radial_table=False, recompute_tp_weights=args.recompute)
+                accelerate(model, options=options, verify=False)
                 for p in model.parameters():
                     p.requires_grad_(False)
                 info = model_info(model)
@@ -306,6 +311,7 @@ def radial_routes(args) -> None:
                                     times[label] += list(ms)
                     medians = {r: round(sorted(t)[len(t) // 2], 3) for r, t in times.items()}
                     print(json.dumps({"model": name, "dtype": dtype_name, "atoms": size,
+                                      "recompute": args.recompute,
                                       "edges": edges, "ms": medians, "routes": taken}),
                           flush=True)
                 model = None
@@ -346,6 +352,9 @@ def main(argv=None) -> None:
     r.add_argument("--sizes", type=csv(int), default="1024,6912", help="atom counts")
     r.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default: 4)")
     r.add_argument("--repeats", type=int, default=6, help="calls a route per round")
+    r.add_argument("--recompute", default="auto", choices=("auto", "always", "never"),
+                   help="recompute_tp_weights: 'always' times the routes of systems too large "
+                        "to keep the TP weights for the backward (default: auto)")
     for sub in (g, t):
         sub.add_argument("--model", default="mp-medium")
     g.add_argument("--repeats", type=int, default=30)

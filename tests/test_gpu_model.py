@@ -48,29 +48,24 @@ def test_patched_matches_unpatched(arch, dtype):
     _assert_matches_unpatched(model, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fused_radial_mlp_hidden_layers_match_unpatched(dtype, monkeypatch):
-    """The radial MLP's hidden layers in the fused SiLU MLP kernels at any edge count and dtype
-    (the model uses them from FUSED_MIN_EDGES edges in float32, in float64 where the
-    tensor-core kernels run)."""
+def test_fused_radial_mlp_hidden_layers_match_unpatched(monkeypatch):
+    """The radial MLP's hidden layers in float64 on the tensor-core SiLU MLP kernels (Hopper)."""
     from mace_accel.ops.radial.silu_mlp import autograd as silu_mlp_autograd
-    from mace_accel.patches.radial import mlp as radial_patch
+    from mace_accel.ops.radial.silu_mlp import dmma
+    from mace_accel.ops.runtime import torch_arch
 
-    monkeypatch.setattr(radial_patch, "FUSED_MIN_EDGES", 0)
-    monkeypatch.setattr(radial_patch, "FUSED_DTYPES", (torch.float32, torch.float64))
-    # cuBLAS GEMMs: on the 3xTF32 path, float32 runs the whole net in the radial_tc kernel
-    monkeypatch.setattr(radial_patch, "_TF32X3", False)
+    if torch_arch(torch.device("cuda")) != dmma.ARCH:
+        pytest.skip(f"the float64 tensor-core MLP kernels are for {dmma.ARCH}")
     calls = []
     real = silu_mlp_autograd.silu_mlp
     monkeypatch.setattr(silu_mlp_autograd, "silu_mlp",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
-    model = build_architecture("mp-medium", dtype=dtype, device="cuda")
+    model = build_architecture("mp-medium", dtype=torch.float64, device="cuda")
     for p in model.parameters():  # inference: no weight gradients (training keeps the GEMMs)
         p.requires_grad_(False)
-    # no tables (they replace the MLP in float32)
     mace_accel.accelerate(model, backend="cuda", verify=False,
                           options=mace_accel.AccelOptions(radial_table=False))
-    _assert_matches_unpatched(model, dtype)
+    _assert_matches_unpatched(model, torch.float64)
     assert len(calls) == 2  # both interaction blocks
 
 

@@ -1,6 +1,6 @@
 """The float64 tensor-core SiLU MLP without a GPU: the fragment packing and the kernels' data
 flow, emulated lane by lane with the m16n8k8 fragment layout of the PTX ISA, equal the plain
-MLP (forward and d x); plans, shared memory, sources and the pick between the kernel kinds.
+MLP (forward and d x); plans, shared memory, sources, and where the kernels do not run.
 test_gpu_silu_mlp.py runs the kernels themselves against the reference."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mace_accel.ops.radial import mlp as radial_mlp
-from mace_accel.ops.radial.silu_mlp import codegen, dmma
+from mace_accel.errors import UnsupportedModelError
+from mace_accel.ops.radial.silu_mlp import dmma
 from mace_accel.ops.radial.silu_mlp.catalog import CATALOG
 from mace_accel.ops.radial.silu_mlp.spec import SiluMLPSpec, fragments, pack_weights
 
@@ -128,16 +129,16 @@ def test_fake_keep_op_gives_the_shapes():
 
 def test_where_the_tensor_core_kernels_do_not_run():
     assert "sm_90" in dmma.unsupported_reason(CATALOG["mace"], "sm_80")
-    assert "wider than 64" in dmma.unsupported_reason(CATALOG["wide"], "sm_90")
+    with pytest.raises(UnsupportedModelError, match="up to 64"):
+        SiluMLPSpec((8, 256, 256))  # a warp's row of each layer is held in registers
     assert dmma.unsupported_reason(SiluMLPSpec((8, 32, 32, 32, 32, 32)), "sm_90") is None
     deep = SiluMLPSpec((8, 64, 64, 64, 64))  # W and W^T of 4 layers and 2 kept z: too much
     assert "shared memory" in dmma.unsupported_reason(deep, "sm_90")
 
 
-def test_catalog_sources_add_the_tensor_core_kernels():
+def test_catalog_sources_are_the_tensor_core_kernels():
     from mace_accel.ops.limits import DeviceLimits
 
-    names = [n for n, _ in codegen.catalog_sources(DeviceLimits())]
-    assert "silu_mlp/mace_dmma_bwd_float64" in names
-    assert not any("wide_dmma" in n for n in names)
-    assert not any("dmma" in n for n, _ in codegen.catalog_sources(DeviceLimits(arch="sm_80")))
+    names = [n for n, _ in dmma.catalog_sources(DeviceLimits())]
+    assert len(names) == 3 * len(TC_SPECS) and "silu_mlp/mace_dmma_bwd_float64" in names
+    assert not list(dmma.catalog_sources(DeviceLimits(arch="sm_80")))

@@ -34,7 +34,7 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     from mace_accel.ops.pair_repulsion import codegen as pair_repulsion
     from mace_accel.ops.radial.table import codegen as radial_table
     from mace_accel.ops.radial.tc import codegen as radial_tc
-    from mace_accel.ops.radial.silu_mlp import codegen as silu_mlp
+    from mace_accel.ops.radial.silu_mlp import dmma as silu_mlp
     from mace_accel.ops.symmetric_contraction import codegen as symmetric_contraction
     from mace_accel.ops.tf32x3_gemm import codegen as tf32x3_gemm
 

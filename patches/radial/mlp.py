@@ -18,7 +18,6 @@ from mace_accel.errors import InputError
 from mace_accel.ops import registry
 from mace_accel.ops.radial import mlp as radial_mlp
 from mace_accel.ops.conv_tp import folded
-from mace_accel.ops.limits import LARGE_GRAPH_EDGES
 from mace_accel.ops.radial.tc import apply as radial_tc
 from mace_accel.ops.radial.tc.spec import RadialSpec
 from mace_accel.ops.radial.tc.spec import unsupported_reason as whole_unsupported
@@ -34,20 +33,12 @@ from mace_accel.patches.radial import table as radial_table
 from mace_accel.patches.adopt import FusedModule, grads_wanted
 
 PART = "radial_mlp"
-# When the hidden layers run in the fused kernels (scripts/bench_kernels.py silu-mlp, MP-medium
-# widths, forward + d x inside a CUDA graph). float32 from FUSED_MIN_EDGES edges: below it the GEMM
-# path is faster (too few tiles per SM to amortise loading the weights into L1), above it the
-# fused one, which also keeps nothing for the backward. float64 runs the
-# fused path only where the tensor-core kernels of mace_accel.ops.radial.silu_mlp.dmma run (sm_90,
-# widths up to 64): cuBLAS runs its float64 GEMMs on the same DMMA units, and the FMA-unit
-# kernels lost to them (539k edges: 3.05 vs 2.35 ms). The DMMA kernels win at 539k edges (1.38
-# vs 2.37 ms) and tie at 21k (0.103 vs 0.101 ms in a graph), so from FUSED_MIN_EDGES_FLOAT64.
-FUSED_DTYPES = (torch.float32, torch.float64)
-FUSED_MIN_EDGES = LARGE_GRAPH_EDGES
-FUSED_MIN_EDGES_FLOAT64 = 0
+# float64 runs the hidden layers in the tensor-core kernels of mace_accel.ops.radial.silu_mlp.dmma
+# wherever they take the widths (sm_90, up to 64 wide): 10-12% faster end to end than cuBLAS's
+# GEMMs with SiLU passes at 6,912 atoms (scripts/bench_model.py radial-routes; docs/performance.md).
 # The float32 GEMMs run on the 3xTF32 kernels wherever they take the widths (float32's accuracy,
-# faster than cuBLAS's float32 GEMMs). Not an option: tests switch it off to reach the paths
-# behind it on a GPU (cuBLAS, the fused SiLU layers in float32).
+# faster than cuBLAS's float32 GEMMs). Not an option: tests switch it off to reach the path
+# behind it on a GPU (cuBLAS).
 _TF32X3 = True
 
 
@@ -62,13 +53,10 @@ class RadialMLPSpec:
         head = f"MLP {'->'.join(map(str, self.hs))} (SiLU), constants folded; "
         if len(self.hs) > 2 and max(self.hs[:-1]) <= MAX_WIDTH:
             tc = dmma.unsupported_reason(SiluMLPSpec(self.hs[:-1]), dmma.ARCH)
-            float64 = (f"float64 on the float64 tensor cores of {dmma.ARCH} GPUs (each layer's "
-                       "silu'(z) kept for the backward unless the conv recomputes its TP "
-                       "weights)" if tc is None else f"float64 not ({tc})")
-            head += (f"where the whole-MLP kernel does not run, hidden layers in one fused "
-                     f"kernel per pass on CUDA: float32 from {FUSED_MIN_EDGES} edges (forward "
-                     f"recomputed in the backward), {float64}; fewer edges, other GPUs and "
-                     "training: GEMMs + SiLU; ")
+            head += (f"float64 hidden layers in one kernel per pass on the float64 tensor cores "
+                     f"of {dmma.ARCH} GPUs (each layer's silu'(z) kept for the backward unless "
+                     "the conv recomputes its TP weights), other GPUs and training: GEMMs + "
+                     "SiLU; " if tc is None else f"float64 hidden layers as GEMMs + SiLU ({tc}); ")
         if folded:
             return head + (f"last layer folded into the conv (it takes the hidden [E, "
                            f"{self.hs[-2]}]; the TP weights [E, {self.hs[-1]}] are recomputed "
@@ -211,10 +199,9 @@ class FusedRadialMLP(FusedModule):
                     "in another on H100/H200 (3xTF32 GEMMs with SiLU epilogues "
                     "elsewhere), unless the conv recomputes the TP weights; "
                     "training: GEMMs")
-        return (f"; not in one kernel ({whole}); in float32 the last layer, and below "
-                f"{FUSED_MIN_EDGES} edges the hidden layers with widths in multiples of "
-                "4 (with their SiLU), on the tensor cores (3xTF32 kernels, float32 "
-                "accuracy)")
+        return (f"; not in one kernel ({whole}); in float32 the last layer, and the hidden "
+                "layers with widths in multiples of 4 (with their SiLU), on the tensor cores "
+                "(3xTF32 kernels, float32 accuracy)")
 
     def __setstate__(self, state) -> None:
         state.setdefault("fold_last", False)  # saved before the fold existed
@@ -369,21 +356,16 @@ class FusedRadialMLP(FusedModule):
         return self._derived("packed_whole", self.raw_weights(), dtype,
                              lambda d: radial_tc.pack_weights(key, self._weights(d)))
 
-    # -- the hidden layers in one kernel per pass (CUDA backend, inference) ---------------------
+    # -- the hidden layers in one kernel per pass (CUDA float64, inference) ---------------------
     def _fused_hidden(self, x: torch.Tensor) -> bool:
-        """The CUDA kernels of :mod:`mace_accel.ops.radial.silu_mlp` run the hidden layers when the
-        backend is CUDA, the dtype and edge count are where they measured faster
-        (:data:`FUSED_DTYPES`, :data:`FUSED_MIN_EDGES`) and no weight gradient is asked for
-        (training keeps the GEMM path, whose weight gradients are GEMMs too)."""
-        if self.backend != "cuda" or not x.is_cuda or x.dtype not in FUSED_DTYPES \
+        """The float64 tensor-core kernels of :mod:`mace_accel.ops.radial.silu_mlp` run the
+        hidden layers when the backend is CUDA, the dtype float64, the widths and the GPU ones
+        they take, and no weight gradient is asked for (training keeps the GEMM path, whose
+        weight gradients are GEMMs too)."""
+        if self.backend != "cuda" or not x.is_cuda or x.dtype != torch.float64 \
                 or len(self.hs) < 3 or max(self.hs[:-1]) > MAX_WIDTH:
             return False
-        if x.dtype == torch.float64:
-            if x.shape[0] < FUSED_MIN_EDGES_FLOAT64 or not self._tensor_core_float64(x.device):
-                return False
-        elif x.shape[0] < FUSED_MIN_EDGES:
-            return False
-        return self._no_weight_grads()
+        return self._tensor_core_float64(x.device) and self._no_weight_grads()
 
     def _tensor_core_float64(self, device: torch.device) -> bool:
         """Whether the float64 tensor-core kernels take the hidden layers on ``device`` (found

@@ -2,7 +2,7 @@
 
 ``mace_accel::silu_mlp(x, w)`` is ``silu(...silu(x W_1)...W_L)`` of the packed weights ``w``
 (:func:`~.spec.pack_weights`); ``mace_accel::silu_mlp_backward(x, w, g)`` is its ``d x``, the
-forward recomputed inside the kernel (nothing is kept but ``x``). On the float64 tensor cores
+forward recomputed inside the kernel (nothing is kept but ``x``).
 ``mace_accel::silu_mlp_keep`` also keeps each layer's ``silu'(z)`` and
 ``mace_accel::silu_mlp_kept_backward`` takes ``d x`` from them (memory for a recompute). The
 backward takes those kernels when only ``d x`` is asked for without ``create_graph`` (forces,
@@ -46,20 +46,14 @@ def reference(spec: SiluMLPSpec, x: Tensor, w: Tensor) -> Tensor:
 def _vjp(spec: SiluMLPSpec, x: Tensor, w: Tensor, g: Tensor, need_x: bool,
          need_w: bool) -> tuple:
     """``(d x, d w)`` with torch ops (differentiable under grad mode); ``d w`` in the packed
-    layout, in the ``W_i`` slots (the others, ``W_i^T`` and the tensor-core fragments, are
-    copies of them and get zero)."""
+    layout, in the plain ``W_i`` (the tensor-core fragments are copies of them and get zero)."""
     weights = unpack_weights(spec, w)
     pre, _ = radial_mlp.pre_activations(x, weights, last_act=True)
     gx, gws = radial_mlp.vjp(x, weights, pre, g, True, need_x, [need_w] * len(weights))
     gw: Optional[Tensor] = None
     if need_w:
-        p = spec.padded_widths
-        parts: List[Tensor] = []
-        for i, gi in enumerate(gws):
-            full = torch.nn.functional.pad(gi, (0, p[i + 1] - gi.shape[1], 0, p[i] - gi.shape[0]))
-            parts += [full.reshape(-1), torch.zeros_like(full).reshape(-1)]
-        parts.append(w.new_zeros(spec.packed_numel - spec.fragment_start))
-        gw = torch.cat(parts)
+        parts: List[Tensor] = [gi.reshape(-1) for gi in gws]
+        gw = torch.cat(parts + [w.new_zeros(spec.packed_numel - sum(p.numel() for p in parts))])
     return gx, gw
 
 
@@ -112,8 +106,8 @@ silu_mlp_op.register_autograd(_backward, setup_context=_setup)
 
 @custom_op("mace_accel::silu_mlp_keep")
 def silu_mlp_keep_op(x: Tensor, w: Tensor, key: str) -> Tuple[Tensor, Tensor]:
-    """``(out [E, h_L], slopes)``: the float64 tensor-core forward (CUDA) that also keeps every
-    layer's ``silu'(z)`` for its backward (an opaque buffer, not differentiable)."""
+    """``(out [E, h_L], slopes)``: the forward (CUDA) that also keeps every layer's
+    ``silu'(z)`` for its backward (an opaque buffer, not differentiable)."""
     return _cuda(key, x).forward(x, w, keep_slopes=True)
 
 
@@ -164,11 +158,11 @@ silu_mlp_keep_op.register_autograd(_backward_keep, setup_context=_setup_keep)
 def silu_mlp(key: str, x: Tensor, w: Tensor, backend: str = "cuda",
              keep_slopes: bool = True) -> Tensor:
     """Differentiable ``[E, h_L]`` (see module docstring); ``x`` is made contiguous. Where the
-    float64 tensor-core kernels run and ``x`` needs a gradient, the forward keeps every layer's
-    ``silu'(z)`` (``[E, sum of the hidden widths]``) so the backward needs no recompute, unless
+    kernels run and ``x`` needs a gradient, the forward keeps every layer's ``silu'(z)``
+    (``[E, sum of the hidden widths]``) so the backward needs no recompute, unless
     ``keep_slopes`` is False (memory)."""
     x = x.contiguous()
     if backend == "cuda" and keep_slopes and x.is_cuda and x.requires_grad \
-            and torch.is_grad_enabled() and _cuda(key, x).kind == "dmma":
+            and torch.is_grad_enabled():
         return silu_mlp_keep_op(x, w, key)[0]
     return silu_mlp_op(x, w, key, backend)

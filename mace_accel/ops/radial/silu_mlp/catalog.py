@@ -1,6 +1,6 @@
 """The SiLU MLPs every test and the CI compile cover: MACE's radial MLPs (hidden part of
 ``[8, 64, 64, 64, W]``, MACE-OFF's and small models' widths), odd widths that need padding, a
-deeper and a wider net, one layer."""
+deeper net, one layer."""
 
 from __future__ import annotations
 
@@ -13,6 +13,5 @@ CATALOG: Dict[str, SiluMLPSpec] = {
     "small": SiluMLPSpec((8, 16, 16, 16)),
     "odd": SiluMLPSpec((10, 23, 17)),
     "deep": SiluMLPSpec((6, 32, 32, 32, 32)),
-    "wide": SiluMLPSpec((8, 256, 256)),
     "one_layer": SiluMLPSpec((5, 7)),
 }

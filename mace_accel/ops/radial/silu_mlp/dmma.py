@@ -14,26 +14,25 @@ Two backward kernels give ``d x``: by default from the slopes ``silu'(z)`` the f
 where memory is short, recomputing the forward (the first layer's pre-activation again at the
 end, the middle layers' kept in shared memory per warp, the last one's in registers).
 
-Why: in float64 the radial MLP's hidden layers ran as cuBLAS GEMMs (on the same DMMA units) with
-SiLU passes between them, every ``[E, 64]`` pre-activation and activation written and read again;
-the SIMT kernels of :mod:`.codegen` keep them on chip but run on the FMA units, slower still.
-Here the products run on the DMMA units with only ``x``, the output and the kept slopes passing
-through memory, and the backward from the slopes streams near the copy bandwidth
-(``scripts/bench_kernels.py silu-mlp`` times these against the GEMM path).
+Why: in float64 the radial MLP's hidden layers otherwise run as cuBLAS GEMMs (on the same DMMA
+units) with SiLU passes between them, every ``[E, 64]`` pre-activation and activation written and
+read again. Here the products run on the DMMA units with only ``x``, the output and the kept
+slopes passing through memory, and the backward from the slopes streams near the copy bandwidth
+(``scripts/bench_kernels.py silu-mlp`` times these against the GEMM path, ``scripts/
+bench_model.py radial-routes`` the model with and without them).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
-from mace_accel.ops.limits import DEFAULT_SMS, OPTIN_SHARED, SM_REGISTERS, SM_SHARED
+from mace_accel.ops.limits import DEFAULT_SMS, OPTIN_SHARED, SM_REGISTERS, SM_SHARED, DeviceLimits
 from mace_accel.ops.radial.silu_mlp.spec import FRAG, SiluMLPSpec
 from mace_accel.ops.templates import render
 
 ARCH = "sm_90"  # m16n8k8 in float64 is Hopper's (PTX ISA 7.8)
 ROWS = 16       # edges per warp tile (the product's M)
-MAX_TILES = 8   # widest layer in n-tiles of 8 (64 columns): its A and C fragments in registers
 WARPS = 8       # the backward's warps per block: 256 threads of ~180 registers fill an SM
 FORWARD_WARPS = 12  # the forward's (~150 registers; 12 warps: 0.573 vs 0.692 ms with 8 at 539k)
 UNROLL = 2      # SiLU elements pairs per lane in flight in the forward's loop
@@ -130,9 +129,6 @@ def unsupported_reason(spec: SiluMLPSpec, arch: str) -> Optional[str]:
     """Why the DMMA kernels cannot run ``spec`` on ``arch``, or None."""
     if arch != ARCH:
         return f"the float64 tensor-core MLP kernels are for {ARCH}, this GPU is {arch}"
-    if max(spec.fragment_widths) > FRAG * MAX_TILES:
-        return (f"layers wider than {FRAG * MAX_TILES} ({max(spec.widths)}) would not fit the "
-                "kernel's registers")
     plan = plan_kernels(spec, arch)
     if plan.backward_shared_bytes > SHARED_LIMIT:
         return (f"the weights need {plan.backward_shared_bytes} bytes of shared memory, more "
@@ -182,3 +178,16 @@ def render_backward(plan: DmmaPlan) -> str:
 def render_backward_kept(plan: DmmaPlan) -> str:
     return render("silu_mlp/dmma_backward_kept.cu.j2", plan=plan, name=kernel_names(plan)[2],
                   warps=plan.warps)
+
+
+def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
+    """``(name, source)`` of the three kernels of every catalog MLP the tensor-core kernels
+    take on ``limits.arch`` (none off sm_90)."""
+    from mace_accel.ops.radial.silu_mlp.catalog import CATALOG
+
+    for name, spec in sorted(CATALOG.items()):
+        if unsupported_reason(spec, limits.arch) is None:
+            plan = plan_kernels(spec, limits.arch)
+            yield f"silu_mlp/{name}_dmma_fwd_float64", render_forward(plan)
+            yield f"silu_mlp/{name}_dmma_bwd_float64", render_backward(plan)
+            yield f"silu_mlp/{name}_dmma_bwd_kept_float64", render_backward_kept(plan)

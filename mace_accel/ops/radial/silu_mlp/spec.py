@@ -1,15 +1,15 @@
 """What the fused SiLU MLP computes, frozen: the layer widths of ``h = silu(... silu(silu(x W_1)
 W_2) ... W_L)``: every layer has a SiLU, no bias (the hidden part of a MACE radial MLP whose
 constants are folded into the weights, :mod:`mace_accel.ops.radial.mlp`; its last, linear layer
-is applied by the convolution or by one GEMM).
+is applied by the convolution or by one GEMM). The kernels are float64 on Hopper's tensor cores
+(:mod:`.dmma`).
 
-The kernels read the weights as one flat buffer (:func:`pack_weights`): per layer ``W_i`` padded
-to ``[Kp_i, Np_i]`` and its transpose ``[Np_i, Kp_i]`` (the backward's product), widths padded to
-a multiple of :data:`PAD` with zeros; then the tensor-core section the float64 DMMA kernels read
-(:mod:`.dmma`): every layer's ``W_i`` and then every layer's ``W_i^T``, padded to multiples of
-:data:`FRAG` and stored as ``mma.sync`` B fragments (:func:`fragments`). A zero-padded column has
-pre-activation 0 and SiLU(0) = 0, and meets zero weight rows in the next layer, so padding
-changes no result.
+One flat buffer holds the weights (:func:`pack_weights`): every layer's ``W_i [w_i, w_{i+1}]``
+as it is (the plain-torch reference and the gradients read these), then, from
+:attr:`SiluMLPSpec.fragment_start`, the section the kernels read: every layer's ``W_i`` and then
+every layer's ``W_i^T``, padded with zeros to multiples of :data:`FRAG` and stored as
+``mma.sync`` B fragments (:func:`fragments`). A zero-padded column has pre-activation 0 and
+SiLU(0) = 0, and meets zero weight rows in the next layer, so padding changes no result.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import torch
 
 from mace_accel.errors import UnsupportedModelError
 
-PAD = 4  # widths are padded to a multiple of this (the kernels' widest micro-tile)
-MAX_WIDTH = 512  # wider layers stay with cuBLAS (the kernel keeps a tile of each in shared memory)
-
-
 FRAG = 8  # the tensor-core section's padding: an m16n8k8 product's K and N
+# the widest layer: the kernels hold a warp's whole activation row of it (8 n-tiles of 8) in
+# registers; wider MLPs stay with the GEMMs
+MAX_WIDTH = 64
+FRAGMENT_ALIGN = 64  # the fragment section starts on a multiple of this many reals (a fragment tile)
 
 
-def padded(width: int, to: int = PAD) -> int:
+def padded(width: int, to: int = FRAG) -> int:
     return -(-width // to) * to
 
 
@@ -62,19 +62,10 @@ class SiluMLPSpec(LayerWidths):
             raise UnsupportedModelError(f"the fused SiLU MLP takes layers up to {MAX_WIDTH} "
                                         f"wide, got {self.widths}")
 
-    @property
-    def padded_widths(self) -> Tuple[int, ...]:
-        return tuple(padded(w) for w in self.widths)
-
-    def offsets(self) -> List[Tuple[int, int]]:
-        """Per layer, ``(offset of W_i, offset of W_i^T)`` in the packed buffer."""
-        out, at = [], 0
-        p = self.padded_widths
-        for i in range(self.n_layers):
-            size = p[i] * p[i + 1]
-            out.append((at, at + size))
-            at += 2 * size
-        return out
+    def offsets(self) -> List[int]:
+        """Per layer, the offset of ``W_i`` (unpadded, row-major) in the packed buffer."""
+        sizes = [self.widths[i] * self.widths[i + 1] for i in range(self.n_layers)]
+        return [sum(sizes[:i]) for i in range(self.n_layers)]
 
     @property
     def fragment_widths(self) -> Tuple[int, ...]:
@@ -83,9 +74,9 @@ class SiluMLPSpec(LayerWidths):
 
     @property
     def fragment_start(self) -> int:
-        """Offset of the tensor-core section (after the ``W_i`` / ``W_i^T`` pairs)."""
-        p = self.padded_widths
-        return sum(2 * p[i] * p[i + 1] for i in range(self.n_layers))
+        """Offset of the tensor-core section (after the plain ``W_i``)."""
+        plain = sum(self.widths[i] * self.widths[i + 1] for i in range(self.n_layers))
+        return padded(plain, FRAGMENT_ALIGN)
 
     def fragment_offsets(self) -> List[Tuple[int, int]]:
         """Per layer, ``(offset of W_i's fragments, offset of W_i^T's)`` in the packed buffer;
@@ -152,22 +143,19 @@ def pack_weights(spec: SiluMLPSpec, weights: Sequence[torch.Tensor]) -> torch.Te
         UnsupportedModelError: the weights do not have the spec's shapes.
     """
     check_layer_weights(spec.describe(), spec.widths, weights)
-    p, f = spec.padded_widths, spec.fragment_widths
-    parts, forward, backward = [], [], []
+    f = spec.fragment_widths
+    plain, forward, backward = [], [], []
     for i, w in enumerate(weights):
-        full = zero_padded(w, p[i], p[i + 1])
-        parts += [full.reshape(-1), full.t().contiguous().reshape(-1)]
+        plain.append(w.reshape(-1))
         frag = zero_padded(w, f[i], f[i + 1])
         forward.append(fragments(frag))
         backward.append(fragments(frag.t()))
-    return torch.cat(parts + forward + backward).contiguous()
+    gap = spec.fragment_start - sum(t.numel() for t in plain)
+    return torch.cat(plain + [weights[0].new_zeros(gap)] + forward + backward).contiguous()
 
 
 def unpack_weights(spec: SiluMLPSpec, packed: torch.Tensor) -> List[torch.Tensor]:
-    """The layers' unpadded ``[w_i, w_{i+1}]`` weights of a packed buffer (views)."""
-    p = spec.padded_widths
-    out = []
-    for i, (off, _) in enumerate(spec.offsets()):
-        full = packed[off:off + p[i] * p[i + 1]].reshape(p[i], p[i + 1])
-        out.append(full[:spec.widths[i], :spec.widths[i + 1]])
-    return out
+    """The layers' ``[w_i, w_{i+1}]`` weights of a packed buffer (views)."""
+    w = spec.widths
+    return [packed[off:off + w[i] * w[i + 1]].view(w[i], w[i + 1])
+            for i, off in enumerate(spec.offsets())]
