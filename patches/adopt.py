@@ -136,6 +136,22 @@ class FusedModule(torch.nn.Module):
         self._kernels["seen"] = seen
         return spec
 
+    def live_parameters(self, *others: torch.nn.Module) -> List[torch.Tensor]:
+        """The parameters of this module and of the modules ``others``, as
+        ``Module.parameters()`` gives them (a tensor shared by two of them twice), read
+        afresh on every call (a parameter assigned anew is seen) from where they sit, which is
+        found once: the modules of a fused module do not change, and walking them on every
+        call cost tens of microseconds of host time a call."""
+        key = ("parameter_slots",) + tuple(id(m) for m in others)
+        slots = self._kernels.get(key)
+        if slots is None:
+            slots = self._kernels[key] = [
+                (root.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2])
+                for root in (self, *others) for path, _ in root.named_parameters()]
+        # getattr, not _parameters: a scripted submodule (e3nn's) keeps them elsewhere
+        found = (getattr(m, name, None) for m, name in slots)
+        return [p for p in found if p is not None]
+
     def _kernel_cache(self, key: Any, build) -> Any:
         """``self._kernels[key]``, built once by ``build()`` (per dtype and device)."""
         value = self._kernels.get(key)

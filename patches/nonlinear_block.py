@@ -123,7 +123,7 @@ class FusedLayerNormMLP(FusedModule):
         return self.net(x)
 
     def _no_weight_grads(self) -> bool:
-        return not grads_wanted(list(self.parameters()))
+        return not grads_wanted(self.live_parameters())
 
     def compute(self, edge_feats: Tensor, node_attrs: Tensor, edge_index: Tensor,
                 source: torch.nn.Module, target: torch.nn.Module,
@@ -158,8 +158,7 @@ class FusedLayerNormMLP(FusedModule):
     def _tables(self, edge_feats: Tensor, source: torch.nn.Module, target: torch.nn.Module,
                 with_cutoff: bool):
         """``(found, tables)`` for :func:`radial_table.lookup` where the tables run, else None."""
-        params = (list(self.parameters()) + list(source.parameters())
-                  + list(target.parameters()))
+        params = self.live_parameters(source, target)
         if grads_wanted(params):
             return None
         found = radial_table.table_input(self, edge_feats)

@@ -247,3 +247,21 @@ def test_torch_sim_model_follows_new_weights(place):
     want = torch.cat([_plain_forces(plain, atoms) for atoms in frames])
     assert rel_norm_error(forces.cpu(), want) < place.tol
     assert not torch.allclose(forces, before)
+
+
+def test_a_fused_modules_live_parameters_follow_a_parameter_assigned_anew():
+    """The fused modules read their parameters (and their gradient needs) from slots found
+    once: a parameter replaced by another tensor is the one they see next call."""
+    from mace_accel.options import AccelOptions
+    from mace_accel.patches.adopt import FusedModule
+
+    inner = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    other = torch.nn.Linear(4, 2)
+    fused = FusedModule(inner, AccelOptions())
+    first = fused.live_parameters(other)
+    assert [id(p) for p in first] == [id(p) for p in (*inner.parameters(), *other.parameters())]
+    new = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)
+    fused._modules["0"].weight = new
+    other.bias = torch.nn.Parameter(torch.ones(2))
+    again = fused.live_parameters(other)
+    assert again[0] is new and again[-1] is other.bias and len(again) == len(first)

@@ -354,15 +354,20 @@ _OVERLAPS: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKe
 
 def _overlap(model: torch.nn.Module):
     """The model's radial-MLP overlap group (:mod:`mace_accel.patches.radial.overlap`), or
-    None; looked up once per model while it stays linked."""
-    group = _OVERLAPS.get(model)
-    if group is not None and group.members and getattr(group.members[0], "overlap", None) is group:
-        return group
+    None; looked up once per model and surgery (``accelerate`` links the group; a walk over
+    every module on each call of a model without one cost host time) while it stays linked."""
+    from mace_accel.state import epoch
+
+    seen = _OVERLAPS.get(model)
+    if seen is not None and seen[0] == epoch(model):
+        group = seen[1]
+        if group is None or (group.members
+                             and getattr(group.members[0], "overlap", None) is group):
+            return group
     from mace_accel.patches.radial.overlap import group_of
 
     group = group_of(model)
-    if group is not None:
-        _OVERLAPS[model] = group
+    _OVERLAPS[model] = (epoch(model), group)
     return group
 
 

@@ -295,14 +295,20 @@ class Kernel:
         return max(1, min(by_regs, by_shared, sm_threads // threads))
 
     def launch(self, grid, block: int, args: tuple) -> None:
-        """``grid``: blocks along x, or a tuple (x, y[, z])."""
+        """``grid``: blocks along x, or a tuple (x, y[, z]), on torch's current stream of the
+        kernel's device."""
+        # the raw handle, not torch.cuda.current_stream(): a launch is host time on every call
+        # of a model too small to fill the GPU (a Stream object costs several microseconds)
+        index = self.device_index
+        stream = _cupy_stream(torch._C._cuda_getCurrentRawStream(index), index)
+        grid = grid if isinstance(grid, tuple) else (grid,)
+        if torch._C._cuda_getDevice() == index:  # the usual case: no switch of devices
+            self._function(grid, (block,), args, shared_mem=self.dynamic_shared, stream=stream)
+            return
         import cupy
 
-        stream = _cupy_stream(torch.cuda.current_stream(self.device_index).cuda_stream,
-                              self.device_index)
-        with cupy.cuda.Device(self.device_index):
-            self._function(grid if isinstance(grid, tuple) else (grid,), (block,), args,
-                           shared_mem=self.dynamic_shared, stream=stream)
+        with cupy.cuda.Device(index):
+            self._function(grid, (block,), args, shared_mem=self.dynamic_shared, stream=stream)
 
 
 # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, CU_FUNC_ATTRIBUTE_NUM_REGS
