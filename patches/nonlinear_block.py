@@ -27,6 +27,7 @@ import torch
 
 from mace_accel.errors import InputError
 from mace_accel.options import AccelOptions
+from mace_accel.patches import gate as split_gate
 from mace_accel.patches.radial import table as radial_table
 from mace_accel.profiling import RADIAL_MLP, part_range
 from mace_accel.patches.adopt import FusedModule, grads_wanted
@@ -280,16 +281,19 @@ class NonLinearForward(BlockForward):
 
 
 def install(block: torch.nn.Module) -> None:
-    """Give ``block`` the fused forward where its LayerNorm MLPs are fused."""
+    """Give ``block`` the fused forward where its LayerNorm MLPs are fused, and its gated
+    non-linearity the one-split forward of :mod:`mace_accel.patches.gate`."""
     if isinstance(block._modules.get("conv_tp_weights"), FusedLayerNormMLP):
         block.__dict__[FORWARD_ATTR] = NonLinearForward(block)
+        split_gate.install(block._modules.get("equivariant_nonlin"))
 
 
 def remove(block: torch.nn.Module) -> None:
     """Put mace's own forward back (the class's) in place of any :class:`BlockForward` (the
-    non-linear block's or a Density block's)."""
+    non-linear block's or a Density block's), and its gate's."""
     if isinstance(block.__dict__.get(FORWARD_ATTR), BlockForward):
         del block.__dict__[FORWARD_ATTR]
+    split_gate.remove(block._modules.get("equivariant_nonlin"))
 
 
 def runs_fused(block: torch.nn.Module) -> bool:

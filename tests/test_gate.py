@@ -1,0 +1,93 @@
+"""The one-split forward of mace's gated non-linearity (mace_accel.patches.gate) equals mace's
+own bit for bit, forward, backward and double backward; it is installed with the non-linear
+block's fused forward, reported as fused and removed by revert; other layouts keep mace's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from e3nn import o3
+from mace.modules.gate import GatedEquivariantBlock
+
+from mace_accel.patches import gate as split_gate
+
+F64 = torch.float64
+
+
+def _gate(scalars="8x0e", gated="8x1o+4x2e+8x3o", act=torch.nn.functional.silu,
+          gate_act=None, layout="mul_ir"):
+    irreps_gated = o3.Irreps(gated)
+    irreps_gates = o3.Irreps([(mul, "0e") for mul, _ in irreps_gated])
+    gate_act = act if gate_act is None else gate_act
+    return GatedEquivariantBlock(o3.Irreps(scalars), [act], irreps_gates,
+                                 [gate_act] * len(irreps_gates), irreps_gated, layout=layout)
+
+
+@pytest.mark.parametrize("gated", ["8x1o+4x2e+8x3o", "4x1o", "8x2e+8x1o"])
+@pytest.mark.parametrize("gate_act", [None, torch.sigmoid])
+def test_the_split_forward_is_maces_bit_for_bit(gated, gate_act):
+    module = _gate(gated=gated, gate_act=gate_act)
+    layout = split_gate.layout_of(module)
+    assert layout is not None
+    x = torch.randn(7, module.irreps_in.dim, dtype=F64, requires_grad=True)
+    want = module(x)
+    (want_gx,) = torch.autograd.grad(want, x, torch.ones_like(want), create_graph=True)
+    (want_hx,) = torch.autograd.grad(want_gx.square().sum(), x)
+    split_gate.install(module)
+    assert isinstance(module.__dict__.get("forward"), split_gate.SplitGate)
+    got = module(x)
+    (got_gx,) = torch.autograd.grad(got, x, torch.ones_like(got), create_graph=True)
+    (got_hx,) = torch.autograd.grad(got_gx.square().sum(), x)
+    assert torch.equal(got, want) and torch.equal(got_gx, want_gx)
+    assert torch.equal(got_hx, want_hx)
+    split_gate.remove(module)
+    assert "forward" not in module.__dict__
+
+
+def test_the_split_forward_launches_fewer_ops():
+    """The point of it: fewer torch ops (kernel launches on a GPU) a forward + backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    module = _gate()
+    x = torch.randn(5, module.irreps_in.dim, requires_grad=True)
+
+    def ops() -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            torch.autograd.grad(module(x).sum(), x)
+        return sum(e.count for e in prof.key_averages()
+                   if e.key in ("aten::fill_", "aten::copy_", "aten::add_", "aten::zero_",
+                                "aten::zeros", "aten::cat", "aten::mul", "aten::silu",
+                                "aten::silu_backward", "aten::sum", "aten::narrow_copy"))
+
+    plain = ops()
+    split_gate.install(module)
+    assert ops() < plain
+
+
+def test_layouts_one_split_cannot_take_keep_maces_forward():
+    assert split_gate.layout_of(_gate(layout="ir_mul")) is None
+    assert split_gate.layout_of(_gate(scalars="8x0e", gated="")) is None  # scalars only
+    assert split_gate.layout_of(torch.nn.Identity()) is None
+    module = _gate(layout="ir_mul")
+    split_gate.install(module)
+    assert "forward" not in module.__dict__
+    split_gate.install(None)  # a block without a gate
+
+
+def test_the_non_linear_blocks_gates_take_it_are_reported_fused_and_reverted():
+    import mace_accel
+    from mace_accel.coverage import FUSED, account
+    from mace_accel.models.architectures import build_model
+    from test_coverage import SMALL
+
+    model = build_model(SMALL["non-linear"], dtype=F64)
+    gates = [b.equivariant_nonlin for b in model.interactions]
+    report = mace_accel.accelerate(model, backend="reference")
+    assert max(report.verification.values()) <= report.tolerance
+    assert all(isinstance(g.__dict__.get("forward"), split_gate.SplitGate) for g in gates)
+    statuses = {s.path: s.status for s in account(model)}
+    assert all(statuses[f"interactions.{i}.equivariant_nonlin"] == FUSED
+               for i in range(len(gates)))
+    assert "GatedEquivariantBlock" not in {m.block for m in report.mace_built}
+    mace_accel.revert(model)
+    assert all("forward" not in g.__dict__ for g in gates)
