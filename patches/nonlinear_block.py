@@ -208,16 +208,36 @@ class FusedLayerNormMLP(FusedModule):
         self.__dict__.setdefault("embedding", None)
 
 
+class _ReceiverSums(torch.autograd.Function):
+    """:func:`receiver_sums` with its gradient written directly: each edge gets its receiver's
+    gradient (one gather). Autograd through the prefix sums took casts, three indexed
+    accumulations (each sorts its indices on the GPU, several kernels apiece), a reversed scan
+    and zero fills: a forward and backward is 14 torch ops here against 28 (torch's profiler, on
+    the CPU). The gather is differentiable in the gradient, so double backward (training on
+    forces) follows."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, edge_index: Tensor, n_nodes: int) -> Tensor:
+        from mace_accel.models.energy_head import segment_sums
+        from mace_accel.ops.graph import graph_from_edge_index
+
+        ptr, perm = graph_from_edge_index(edge_index, n_nodes).csr("receiver", torch.int64)
+        ctx.save_for_backward(edge_index)
+        return segment_sums(values[perm], ptr).to(values.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (edge_index,) = ctx.saved_tensors
+        return grad.index_select(0, edge_index[1]), None, None
+
+
 def receiver_sums(values: Tensor, edge_index: Tensor, n_nodes: int) -> Tensor:
     """``[N, k]``: ``values [E, k]`` summed per receiver, as differences of float64 prefix sums
     over the edges in receiver order (the convolution's own ordering,
     :func:`~mace_accel.ops.graph.graph_from_edge_index`): no float atomics, the same bits on
-    a repeat, no wait for the device (CUDA graphs); mace's ``scatter_sum`` up to rounding."""
-    from mace_accel.models.energy_head import segment_sums
-    from mace_accel.ops.graph import graph_from_edge_index
-
-    ptr, perm = graph_from_edge_index(edge_index, n_nodes).csr("receiver", torch.int64)
-    return segment_sums(values[perm], ptr).to(values.dtype)
+    a repeat, no wait for the device (CUDA graphs); mace's ``scatter_sum`` up to rounding. The
+    gradient of an edge's value is its receiver's gradient, exactly."""
+    return _ReceiverSums.apply(values, edge_index, n_nodes)
 
 
 def convolve(block: torch.nn.Module, node_feats: Tensor, edge_attrs: Tensor,
