@@ -50,12 +50,10 @@ def test_patched_matches_unpatched(arch, dtype):
 
 def test_fused_radial_mlp_hidden_layers_match_unpatched(monkeypatch):
     """The radial MLP's hidden layers in float64 on the tensor-core SiLU MLP kernels (Hopper)."""
+    from gpu_helpers import skip_without_silu_mlp_kernels
     from mace_accel.ops.radial.silu_mlp import autograd as silu_mlp_autograd
-    from mace_accel.ops.radial.silu_mlp import dmma
-    from mace_accel.ops.runtime import torch_arch
 
-    if torch_arch(torch.device("cuda")) != dmma.ARCH:
-        pytest.skip(f"the float64 tensor-core MLP kernels are for {dmma.ARCH}")
+    skip_without_silu_mlp_kernels()
     calls = []
     real = silu_mlp_autograd.silu_mlp
     monkeypatch.setattr(silu_mlp_autograd, "silu_mlp",

@@ -19,11 +19,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _hopper():
-    from mace_accel.ops.radial.silu_mlp import dmma
-    from mace_accel.ops.runtime import torch_arch
+    from gpu_helpers import skip_without_silu_mlp_kernels
 
-    if torch_arch(torch.device("cuda")) != dmma.ARCH:
-        pytest.skip(f"the SiLU MLP kernels are for {dmma.ARCH}")
+    skip_without_silu_mlp_kernels()
 
 
 def _inputs(spec, n, seed=0):
