@@ -8,7 +8,8 @@ batched MD against torch-sim's own MACE model. Same process, same systems.
 
 ``radial-routes``: one eager forces call with the radial tables off, each radial-MLP route
 against the simpler ones (the faster routes switched off in turn), rounds interleaved: the
-numbers that keep or remove a radial kernel variant (docs/performance.md).
+numbers that keep or remove a radial kernel variant (docs/performance.md); with ``--tables``,
+the tables' sorted walk of the edges against the unsorted one.
 """
 
 from __future__ import annotations
@@ -262,6 +263,9 @@ ROUTE_SWITCHES = {
                 "layers": ("_whole_kernels",)},
     "float64": {"default": (), "no-hidden": ("_fused_hidden",)},
 }
+# with the radial tables on (``--tables``): the lookups walking the edges sorted by length
+# (patches.radial.table.walks_sorted, one sort a call) against walking them as they come
+TABLE_SWITCHES = {"default": (), "unsorted": ("walks_sorted",)}
 
 
 def radial_routes(args) -> None:
@@ -269,11 +273,12 @@ def radial_routes(args) -> None:
     from mace_accel.models.outputs import evaluate
     from mace_accel.options import AccelOptions
     from mace_accel.ops.radial import mlp as radial_mlp
+    from mace_accel.patches.radial import table as table_patch
     from mace_accel.patches.radial.mlp import FusedRadialMLP
     from mace_accel.surgery import accelerate
 
     owners = {"_whole_kernels": FusedRadialMLP, "_fused_hidden": FusedRadialMLP,
-              "has_backward": radial_mlp.radial_tc}
+              "has_backward": radial_mlp.radial_tc, "walks_sorted": table_patch}
     originals = {n: getattr(owner, n) for n, owner in owners.items()}
 
     def switch_off(names) -> None:
@@ -285,19 +290,23 @@ def radial_routes(args) -> None:
                      if isinstance(m, FusedRadialMLP) and "route" in m._kernels)
         return f"{route.path}/{route.last_gemm}"
 
+    def switches(dtype_name: str) -> Dict[str, tuple]:
+        return TABLE_SWITCHES if args.tables else ROUTE_SWITCHES[dtype_name]
+
     try:
         for name in args.models:
             for dtype_name in args.dtypes:
                 dtype = getattr(torch, dtype_name)
                 model = build_architecture(name, dtype=dtype, device="cuda")
-                options = AccelOptions(radial_table=False, recompute_tp_weights=args.recompute)
+                options = AccelOptions(radial_table=args.tables,
+                                       recompute_tp_weights=args.recompute)
                 accelerate(model, options=options, verify=False)
                 for p in model.parameters():
                     p.requires_grad_(False)
                 info = model_info(model)
                 for size in args.sizes:
                     batch, edges = make_batch(build_system(info, size), info, dtype, "cuda")
-                    routes = ROUTE_SWITCHES[dtype_name]
+                    routes = switches(dtype_name)
                     times: Dict[str, List[float]] = {r: [] for r in routes}
                     taken = {}
                     for rounds in (1, args.rounds):  # the first compiles and warms up
@@ -311,7 +320,7 @@ def radial_routes(args) -> None:
                                     times[label] += list(ms)
                     medians = {r: round(sorted(t)[len(t) // 2], 3) for r, t in times.items()}
                     print(json.dumps({"model": name, "dtype": dtype_name, "atoms": size,
-                                      "recompute": args.recompute,
+                                      "recompute": args.recompute, "tables": args.tables,
                                       "edges": edges, "ms": medians, "routes": taken}),
                           flush=True)
                 model = None
@@ -355,6 +364,9 @@ def main(argv=None) -> None:
     r.add_argument("--recompute", default="auto", choices=("auto", "always", "never"),
                    help="recompute_tp_weights: 'always' times the routes of systems too large "
                         "to keep the TP weights for the backward (default: auto)")
+    r.add_argument("--tables", action="store_true",
+                   help="radial tables on: time the lookups walking the edges sorted by length "
+                        "against unsorted")
     for sub in (g, t):
         sub.add_argument("--model", default="mp-medium")
     g.add_argument("--repeats", type=int, default=30)

@@ -147,7 +147,7 @@ def test_model_with_tables_matches_unpatched(arch, dtype, monkeypatch):
     from mace_accel.patches.radial import table as table_patch
 
     monkeypatch.setattr(table_patch, "SORT_MIN_EDGES", 0)
-    monkeypatch.setattr(table_patch, "SORT_MIN_EDGES_LARGE_TABLE", 0)
+    monkeypatch.setattr(table_patch, "LARGE_TABLE_BYTES", 0)
     calls = []
     real = table_patch.lookup
     monkeypatch.setattr(table_patch, "lookup", lambda *a: calls.append(1) or real(*a))

@@ -195,15 +195,16 @@ def test_embedding_hands_out_the_lengths_of_its_own_output_only():
     assert embedding.table_input(feats) is None
 
 
-def test_large_tables_are_walked_in_order_of_length_from_fewer_edges():
-    """A table that stays in L2 (float32 cubic) is walked in order of length from 65,536
-    edges; one that does not (float64 quintic, 126 MB) from 4,096."""
+def test_only_large_tables_are_walked_in_order_of_length():
+    """A table that stays in L2 (float32 cubic, 21 MB) is walked as the edges come at any
+    count; one that does not (float64 quintic, 126 MB) in order of length from 4,096 edges."""
     small = torch.empty(1024, 4, 1280, dtype=torch.float32, device="meta")  # 21 MB
     large = torch.empty(2048, 6, 1280, dtype=F64, device="meta")  # 126 MB
     assert not table_patch.walks_sorted(20000, small)
-    assert table_patch.walks_sorted(table_patch.SORT_MIN_EDGES, small)
+    assert not table_patch.walks_sorted(10 ** 7, small)
     assert table_patch.walks_sorted(20000, large)
-    assert not table_patch.walks_sorted(table_patch.SORT_MIN_EDGES_LARGE_TABLE - 1, large)
+    assert table_patch.walks_sorted(table_patch.SORT_MIN_EDGES, large)
+    assert not table_patch.walks_sorted(table_patch.SORT_MIN_EDGES - 1, large)
 
 
 def test_off_cuda_the_mlp_runs():

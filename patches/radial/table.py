@@ -27,25 +27,23 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from mace_accel.ops.radial import mlp as radial_mlp
-from mace_accel.ops.limits import LARGE_GRAPH_EDGES
 from mace_accel.ops.radial.table import autograd as table_ops
 from mace_accel.ops.radial.table.table import SPECS, RadialTable, TableError, build_tables
 from mace_accel.ops.species import ORDERED, UNORDERED, PairSet
 from mace_accel.patches.adopt import set_link
 
 Tensor = torch.Tensor
-# from this many edges the lookups walk the edges in order of length (one sort a call, shared
-# by the blocks): at 539k edges on an H200 sorted lookups took 0.58x (forward) the time of
-# unsorted ones, sort included; at 20k, for a table that stays in L2, the sort costs about
-# what it saves
-SORT_MIN_EDGES = LARGE_GRAPH_EDGES
 # a table larger than this does not stay in L2: walked as the edges come, every edge reads its
-# cell's coefficient rows from memory (at 20k edges, a 126 MB float64 table of 1,280 weights:
-# 233 + 199 us forward + backward against 88 + 97 us sorted), so these sort from
-# SORT_MIN_EDGES_LARGE_TABLE edges (an estimate from those figures, not measured between 1k
-# and 20k edges)
+# cell's coefficient rows from memory, so the lookups of large tables walk the edges in order of
+# table and length (one sort a call, shared by the blocks) from SORT_MIN_EDGES edges (at 20k
+# edges, a 126 MB float64 table of 1,280 weights: 233 + 199 us forward + backward unsorted
+# against 88 + 97 us sorted; 1k to 20k edges not measured). A table that stays in L2 is walked
+# as the edges come: sorting it gained nothing end to end (MACE-MP-0, float32: 4% slower at
+# 160k edges, 0.5% faster at 539k), while MPA-0's pair tables gained 9% (float32) and 31%
+# (float64) at 539k edges and lost 4% at 160k in float32 (scripts/bench_model.py radial-routes
+# --tables)
 LARGE_TABLE_BYTES = 32 * 2 ** 20
-SORT_MIN_EDGES_LARGE_TABLE = 4096
+SORT_MIN_EDGES = 4096
 # the most of the GPU's memory one block's tables may take (all pairs of elements together);
 # beyond it (many elements in one structure) the block runs its MLP
 TABLE_MEMORY_FRACTION = 1 / 16
@@ -214,9 +212,10 @@ def lookup(user, found, tables: Tuple[RadialTable, Tensor]) -> Tensor:
 
 def walks_sorted(edges: int, coeffs: Tensor, tables: int = 1) -> bool:
     """Whether the lookups of ``edges`` edges in the tables ``coeffs`` walk them in order of
-    table and length (see :data:`SORT_MIN_EDGES`, :data:`LARGE_TABLE_BYTES`)."""
+    table and length: tables larger than :data:`LARGE_TABLE_BYTES`, from
+    :data:`SORT_MIN_EDGES` edges."""
     large = coeffs.numel() * coeffs.element_size() > LARGE_TABLE_BYTES
-    return edges >= (SORT_MIN_EDGES_LARGE_TABLE if large else SORT_MIN_EDGES)
+    return large and edges >= SORT_MIN_EDGES
 
 
 def describe(user, name: str) -> Optional[str]:
