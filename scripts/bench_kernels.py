@@ -754,9 +754,9 @@ def silu_mlp(args) -> None:
 
     Forward + d x of the fused kernels (mace_accel.ops.radial.silu_mlp, float64 tensor cores)
     and of the GEMM + SiLU path (mace_accel.ops.radial.mlp), eager and in CUDA graphs, and each
-    fused kernel alone, with the FLOPs and the bytes it moves; also the forward that keeps the
-    slopes, the backward from them, other geometries, and how far the backward from the kept
-    slopes is from the recomputing one.
+    fused kernel alone (the forward with and without keeping the slopes, the backward from
+    them), with the FLOPs and the bytes it moves; also the forward's other geometries, and how
+    far the fused d x is from the GEMM path's.
     """
     from mace_accel.bench.timing import graph_replay
     from mace_accel.ops.radial import mlp as radial_mlp
@@ -785,29 +785,30 @@ def silu_mlp(args) -> None:
                 torch.autograd.grad(autograd.silu_mlp(key, xr, packed, "cuda"), xr, g)
 
             cuda = autograd._cuda(key, x)
+            slopes = cuda.forward(x, packed, keep_slopes=True)[1]
             rows = {"GEMM + SiLU, fwd + d x": gemm_path, "fused, fwd + d x": fused_path,
                     "GEMM + SiLU, in a graph": graph_replay(gemm_path),
                     "fused, in a graph": graph_replay(fused_path),
                     "fused forward kernel": partial(cuda.forward, x, packed),
-                    "fused backward kernel": partial(cuda.backward, x, packed, g)}
-            slopes = cuda.forward(x, packed, keep_slopes=True)[1]
-            rows.update({
-                "forward, slopes kept": partial(cuda.forward, x, packed, keep_slopes=True),
-                "backward from slopes": partial(cuda.backward_kept, slopes, packed, g)})
+                    "forward, slopes kept": partial(cuda.forward, x, packed, keep_slopes=True),
+                    "backward from slopes": partial(cuda.backward_kept, slopes, packed, g)}
             for variant in ({"forward_warps": 12}, {"unroll": 4},
                             {"forward_warps": 12, "unroll": 4}, {"forward_warps": 4}):
                 other = CudaSiluMLP(spec, dtype, x.device, variant=variant)
                 label = ",".join(f"{k}={v}" for k, v in variant.items())
                 rows[f"{label} fwd"] = partial(other.forward, x, packed, keep_slopes=True)
-            want_gx = cuda.backward(x, packed, g)
-            say(f"   backward from the kept slopes vs recomputing: max |d gx| "
+            (want_gx,) = torch.autograd.grad(radial_mlp.radial_mlp(xr, weights, last_act=True),
+                                             xr, g)
+            say(f"   fused d x vs the GEMM path's: max |d gx| "
                 f"{(cuda.backward_kept(slopes, packed, g) - want_gx).abs().max():.2e}")
             for name, fn in rows.items():
                 say(f"{dname(dtype):8s} {edges:7d} edges {name:26s} "
                     f"{event_ms(fn, args.repeats, warmup=3):7.3f} ms")
-            moved = edges * (2 * widths[0] + 2 * widths[-1]) * (torch.finfo(dtype).bits // 8)
-            # the forward; the backward recomputes it and back-propagates: three products
-            say(f"   fused: {6 * edges * macs / 1e9:.2f} GFLOP, {moved / 1e6:.0f} MB through "
+            # x, the output, g and d x, and the slopes written and read again
+            moved = (edges * (2 * widths[0] + 2 * widths[-1])
+                     + 2 * cuda.plan.slopes_numel(edges)) * (torch.finfo(dtype).bits // 8)
+            # the forward and the backward: a product per layer each way, 2 FLOPs a MAC
+            say(f"   fused: {4 * edges * macs / 1e9:.2f} GFLOP, {moved / 1e6:.0f} MB through "
                 f"memory")
 
 

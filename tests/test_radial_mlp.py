@@ -107,3 +107,20 @@ def test_bad_input_shape_is_a_clear_error():
 
     with pytest.raises(InputError, match=r"edge_feats must have shape \[n_edges, 8\]"):
         _fused(_net())(torch.randn(4, 7, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("fold_last", [False, True])
+def test_the_fused_hidden_layers_run_only_where_the_tp_weights_are_kept(fold_last, monkeypatch):
+    """Where the TP weights are recomputed the hidden layers run one by one: the float64
+    kernels' backward reads the slopes their forward keeps (a recomputing one measured slower
+    than the layers). The kernels are said to take the call here (no GPU needed to route)."""
+    monkeypatch.setattr(FusedRadialMLP, "_fused_hidden", lambda self, x: True)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    net = _net()
+    spec, _ = spec_or_reason(net)
+    for recompute, path in (("never", "hidden"), ("always", "layers")):
+        options = AccelOptions(backend="cuda", verify=False, recompute_tp_weights=recompute)
+        with torch.no_grad():
+            route = FusedRadialMLP(net, spec, options, fold_last=fold_last).route(x)
+        assert route.path == path and route.recompute == (recompute == "always")
+        assert route.full_output == (not fold_last)

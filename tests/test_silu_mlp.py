@@ -77,8 +77,9 @@ def test_reference_op_equals_the_radial_mlp_with_every_gradient(name):
     assert not gw[spec.fragment_start:].any()  # the kernels' copies take no gradient
 
 
-def test_only_the_input_gradient_takes_the_backward_op(monkeypatch):
-    """d x alone (forces) goes through mace_accel::silu_mlp_backward; asking for d w does not."""
+def test_the_backward_asks_torch_for_the_gradients_wanted(monkeypatch):
+    """The op's backward is the torch path, asked for exactly the gradients wanted: d x alone
+    (forces), d w alone, or both (training)."""
     spec = CATALOG["mace"]
     key = autograd.register_spec(spec)
     x, w = _op_inputs(spec)
@@ -87,10 +88,12 @@ def test_only_the_input_gradient_takes_the_backward_op(monkeypatch):
     monkeypatch.setattr(autograd, "_vjp", lambda *a: calls.append(a[-2:]) or real(*a))
     x.requires_grad_(True)
     torch.autograd.grad(autograd.silu_mlp(key, x, w, "reference").sum(), x)
-    assert calls == [(True, False)]  # once, inside the backward op's reference
+    assert calls == [(True, False)]
     w.requires_grad_(True)
     torch.autograd.grad(autograd.silu_mlp(key, x, w, "reference").sum(), (x, w))
     assert calls[-1] == (True, True)
+    torch.autograd.grad(autograd.silu_mlp(key, x.detach(), w, "reference").sum(), w)
+    assert calls[-1] == (False, True) and len(calls) == 3
 
 
 def test_gradcheck_and_double_backward():
@@ -140,5 +143,4 @@ def test_fake_implementations_give_the_shapes():
         x = torch.empty(11, spec.widths[0])
         w = torch.empty(spec.packed_numel)
         out = autograd.silu_mlp_op(x, w, key, "cuda")
-        gx = autograd.silu_mlp_backward_op(x, w, out, key, "cuda")
-    assert out.shape == (11, spec.widths[-1]) and gx.shape == (11, spec.widths[0])
+    assert out.shape == (11, spec.widths[-1])

@@ -34,8 +34,10 @@ from mace_accel.patches.adopt import FusedModule, grads_wanted
 
 PART = "radial_mlp"
 # float64 runs the hidden layers in the tensor-core kernels of mace_accel.ops.radial.silu_mlp.dmma
-# wherever they take the widths (sm_90, up to 64 wide): 10-12% faster end to end than cuBLAS's
-# GEMMs with SiLU passes at 6,912 atoms (scripts/bench_model.py radial-routes; docs/performance.md).
+# wherever they take the widths (sm_90, up to 64 wide) and the TP weights are kept: 10-12% faster
+# end to end than cuBLAS's GEMMs with SiLU passes at 6,912 atoms (scripts/bench_model.py
+# radial-routes; docs/performance.md); where the TP weights are recomputed, the GEMMs
+# (FusedRadialMLP.route).
 # The float32 GEMMs run on the 3xTF32 kernels wherever they take the widths (float32's accuracy,
 # faster than cuBLAS's float32 GEMMs). Not an option: tests switch it off to reach the path
 # behind it on a GPU (cuBLAS).
@@ -54,9 +56,9 @@ class RadialMLPSpec:
         if len(self.hs) > 2 and max(self.hs[:-1]) <= MAX_WIDTH:
             tc = dmma.unsupported_reason(SiluMLPSpec(self.hs[:-1]), dmma.ARCH)
             head += (f"float64 hidden layers in one kernel per pass on the float64 tensor cores "
-                     f"of {dmma.ARCH} GPUs (each layer's silu'(z) kept for the backward unless "
-                     "the conv recomputes its TP weights), other GPUs and training: GEMMs + "
-                     "SiLU; " if tc is None else f"float64 hidden layers as GEMMs + SiLU ({tc}); ")
+                     f"of {dmma.ARCH} GPUs (each layer's silu'(z) kept for the backward), "
+                     "other GPUs, training and TP weights the conv recomputes: GEMMs + SiLU; "
+                     if tc is None else f"float64 hidden layers as GEMMs + SiLU ({tc}); ")
         if folded:
             return head + (f"last layer folded into the conv (it takes the hidden [E, "
                            f"{self.hs[-2]}]; the TP weights [E, {self.hs[-1]}] are recomputed "
@@ -77,7 +79,7 @@ class RadialRoute:
         full_output: the MLP hands over the TP weights ``[E, h_L]``; else (its last layer
             folded into the conv) the hidden activations ``[E, h_{L-1}]``.
         recompute: the TP weights are recomputed in the backward instead of kept (the folded
-            conv recomputes them; the fused hidden layers then keep no slopes either).
+            conv recomputes them; the hidden layers then run one by one, never ``"hidden"``).
         last_gemm: what runs the last layer's GEMMs: ``"tf32x3"`` or ``"cublas"``.
         n_edges, dtype, device: the call it was made for.
         tables: ``(found, tables)`` for the ``"table"`` path (what
@@ -282,10 +284,10 @@ class FusedRadialMLP(FusedModule):
                 whole=radial_mlp.WholeNet(self._whole_key(), self._packed_whole(x.dtype),
                                           sm_share, backward_sm_share))
         if route.path == "hidden":
-            # the float64 kernels keep each layer's silu'(z) for the backward unless the TP
-            # weights are recomputed to save memory (then this recomputes too)
+            # the float64 kernels keep each layer's silu'(z) for the backward (the route is
+            # "layers" where the TP weights are recomputed to save memory: route)
             hidden = silu_mlp_autograd.silu_mlp(self._hidden_key(), x, self._packed(x.dtype),
-                                                self.backend, keep_slopes=not route.recompute)
+                                                self.backend)
             return hidden if self.fold_last else self.last_layer(hidden)
         weights, fast = self._weights(x.dtype), self._tf32x3()
         if self.fold_last:
@@ -315,7 +317,11 @@ class FusedRadialMLP(FusedModule):
         """How the call on ``x [E, h0]`` runs (:class:`RadialRoute`), in order of preference:
         the radial tables (``tables``, CUDA inference on the linked embedding's last output,
         built on first use), the whole-MLP kernels, the fused hidden layers, the layers one by
-        one. With ``fold_last`` the first two only where the conv keeps the full TP weights."""
+        one. With ``fold_last`` the first two only where the conv keeps the full TP weights.
+        The fused hidden layers only where the TP weights are kept: where they are recomputed
+        to save memory, the kernels would keep no slopes either and recompute their forward in
+        the backward, which measured 2.3% slower end to end than the layers on cuBLAS
+        (``scripts/bench_model.py radial-routes --recompute always``), so the layers run."""
         n, dtype, device = int(x.shape[0]), x.dtype, x.device
         recompute = folded.recompute_weights(self.options.recompute_tp_weights, n,
                                              self.hs[-1], dtype, device)
@@ -335,7 +341,7 @@ class FusedRadialMLP(FusedModule):
         if keeps_full and self._whole_kernels(x):
             return route("whole", True)
         full = not self.fold_last
-        return route("hidden" if self._fused_hidden(x) else "layers", full)
+        return route("hidden" if not recompute and self._fused_hidden(x) else "layers", full)
 
     def route_for(self, tp_weights: torch.Tensor) -> RadialRoute:
         """The route of the call whose output ``tp_weights [E, ...]`` the block's conv was
@@ -361,7 +367,10 @@ class FusedRadialMLP(FusedModule):
         """The float64 tensor-core kernels of :mod:`mace_accel.ops.radial.silu_mlp` run the
         hidden layers when the backend is CUDA, the dtype float64, the widths and the GPU ones
         they take, and no weight gradient is asked for (training keeps the GEMM path, whose
-        weight gradients are GEMMs too)."""
+        weight gradients are GEMMs too). :meth:`route` asks only where the TP weights are kept:
+        the kernels' backward reads the slopes their forward keeps, and a backward recomputing
+        the forward instead (for recomputed TP weights) measured 2.3% slower end to end than
+        the layers (``scripts/bench_model.py radial-routes --recompute always``)."""
         if self.backend != "cuda" or not x.is_cuda or x.dtype != torch.float64 \
                 or len(self.hs) < 3 or max(self.hs[:-1]) > MAX_WIDTH:
             return False

@@ -1,13 +1,15 @@
 """The fused SiLU MLP as ``torch.library`` custom ops with autograd.
 
 ``mace_accel::silu_mlp(x, w)`` is ``silu(...silu(x W_1)...W_L)`` of the packed weights ``w``
-(:func:`~.spec.pack_weights`); ``mace_accel::silu_mlp_backward(x, w, g)`` is its ``d x``, the
-forward recomputed inside the kernel (nothing is kept but ``x``).
-``mace_accel::silu_mlp_keep`` also keeps each layer's ``silu'(z)`` and
-``mace_accel::silu_mlp_kept_backward`` takes ``d x`` from them (memory for a recompute). The
-backward takes those kernels when only ``d x`` is asked for without ``create_graph`` (forces,
-stress); a weight gradient (training) or a double backward (training on forces) takes the
-differentiable torch path of :func:`mace_accel.ops.radial.mlp.vjp`. ``backend`` picks the CUDA
+(:func:`~.spec.pack_weights`), its backward the differentiable torch path of
+:func:`mace_accel.ops.radial.mlp.vjp` (the forward recomputed as torch ops). Where the CUDA
+kernels run and ``x`` needs a gradient, :func:`silu_mlp` takes ``mace_accel::silu_mlp_keep``
+instead, which also keeps each layer's ``silu'(z)``: ``mace_accel::silu_mlp_kept_backward``
+takes ``d x`` from them when only ``d x`` is asked for without ``create_graph`` (forces,
+stress); a weight gradient (training) or a double backward (training on forces) takes the torch
+path. There is no kernel that recomputes the forward in the backward: where the TP weights are
+recomputed to save memory, the radial MLP runs its layers as GEMMs instead
+(:meth:`~mace_accel.patches.radial.mlp.FusedRadialMLP.route`). ``backend`` picks the CUDA
 kernels or the plain-torch reference. Shapes: ``x [E, h0]``, ``w [packed_numel]``, ``g`` and the
 output ``[E, h_L]``.
 """
@@ -71,34 +73,20 @@ def _(x, w, key, backend):
     return x.new_empty((x.shape[0], registry.lookup(key).widths[-1]))
 
 
-@custom_op("mace_accel::silu_mlp_backward")
-def silu_mlp_backward_op(x: Tensor, w: Tensor, g: Tensor, key: str, backend: str) -> Tensor:
-    """``[E, h0]``: ``d x`` of ``<g, silu_mlp(x, w)>``, the forward recomputed."""
-    spec = registry.lookup(key)
-    if backend == "reference":
-        return _vjp(spec, x, w, g, True, False)[0]
-    return _cuda(key, x).backward(x, w, g)
-
-
-@silu_mlp_backward_op.register_fake
-def _(x, w, g, key, backend):
-    return torch.empty_like(x)
-
-
 def _setup(ctx, inputs, output) -> None:
-    x, w, key, backend = inputs
+    x, w, key, _backend = inputs
     ctx.save_for_backward(x, w)
-    ctx.key, ctx.backend = key, backend
+    ctx.key = key
 
 
 def _backward(ctx, g):
+    # torch ops, differentiable under grad mode (create_graph). A CUDA call whose d x is asked
+    # for takes silu_mlp_keep instead (silu_mlp): this runs for the reference backend and for
+    # CUDA calls where only the weights need a gradient (nothing to keep slopes for)
     x, w = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[:2]
-    if need_w or torch.is_grad_enabled():  # training, or create_graph: differentiable path
-        gx, gw = _vjp(registry.lookup(ctx.key), x, w, g, need_x, need_w)
-        return gx, gw, None, None
-    gx = silu_mlp_backward_op(x, w, g.contiguous(), ctx.key, ctx.backend) if need_x else None
-    return gx, None, None, None
+    gx, gw = _vjp(registry.lookup(ctx.key), x, w, g, need_x, need_w)
+    return gx, gw, None, None
 
 
 silu_mlp_op.register_autograd(_backward, setup_context=_setup)
@@ -155,14 +143,11 @@ def _backward_keep(ctx, g, _slopes_grad):
 silu_mlp_keep_op.register_autograd(_backward_keep, setup_context=_setup_keep)
 
 
-def silu_mlp(key: str, x: Tensor, w: Tensor, backend: str = "cuda",
-             keep_slopes: bool = True) -> Tensor:
+def silu_mlp(key: str, x: Tensor, w: Tensor, backend: str = "cuda") -> Tensor:
     """Differentiable ``[E, h_L]`` (see module docstring); ``x`` is made contiguous. Where the
     kernels run and ``x`` needs a gradient, the forward keeps every layer's ``silu'(z)``
-    (``[E, sum of the hidden widths]``) so the backward needs no recompute, unless
-    ``keep_slopes`` is False (memory)."""
+    (``[E, sum of the hidden widths]`` doubles) for the backward kernel."""
     x = x.contiguous()
-    if backend == "cuda" and keep_slopes and x.is_cuda and x.requires_grad \
-            and torch.is_grad_enabled():
+    if backend == "cuda" and x.is_cuda and x.requires_grad and torch.is_grad_enabled():
         return silu_mlp_keep_op(x, w, key)[0]
     return silu_mlp_op(x, w, key, backend)

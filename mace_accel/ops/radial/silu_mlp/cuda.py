@@ -63,12 +63,11 @@ class CudaSiluMLP:
             raise KernelError(f"{spec.describe()}: {why}")
         self.plan = dmma.plan_kernels(spec, arch, **(variant or {}))
         p = self.plan
-        self._shared = (p.forward_shared_bytes, p.backward_shared_bytes,
-                        p.kept_backward_shared_bytes)
-        self._threads = (p.forward_threads, p.threads, p.threads)
-        # forward, recomputing backward, backward from the kept slopes
-        self._render = (dmma.render_forward, dmma.render_backward, dmma.render_backward_kept)
-        self._loaded: List[Optional[Kernel]] = [None, None, None]
+        self._shared = (p.forward_shared_bytes, p.kept_backward_shared_bytes)
+        self._threads = (p.forward_threads, p.threads)
+        # forward, backward from the kept slopes
+        self._render = (dmma.render_forward, dmma.render_backward_kept)
+        self._loaded: List[Optional[Kernel]] = [None, None]
 
     def _launch(self, which: int, n: int, args: tuple) -> None:
         """Kernel ``which`` (see ``_loaded``; compiled and loaded on first use) over ``n``
@@ -106,20 +105,8 @@ class CudaSiluMLP:
             self._launch(0, n, (ptr(x), ptr(w), ptr(out), ptr(slopes), i32(n)))
         return (out, slopes) if keep_slopes else out
 
-    def backward(self, x: Tensor, w: Tensor, g: Tensor) -> Tensor:
-        """``d x [E, h0]`` of ``<g, forward(x, w)>`` for ``g [E, h_L]`` (forward recomputed)."""
-        n = self._check(x, w)
-        check_tensor("grad", g, (n, self.spec.widths[-1]), self.dtype, self.device,
-                     self.spec.describe())
-        gx = torch.empty_like(x)
-        if n == 0:
-            return gx
-        x, g = aligned16(x), aligned16(g)  # held until the launch
-        self._launch(1, n, (ptr(x), ptr(w), ptr(g), ptr(gx), i32(n)))
-        return gx
-
     def backward_kept(self, slopes: Tensor, w: Tensor, g: Tensor) -> Tensor:
-        """``d x [E, h0]`` of ``<g, forward(x, w)>`` from the ``slopes`` of
+        """``d x [E, h0]`` of ``<g, forward(x, w)>`` for ``g [E, h_L]`` from the ``slopes`` of
         ``forward(x, w, keep_slopes=True)``."""
         s = self.spec
         n = int(g.shape[0]) if g.dim() == 2 else -1
@@ -135,5 +122,5 @@ class CudaSiluMLP:
         if n == 0:
             return gx
         g = aligned16(g)  # held until the launch
-        self._launch(2, n, (ptr(slopes), ptr(w), ptr(g), ptr(gx), i32(n)))
+        self._launch(1, n, (ptr(slopes), ptr(w), ptr(g), ptr(gx), i32(n)))
         return gx

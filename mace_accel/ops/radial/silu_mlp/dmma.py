@@ -9,10 +9,12 @@ per block into shared memory. The SiLU runs as a loop over each lane's own value
 slab: written once per register, its exp and reciprocal made the kernel too large for the
 instruction cache (28k instructions against the loop's 2.5k; scripts/bench_kernels.py silu-mlp).
 
-Two backward kernels give ``d x``: by default from the slopes ``silu'(z)`` the forward kept
-(``[E, sum of hidden widths]`` doubles, read once: the backward is a stream through memory), or,
-where memory is short, recomputing the forward (the first layer's pre-activation again at the
-end, the middle layers' kept in shared memory per warp, the last one's in registers).
+Two kernels: the forward, which also writes each layer's ``silu'(z)`` where asked (the slopes,
+``[E, sum of hidden widths]`` doubles), and the backward, which gives ``d x`` from those slopes
+(read once: a stream through memory). A backward that recomputed the forward instead of reading
+kept slopes (for systems whose TP weights are recomputed to save memory) was slower end to end
+than the GEMM path and is gone: there the hidden layers run as GEMMs
+(:meth:`~mace_accel.patches.radial.mlp.FusedRadialMLP.route`).
 
 Why: in float64 the radial MLP's hidden layers otherwise run as cuBLAS GEMMs (on the same DMMA
 units) with SiLU passes between them, every ``[E, 64]`` pre-activation and activation written and
@@ -47,15 +49,13 @@ class DmmaPlan:
     Attributes:
         widths: the spec's widths; ``tiles``: each padded to n-tiles of 8.
         layers: per layer ``kt, nt`` (its K and N in tiles), ``fwd, bwd`` (offsets of its
-            ``W`` and ``W^T`` fragments in the shared copy, in double2 units).
+            ``W`` and ``W^T`` fragments from ``src``, in double2 units: the forward's shared
+            copy starts at the first ``W``, the backward's at the first ``W^T``).
         fwd_numel: doubles of the forward's fragments (``bwd_numel``, the backward's ``W^T``
-            ones, are as many; the recomputing backward copies both); ``src``: where the
-            forward's start in the packed buffer.
-        kept: per middle layer (2 .. L-1), ``(layer index, offset in a warp's kept slab)`` in
-            double2 units; ``kept_d2``: double2 per warp (the recomputing backward).
+            ones, are as many); ``src``: where the forward's start in the packed buffer.
         slope_offsets, slope_d2: where each layer's ``silu'(z)`` sits in a 16-edge tile's part
             of the slopes buffer, and the part's size, in double2 units (the forward writes
-            them where asked, the kept backward reads them).
+            them where asked, the backward reads them).
     """
 
     spec_key: str
@@ -65,8 +65,6 @@ class DmmaPlan:
     layers: Tuple[dict, ...]
     fwd_numel: int
     src: int
-    kept: Tuple[Tuple[int, int], ...]
-    kept_d2: int
     slope_offsets: Tuple[int, ...]
     slope_d2: int
     warps: int = WARPS
@@ -81,7 +79,7 @@ class DmmaPlan:
 
     @property
     def threads(self) -> int:
-        """The backward kernels' threads per block."""
+        """The backward kernel's threads per block."""
         return 32 * self.warps
 
     @property
@@ -105,10 +103,6 @@ class DmmaPlan:
         """Doubles of the slopes buffer of ``n_edges`` edges (whole 16-edge tiles)."""
         return -(-n_edges // ROWS) * 2 * self.slope_d2
 
-    @property
-    def backward_shared_bytes(self) -> int:
-        return 8 * (self.fwd_numel + self.bwd_numel) + 16 * self.kept_d2 * self.warps
-
     def blocks_per_sm(self, shared: int, warps: int) -> int:
         """Blocks of ``warps`` warps and ``shared`` bytes an SM holds at once: shared memory
         and registers (:data:`REGISTERS` a thread)."""
@@ -130,9 +124,9 @@ def unsupported_reason(spec: SiluMLPSpec, arch: str) -> Optional[str]:
     if arch != ARCH:
         return f"the float64 tensor-core MLP kernels are for {ARCH}, this GPU is {arch}"
     plan = plan_kernels(spec, arch)
-    if plan.backward_shared_bytes > SHARED_LIMIT:
-        return (f"the weights need {plan.backward_shared_bytes} bytes of shared memory, more "
-                f"than {SHARED_LIMIT}")
+    shared = max(plan.forward_shared_bytes, plan.kept_backward_shared_bytes)
+    if shared > SHARED_LIMIT:
+        return f"the kernels need {shared} bytes of shared memory, more than {SHARED_LIMIT}"
     return None
 
 
@@ -148,21 +142,17 @@ def plan_kernels(spec: SiluMLPSpec, arch: str = ARCH, warps: int = WARPS,
     layers = tuple(dict(kt=tiles[i], nt=tiles[i + 1], fwd=sum(sizes[:i]) // 2,
                         bwd=(fwd_numel + sum(sizes[:i])) // 2)
                    for i in range(spec.n_layers))
-    kept, at = [], 0
-    for i in range(1, spec.n_layers - 1):  # layers 2 .. L-1 (0-based 1 .. L-2)
-        kept.append((i, at))
-        at += tiles[i + 1] * 2 * 32  # the layer's output fragments: nt x 2 double2 per lane
     slope_offsets = tuple(sum(tiles[j + 1] * 64 for j in range(i))
                           for i in range(spec.n_layers))
     return DmmaPlan(spec.key(), arch, spec.widths, tiles, layers, fwd_numel,
-                    spec.fragment_start, tuple(kept), at, slope_offsets,
+                    spec.fragment_start, slope_offsets,
                     sum(tiles[1:]) * 64, warps, forward_warps, unroll)
 
 
-def kernel_names(plan: DmmaPlan) -> Tuple[str, str, str]:
-    """``(forward, recomputing backward, kept backward)`` kernel names."""
+def kernel_names(plan: DmmaPlan) -> Tuple[str, str]:
+    """``(forward, backward from the kept slopes)`` kernel names."""
     base = f"mace_silu_mlp_{plan.spec_key}_float64_dmma"
-    return f"{base}_fwd", f"{base}_bwd", f"{base}_bwd_kept"
+    return f"{base}_fwd", f"{base}_bwd_kept"
 
 
 def render_forward(plan: DmmaPlan) -> str:
@@ -170,18 +160,13 @@ def render_forward(plan: DmmaPlan) -> str:
                   warps=plan.forward_warps)
 
 
-def render_backward(plan: DmmaPlan) -> str:
-    return render("silu_mlp/dmma_backward.cu.j2", plan=plan, name=kernel_names(plan)[1],
-                  warps=plan.warps)
-
-
 def render_backward_kept(plan: DmmaPlan) -> str:
-    return render("silu_mlp/dmma_backward_kept.cu.j2", plan=plan, name=kernel_names(plan)[2],
+    return render("silu_mlp/dmma_backward_kept.cu.j2", plan=plan, name=kernel_names(plan)[1],
                   warps=plan.warps)
 
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
-    """``(name, source)`` of the three kernels of every catalog MLP the tensor-core kernels
+    """``(name, source)`` of the two kernels of every catalog MLP the tensor-core kernels
     take on ``limits.arch`` (none off sm_90)."""
     from mace_accel.ops.radial.silu_mlp.catalog import CATALOG
 
@@ -189,5 +174,4 @@ def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
         if unsupported_reason(spec, limits.arch) is None:
             plan = plan_kernels(spec, limits.arch)
             yield f"silu_mlp/{name}_dmma_fwd_float64", render_forward(plan)
-            yield f"silu_mlp/{name}_dmma_bwd_float64", render_backward(plan)
             yield f"silu_mlp/{name}_dmma_bwd_kept_float64", render_backward_kept(plan)
