@@ -8,7 +8,8 @@ import torch
 
 from mace_accel.ops.irreps_linear import autograd, gemm
 from mace_accel.ops.irreps_linear.catalog import CATALOG
-from mace_accel.ops.irreps_linear.spec import transpose_weights
+from mace_accel.ops.irreps_linear.spec import Block, LinearInstruction, LinearSpec, \
+    transpose_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -42,3 +43,48 @@ def test_kernel_equals_reference(name, dtype, n_nodes):
     cuda = autograd._cuda(key, x.to("cuda", dtype))
     assert cuda.runs_gemm(n_nodes) == gemm.takes(spec, dtype, n_nodes, gemm.MIN_NODES_FLOAT64)
     assert not gemm.takes(spec, dtype, n_nodes, gemm.MIN_NODES_FLOAT64) or not spec.indexed
+
+
+# MACE-MH-1-like: two scalar blocks side by side into 512 scalars, two vector blocks into 512
+# vectors, an l = 2 and an l = 3 block (2.8e5 weights: the 3xTF32 kernels from 512 nodes)
+SIDE_BY_SIDE = LinearSpec(
+    (Block(0, 128, 1), Block(128, 128, 1), Block(256, 128, 3), Block(640, 128, 3),
+     Block(1024, 64, 5), Block(1344, 32, 7)),
+    (Block(0, 512, 1), Block(512, 512, 3), Block(2048, 64, 5), Block(2368, 32, 7)),
+    (LinearInstruction(0, 0, 0), LinearInstruction(1, 0, 65536),
+     LinearInstruction(2, 1, 131072), LinearInstruction(3, 1, 196608),
+     LinearInstruction(4, 2, 262144), LinearInstruction(5, 3, 266240)))
+
+
+@pytest.mark.parametrize("name", ["side_by_side", "message"])
+def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(name, monkeypatch):
+    """At 2,500 nodes in float32 a map with many weights runs on the 3xTF32 kernels: blocks
+    that lie side by side are read and written in place (one kernel each, no copies), the
+    others (the message map's two scalar inputs are apart) through stacked copies; both equal
+    the reference, and so does the backward (the transposed map)."""
+    from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
+
+    spec = SIDE_BY_SIDE if name == "side_by_side" else CATALOG[name]
+    in_place = []
+    real = tf32x3.mm_e3nn
+    monkeypatch.setattr(tf32x3, "mm_e3nn", lambda *a: in_place.append(a[-1]) or real(*a))
+    monkeypatch.setattr(gemm, "MIN_WEIGHTS_FLOAT32", 1)
+    gen = torch.Generator().manual_seed(4)
+    n = 2500
+    x = torch.randn(n, spec.dim_in, generator=gen, dtype=torch.float64)
+    w = torch.randn(spec.weight_numel, generator=gen, dtype=torch.float64) / 16
+    g = torch.randn(n, spec.dim_out, generator=gen, dtype=torch.float64)
+    elem = torch.zeros(n, dtype=torch.int32)
+    want = autograd.reference(spec, x, w, elem)
+    want_t = autograd.reference(spec.transposed(), g, transpose_weights(spec, w), elem)
+    assert gemm.takes(spec, torch.float32, n, gemm.MIN_NODES_FLOAT64)
+    got = gemm.apply(spec, x.float().cuda(), w.float().cuda())
+    got_t = gemm.apply(spec.transposed(), g.float().cuda(),
+                       transpose_weights(spec, w).float().cuda())
+    for a, b in ((got, want), (got_t, want_t)):
+        assert (a.double().cpu() - b).norm() <= 2e-6 * b.norm()
+    # the irrep dimension of each output block mapped in place, forward then backward: all of
+    # them, but the message map's scalars (fed by two blocks apart) in the forward
+    want_dims = {"side_by_side": [1, 3, 5, 7, 1, 1, 3, 3, 5, 7],
+                 "message": [3, 5, 7, 1, 3, 1, 5, 7]}[name]
+    assert in_place == want_dims

@@ -15,7 +15,7 @@ from mace_accel.ops.tf32x3_gemm.codegen import CATALOG
 pytestmark = pytest.mark.gpu
 
 TOLERANCE = 1e-5  # the tolerance table's float32 forward (relative L-infinity)
-FWD = sorted(name for name, s in CATALOG.items() if s.b_layout == "nk")
+FWD = sorted(name for name, s in CATALOG.items() if s.b_layout == "nk" and not s.irrep_dim)
 
 
 def _inputs(m: int, k: int, n: int, seed: int = 0):
@@ -84,6 +84,35 @@ def test_repeats_are_bit_identical_and_capture_in_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, first)
+
+
+@pytest.mark.parametrize("d", [1, 3, 5, 7])
+@pytest.mark.parametrize("nodes", [1, 37, 3000])
+def test_blocks_of_e3nn_layout_are_mapped_in_place(d, nodes):
+    """A block of ``k`` channels of irrep dimension ``d`` read at column ``x_col`` of ``x``
+    and its map written at ``out_col`` of ``out`` (e3nn's ``[N, channel, component]``), the
+    rest of ``out`` untouched, against float64."""
+    k, n, x_col, out_col = 96, 64, 8, 40
+    gen = torch.Generator().manual_seed(d)
+    x64 = torch.randn(nodes, x_col + k * d + 12, generator=gen, dtype=torch.float64)
+    wt64 = torch.randn(n, k, generator=gen, dtype=torch.float64) / k ** 0.5
+    x, wt = x64.float().cuda(), wt64.float().cuda()
+    out = torch.full((nodes, out_col + n * d + 6), 7.0, device="cuda")
+    autograd.mm_e3nn(x, x_col, wt, out, out_col, d)
+    block = x64[:, x_col:x_col + k * d].view(nodes, k, d)
+    want = torch.einsum("nud,vu->nvd", block, wt64).reshape(nodes, n * d)
+    assert _err(out[:, out_col:out_col + n * d], want) < TOLERANCE
+    rest = torch.cat([out[:, :out_col], out[:, out_col + n * d:]], dim=1)
+    assert bool((rest == 7.0).all())
+
+
+def test_e3nn_layout_refuses_blocks_outside_rows_or_misaligned_scalars():
+    wt = torch.randn(64, 96, device="cuda")
+    x, out = torch.randn(5, 300, device="cuda"), torch.zeros(5, 200, device="cuda")
+    with pytest.raises(KernelError, match="do not fit"):
+        autograd.mm_e3nn(x, 20, wt, out, 0, 3)  # 96 x 3 channels from column 20 pass 300
+    with pytest.raises(KernelError, match="aligned"):
+        autograd.mm_e3nn(x, 2, wt, out, 0, 1)  # scalars from column 2: not 16-byte aligned
 
 
 def test_checks_before_launch():

@@ -137,3 +137,39 @@ def test_opcheck_schema_fake_and_autograd_registration(torch_kernels):
     g = torch.randn(6, 12, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(autograd.mm_op.op, (h, wt, True))
     torch.library.opcheck(autograd.mm_op.op, (g, wt, False))
+
+
+def test_e3nn_layout_specs_and_where_blocks_fit():
+    """``irrep_dim`` names an e3nn-layout kernel (B stored nk, no epilogue); a block fits when
+    it lies inside the rows and, for scalars, starts on 16-byte (x) and 8-byte (out) bounds."""
+    from mace_accel.ops.tf32x3_gemm.spec import e3nn_misfit
+
+    assert GemmSpec(384, 512, "nk", irrep_dim=3).key() == "k384_n512_nk_e3nn3"
+    for bad in (dict(irrep_dim=2), dict(irrep_dim=3, b_layout="kn"),
+                dict(irrep_dim=1, epilogue="silu")):
+        with pytest.raises(ValueError, match="irrep_dim"):
+            GemmSpec(**{"k": 64, "n": 64, "b_layout": "nk", **bad})
+    x, out = torch.zeros(4, 300), torch.zeros(4, 202)
+    assert e3nn_misfit(3, x, 12, 96, out, 10, 64) is None
+    assert "do not fit" in e3nn_misfit(3, x, 13, 96, out, 10, 64)
+    assert "do not fit" in e3nn_misfit(3, x, 12, 96, out, 11, 64)
+    assert e3nn_misfit(1, x, 8, 96, out, 2, 64) is None
+    assert "aligned" in e3nn_misfit(1, x, 6, 96, out, 2, 64)
+    assert "aligned" in e3nn_misfit(1, x, 8, 96, out, 3, 64)
+
+
+def test_linear_blocks_side_by_side_are_found():
+    """The input blocks feeding one output block are one e3nn block when each follows the one
+    before (in the weights' order)."""
+    from mace_accel.ops.irreps_linear import gemm
+    from mace_accel.ops.irreps_linear.spec import Block, LinearInstruction, LinearSpec
+
+    spec = LinearSpec((Block(0, 8, 1), Block(8, 4, 1), Block(12, 4, 3), Block(24, 8, 1)),
+                      (Block(0, 8, 1), Block(8, 4, 3)),
+                      (LinearInstruction(0, 0, 0), LinearInstruction(1, 0, 64),
+                       LinearInstruction(2, 1, 96)))
+    assert gemm._side_by_side(spec, [spec.instructions[0], spec.instructions[1]]) == 0
+    assert gemm._side_by_side(spec, [spec.instructions[2]]) == 12
+    apart = LinearInstruction(3, 0, 0)
+    assert gemm._side_by_side(spec, [spec.instructions[0], apart]) is None
+    assert gemm._side_by_side(spec, [spec.instructions[1], spec.instructions[0]]) is None

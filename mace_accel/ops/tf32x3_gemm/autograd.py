@@ -28,12 +28,13 @@ FAMILY = "tf32x3_gemm"
 Tensor = torch.Tensor
 
 
-def _kernels(k: int, n: int, layout: str, epilogue: str, device: torch.device) -> "CudaGemm":
+def _kernels(k: int, n: int, layout: str, epilogue: str, device: torch.device,
+             irrep_dim: int = 0) -> "CudaGemm":
     """The compiled kernel of one spec on ``device`` (built once per process)."""
     from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
 
-    return registry.cached((FAMILY, k, n, layout, epilogue, device),
-                           lambda: CudaGemm(GemmSpec(k, n, layout, epilogue), device))
+    return registry.cached((FAMILY, k, n, layout, epilogue, irrep_dim, device),
+                           lambda: CudaGemm(GemmSpec(k, n, layout, epilogue, irrep_dim), device))
 
 
 def _gemm(a: Tensor, b: Tensor, k: int, n: int, layout: str) -> Tensor:
@@ -96,6 +97,15 @@ def mm(a: Tensor, w: Tensor) -> Tensor:
 def mm_nk(a: Tensor, wt: Tensor) -> Tensor:
     """``a [M, k] @ wt^T`` (``wt [n, k]`` contiguous) on the kernel, no autograd."""
     return _mm(a.contiguous(), wt, True)
+
+
+def mm_e3nn(x: Tensor, x_col: int, wt: Tensor, out: Tensor, out_col: int, d: int) -> None:
+    """Writes ``out``'s block of ``n`` channels of irrep dimension ``d`` at column ``out_col``
+    (e3nn's layout, ``[N, n, d]`` flattened) with ``x``'s ``k`` channels at ``x_col`` times
+    ``wt^T`` (``wt [n, k]``), read and written in place (no copies), no autograd; ``x [N, *]``
+    and ``out [N, *]`` contiguous float32 (:func:`~.cuda.e3nn_misfit` first)."""
+    n, k = int(wt.shape[0]), int(wt.shape[1])
+    _kernels(k, n, "nk", "none", x.device, d).apply_e3nn(x, x_col, wt, out, out_col)
 
 
 def mm_t(g: Tensor, w: Tensor) -> Tensor:

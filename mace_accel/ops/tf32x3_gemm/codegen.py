@@ -38,6 +38,7 @@ class GemmPlan:
     n: int
     b_layout: str
     epilogue: str
+    irrep_dim: int
     bm: int
     bn: int
     bk: int
@@ -80,7 +81,8 @@ def plan_kernel(spec: GemmSpec, arch: str = "sm_90",
     if bm % (16 * wm) or bn % (8 * wn) or bk % 8 or stages < 2 or wm * wn * 32 > 1024:
         raise ValueError(f"tile geometry {geo} does not split into warps of 16x8 mma tiles "
                          "(bm % 16 warps_m, bn % 8 warps_n, bk % 8, stages >= 2)")
-    plan = GemmPlan(spec.key(), arch, spec.k, spec.n, spec.b_layout, spec.epilogue, *geo)
+    plan = GemmPlan(spec.key(), arch, spec.k, spec.n, spec.b_layout, spec.epilogue,
+                    spec.irrep_dim, *geo)
     if plan.shared_bytes > STATIC_SHARED:
         raise ValueError(f"tile geometry {geo} needs {plan.shared_bytes} bytes of shared "
                          f"memory, over the {STATIC_SHARED} static limit")
@@ -112,6 +114,10 @@ CATALOG = {
     # the last layer's backward with the SiLU of the layer below (after the radial_tc forward)
     "mp_l1_bwd_silu": GemmSpec(512, 64, "kn", "silu_grad"),
     "mp_l2_bwd_silu": GemmSpec(1280, 64, "kn", "silu_grad"),
+    # an equivariant linear map's blocks read and written in e3nn's layout (MACE-MH-1's
+    # 512-channel scalars and vectors)
+    "e3nn_scalars": GemmSpec(512, 512, "nk", irrep_dim=1),
+    "e3nn_vectors": GemmSpec(384, 512, "nk", irrep_dim=3),
 }
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from mace_accel.errors import KernelError
 from mace_accel.ops.runtime import Kernel, check_aligned, check_rows, check_tensor, device_limits, i32, \
     kernel_device, ptr
 from mace_accel.ops.tf32x3_gemm import codegen
-from mace_accel.ops.tf32x3_gemm.spec import GemmSpec
+from mace_accel.ops.tf32x3_gemm.spec import GemmSpec, e3nn_misfit
 
 Tensor = torch.Tensor
 
@@ -43,6 +44,39 @@ class CudaGemm:
         z, out = self._empty(a), self._empty(a)
         self._launch(a, b, out, z)
         return z, out
+
+    def apply_e3nn(self, x: Tensor, x_col: int, wt: Tensor, out: Tensor, out_col: int) -> None:
+        """Writes the block of ``out [N, dim_out]`` that starts at column ``out_col`` (``n`` channels of irrep dimension ``d`` in e3nn's layout)
+        with the map of the ``k`` channels of ``x [N, dim_in]`` from column ``x_col``, weights
+        ``wt [n, k]``: ``out[i, out_col + v d + c] = sum_u x[i, x_col + u d + c] wt[v, u]``
+        (layout ``"nk"``, :attr:`GemmSpec.irrep_dim` = ``d``). ``x`` and ``out`` contiguous
+        float32; :func:`e3nn_fits` first."""
+        s = self.spec
+        d = s.irrep_dim
+        if not d:
+            raise KernelError(f"{s.describe()}: not a kernel of e3nn's layout")
+        nodes = int(x.shape[0]) if x.dim() == 2 else -1
+        check_tensor("x", x, (nodes, int(x.shape[-1])), torch.float32, self.device,
+                     s.describe())
+        check_tensor("out", out, (nodes, int(out.shape[-1])), torch.float32, self.device,
+                     s.describe())
+        check_tensor("wt", wt, (s.n, s.k), torch.float32, self.device, s.describe())
+        check_aligned("wt", wt, "the 3xTF32 GEMM")
+        why = e3nn_misfit(d, x, x_col, s.k, out, out_col, s.n)
+        if why is not None:
+            raise KernelError(f"{s.describe()}: {why}")
+        m = nodes * d
+        check_rows(m, self.plan.bm, "the 3xTF32 GEMM")  # offsets are 64-bit
+        if m == 0:
+            return
+        if self._kernel is None:
+            self._kernel = Kernel(codegen.render_kernel(self.plan), codegen.kernel_name(self.plan),
+                                  self.device, self.plan.arch)
+        a = ptr(x) + np.uint64(4 * x_col)
+        c = ptr(out) + np.uint64(4 * out_col)
+        self._kernel.launch(self.plan.grid(m), self.plan.threads,
+                            (a, ptr(wt), c, ptr(None), i32(m), np.int64(x.shape[1]),
+                             np.int64(out.shape[1])))
 
     def _empty(self, a: Tensor) -> Tensor:
         return torch.empty((int(a.shape[0]), self.spec.n), dtype=torch.float32,

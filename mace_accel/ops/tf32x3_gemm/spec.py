@@ -1,14 +1,19 @@
 """The problem of one 3xTF32 GEMM kernel: ``C [M, n] = A [M, k] . op(B)``, ``M`` given at run
-time (the edges), ``k`` and ``n`` fixed by the model (the radial MLP's widths)."""
+time (the edges, or nodes times an irrep's dimension), ``k`` and ``n`` fixed by the model (the
+radial MLP's widths, an equivariant linear map's channels)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
+import torch
+
 B_LAYOUTS = ("kn", "nk")
 EPILOGUES = ("none", "silu", "silu_grad")
 ALIGN = 4  # the kernels copy 16-byte chunks: k and n must be multiples of 4 floats
+IRREP_DIMS = (1, 3, 5, 7, 9, 11, 13, 15)  # 2l + 1 for l = 0 .. 7
+Tensor = torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,12 +22,18 @@ class GemmSpec:
     (row-major ``[k, n]``, ``op(B) = B``) or ``"nk"`` (row-major ``[n, k]``, ``op(B) = B^T``:
     a column-major ``[k, n]`` weight); ``epilogue``: ``"none"``, ``"silu"`` (a hidden layer's
     forward: ``z = A op(B)`` and ``silu(z)``) or ``"silu_grad"`` (its backward: ``A op(B) *
-    silu'(z)``)."""
+    silu'(z)``);
+    ``irrep_dim``: 0 for row-major ``A`` and ``C``, else ``d`` = 2l + 1 of e3nn's layout, where
+    a node's ``k`` (``n``) channels of one irrep sit as ``[channel, component]`` in a row of
+    ``lda`` (``ldc``) floats: ``A[m, c] = a[(m // d) * lda + c * d + m % d]`` and the same for
+    ``C`` (an equivariant linear map read and written in place, ``M`` = nodes x ``d``; layout
+    ``"nk"``, no epilogue)."""
 
     k: int
     n: int
     b_layout: str
     epilogue: str = "none"
+    irrep_dim: int = 0
 
     def __post_init__(self) -> None:
         why = unsupported_reason(self.k, self.n)
@@ -32,13 +43,22 @@ class GemmSpec:
             raise ValueError(f"b_layout must be one of {B_LAYOUTS}, got {self.b_layout!r}")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
+        if self.irrep_dim and (self.irrep_dim not in IRREP_DIMS or self.b_layout != "nk"
+                               or self.epilogue != "none"):
+            raise ValueError(f"irrep_dim must be 0 or one of {IRREP_DIMS}, with B stored nk and "
+                             f"no epilogue, got {self.irrep_dim}, {self.b_layout!r}, "
+                             f"{self.epilogue!r}")
 
     def key(self) -> str:
         tail = "" if self.epilogue == "none" else f"_{self.epilogue}"
+        if self.irrep_dim:
+            tail += f"_e3nn{self.irrep_dim}"
         return f"k{self.k}_n{self.n}_{self.b_layout}{tail}"
 
     def describe(self) -> str:
         tail = "" if self.epilogue == "none" else f", then {self.epilogue}"
+        if self.irrep_dim:
+            tail += f", A and C in e3nn's layout of irrep dimension {self.irrep_dim}"
         return (f"3xTF32 GEMM [M, {self.k}] x [{self.k}, {self.n}] (B stored "
                 f"{self.b_layout}{tail})")
 
@@ -50,4 +70,23 @@ def unsupported_reason(k: int, n: int) -> Optional[str]:
     if k % ALIGN or n % ALIGN:
         return (f"the 3xTF32 kernels need both GEMM widths to be multiples of {ALIGN} "
                 f"(16-byte copies), got k={k}, n={n}")
+    return None
+
+
+def e3nn_misfit(d: int, x: Tensor, x_col: int, k: int, out: Tensor, out_col: int,
+                n: int) -> Optional[str]:
+    """Why the block of ``k`` channels of irrep dimension ``d`` at column ``x_col`` of ``x``
+    cannot be mapped by the kernel of e3nn's layout into the ``n`` channels at ``out_col`` of
+    ``out`` (both ``[N, width]``, contiguous), or None: the blocks must lie inside the rows,
+    and with ``d`` = 1 the kernel copies ``x`` in 16-byte chunks and writes ``out`` in 8-byte
+    pairs, so those rows and starts must be aligned to them."""
+    if x_col < 0 or x_col + k * d > x.shape[1] or out_col < 0 or out_col + n * d > out.shape[1]:
+        return (f"the blocks [{x_col}, {x_col + k * d}) of x's {x.shape[1]} columns and "
+                f"[{out_col}, {out_col + n * d}) of out's {out.shape[1]} do not fit the rows")
+    if not (x.is_contiguous() and out.is_contiguous()):
+        return "x and out must be contiguous"
+    if d == 1 and ((x.data_ptr() + 4 * x_col) % 16 or x.shape[1] % 4
+                   or (out.data_ptr() + 4 * out_col) % 8 or out.shape[1] % 2):
+        return ("scalars are copied in 16-byte chunks and written in 8-byte pairs: x's rows "
+                "and block start must be 16-byte aligned, out's 8-byte")
     return None
