@@ -367,10 +367,8 @@ class FusedRadialMLP(FusedModule):
         """The float64 tensor-core kernels of :mod:`mace_accel.ops.radial.silu_mlp` run the
         hidden layers when the backend is CUDA, the dtype float64, the widths and the GPU ones
         they take, and no weight gradient is asked for (training keeps the GEMM path, whose
-        weight gradients are GEMMs too). :meth:`route` asks only where the TP weights are kept:
-        the kernels' backward reads the slopes their forward keeps, and a backward recomputing
-        the forward instead (for recomputed TP weights) measured 2.3% slower end to end than
-        the layers (``scripts/bench_model.py radial-routes --recompute always``)."""
+        weight gradients are GEMMs too). :meth:`route` asks only where the TP weights are kept
+        (their backward reads the slopes their forward keeps; :meth:`route` says why)."""
         if self.backend != "cuda" or not x.is_cuda or x.dtype != torch.float64 \
                 or len(self.hs) < 3 or max(self.hs[:-1]) > MAX_WIDTH:
             return False

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from mace_accel.ops.irreps_linear.spec import LinearInstruction, LinearSpec, weight_block
+from mace_accel.ops.tf32x3_gemm.spec import IRREP_DIMS, e3nn_misfit
 
 Tensor = torch.Tensor
 # float64 maps with shared weights run here from this many nodes: the kernel's multiply-adds
@@ -125,8 +126,6 @@ def _in_place(weights: Tuple[bool, Tensor], x_col: Optional[int], d: int, x: Ten
               out: Tensor, out_col: int) -> bool:
     """Whether the 3xTF32 kernel reads the block's inputs at ``x_col`` of ``x`` and writes its
     output at ``out_col`` of ``out`` in e3nn's layout (no copies)."""
-    from mace_accel.ops.tf32x3_gemm.spec import IRREP_DIMS, e3nn_misfit
-
     if not (_IN_PLACE and weights[0]) or x_col is None or d not in IRREP_DIMS:
         return False
     wt = weights[1]  # [V, U]

@@ -103,7 +103,7 @@ def mm_e3nn(x: Tensor, x_col: int, wt: Tensor, out: Tensor, out_col: int, d: int
     """Writes ``out``'s block of ``n`` channels of irrep dimension ``d`` at column ``out_col``
     (e3nn's layout, ``[N, n, d]`` flattened) with ``x``'s ``k`` channels at ``x_col`` times
     ``wt^T`` (``wt [n, k]``), read and written in place (no copies), no autograd; ``x [N, *]``
-    and ``out [N, *]`` contiguous float32 (:func:`~.cuda.e3nn_misfit` first)."""
+    and ``out [N, *]`` contiguous float32 (:func:`~.spec.e3nn_misfit` first)."""
     n, k = int(wt.shape[0]), int(wt.shape[1])
     _kernels(k, n, "nk", "none", x.device, d).apply_e3nn(x, x_col, wt, out, out_col)
 

@@ -46,11 +46,12 @@ class CudaGemm:
         return z, out
 
     def apply_e3nn(self, x: Tensor, x_col: int, wt: Tensor, out: Tensor, out_col: int) -> None:
-        """Writes the block of ``out [N, dim_out]`` that starts at column ``out_col`` (``n`` channels of irrep dimension ``d`` in e3nn's layout)
-        with the map of the ``k`` channels of ``x [N, dim_in]`` from column ``x_col``, weights
-        ``wt [n, k]``: ``out[i, out_col + v d + c] = sum_u x[i, x_col + u d + c] wt[v, u]``
-        (layout ``"nk"``, :attr:`GemmSpec.irrep_dim` = ``d``). ``x`` and ``out`` contiguous
-        float32; :func:`e3nn_fits` first."""
+        """Writes the block of ``out [N, dim_out]`` that starts at column ``out_col`` (``n``
+        channels of irrep dimension ``d`` in e3nn's layout) with the map of the ``k`` channels
+        of ``x [N, dim_in]`` from column ``x_col``, weights ``wt [n, k]``:
+        ``out[i, out_col + v d + c] = sum_u x[i, x_col + u d + c] wt[v, u]`` (layout ``"nk"``,
+        :attr:`GemmSpec.irrep_dim` = ``d``). ``x`` and ``out`` contiguous float32;
+        :func:`~.spec.e3nn_misfit` first."""
         s = self.spec
         d = s.irrep_dim
         if not d:
@@ -66,17 +67,10 @@ class CudaGemm:
         if why is not None:
             raise KernelError(f"{s.describe()}: {why}")
         m = nodes * d
-        check_rows(m, self.plan.bm, "the 3xTF32 GEMM")  # offsets are 64-bit
-        if m == 0:
-            return
-        if self._kernel is None:
-            self._kernel = Kernel(codegen.render_kernel(self.plan), codegen.kernel_name(self.plan),
-                                  self.device, self.plan.arch)
         a = ptr(x) + np.uint64(4 * x_col)
         c = ptr(out) + np.uint64(4 * out_col)
-        self._kernel.launch(self.plan.grid(m), self.plan.threads,
-                            (a, ptr(wt), c, ptr(None), i32(m), np.int64(x.shape[1]),
-                             np.int64(out.shape[1])))
+        self._run(m, (a, ptr(wt), c, ptr(None), i32(m), np.int64(x.shape[1]),
+                      np.int64(out.shape[1])))
 
     def _empty(self, a: Tensor) -> Tensor:
         return torch.empty((int(a.shape[0]), self.spec.n), dtype=torch.float32,
@@ -92,11 +86,15 @@ class CudaGemm:
             check_tensor("z", z, (m, s.n), torch.float32, self.device, s.describe())
         for name, t in (("a", a), ("b", b), ("z", z)):
             check_aligned(name, t, "the 3xTF32 GEMM")
+        self._run(m, (ptr(a), ptr(b), ptr(out), ptr(z), i32(m)))
+
+    def _run(self, m: int, args: tuple) -> None:
+        """The kernel (compiled on first use) over ``m`` rows with ``args``, after checking
+        that the row count indexes in int32."""
         check_rows(m, self.plan.bm, "the 3xTF32 GEMM")  # offsets are 64-bit
         if m == 0:
             return
         if self._kernel is None:
             self._kernel = Kernel(codegen.render_kernel(self.plan), codegen.kernel_name(self.plan),
                                   self.device, self.plan.arch)
-        self._kernel.launch(self.plan.grid(m), self.plan.threads,
-                            (ptr(a), ptr(b), ptr(out), ptr(z), i32(m)))
+        self._kernel.launch(self.plan.grid(m), self.plan.threads, args)
