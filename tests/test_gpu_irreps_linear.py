@@ -46,7 +46,7 @@ def test_kernel_equals_reference(name, dtype, n_nodes):
 
 
 # MACE-MH-1-like: two scalar blocks side by side into 512 scalars, two vector blocks into 512
-# vectors, an l = 2 and an l = 3 block (2.8e5 weights: the 3xTF32 kernels from 512 nodes)
+# vectors, an l = 2 and an l = 3 block (2.8e5 weights: the 3xTF32 kernels from 256 nodes)
 SIDE_BY_SIDE = LinearSpec(
     (Block(0, 128, 1), Block(128, 128, 1), Block(256, 128, 3), Block(640, 128, 3),
      Block(1024, 64, 5), Block(1344, 32, 7)),
@@ -56,19 +56,24 @@ SIDE_BY_SIDE = LinearSpec(
      LinearInstruction(4, 2, 262144), LinearInstruction(5, 3, 266240)))
 
 
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("name", ["side_by_side", "message"])
-def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(name, monkeypatch):
+def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(name, grouped, monkeypatch):
     """At 2,500 nodes in float32 a map with many weights runs on the 3xTF32 kernels: blocks
-    that lie side by side are read and written in place (one kernel each, no copies), the
-    others (the message map's two scalar inputs are apart) through stacked copies; both equal
-    the reference, and so does the backward (the transposed map)."""
+    that lie side by side are read and written in place (no copies; all in one launch, or
+    with the grouping off one launch each), the others (the message map's two scalar inputs
+    are apart) through stacked copies; both equal the reference, and so does the backward
+    (the transposed map)."""
     from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 
     spec = SIDE_BY_SIDE if name == "side_by_side" else CATALOG[name]
-    in_place = []
-    real = tf32x3.mm_e3nn
+    in_place, launches = [], []
+    real, real_grouped = tf32x3.mm_e3nn, tf32x3.mm_grouped
     monkeypatch.setattr(tf32x3, "mm_e3nn", lambda *a: in_place.append(a[-1]) or real(*a))
+    monkeypatch.setattr(tf32x3, "mm_grouped", lambda s, *a: launches.append(
+        [b.d for b in s.blocks]) or real_grouped(s, *a))
     monkeypatch.setattr(gemm, "MIN_WEIGHTS_FLOAT32", 1)
+    monkeypatch.setattr(gemm, "_GROUPED", grouped)
     gen = torch.Generator().manual_seed(4)
     n = 2500
     x = torch.randn(n, spec.dim_in, generator=gen, dtype=torch.float64)
@@ -87,4 +92,10 @@ def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(name, monkeypat
     # them, but the message map's scalars (fed by two blocks apart) in the forward
     want_dims = {"side_by_side": [1, 3, 5, 7, 1, 1, 3, 3, 5, 7],
                  "message": [3, 5, 7, 1, 3, 1, 5, 7]}[name]
-    assert in_place == want_dims
+    if not grouped:
+        assert in_place == want_dims and not launches
+        return
+    # grouped: one launch a direction, largest irreps first; the message's scalars still apart
+    forward = 4 if name == "side_by_side" else 3
+    assert in_place == [] and launches == [sorted(want_dims[:forward], reverse=True),
+                                           sorted(want_dims[forward:], reverse=True)]

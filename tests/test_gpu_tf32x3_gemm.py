@@ -10,7 +10,7 @@ import torch
 from mace_accel.bench.timing import capture_graph
 from mace_accel.errors import KernelError
 from mace_accel.ops.tf32x3_gemm import autograd
-from mace_accel.ops.tf32x3_gemm.codegen import CATALOG
+from mace_accel.ops.tf32x3_gemm.codegen import CATALOG, GROUPED_CATALOG
 
 pytestmark = pytest.mark.gpu
 
@@ -104,6 +104,44 @@ def test_blocks_of_e3nn_layout_are_mapped_in_place(d, nodes):
     assert _err(out[:, out_col:out_col + n * d], want) < TOLERANCE
     rest = torch.cat([out[:, :out_col], out[:, out_col + n * d:]], dim=1)
     assert bool((rest == 7.0).all())
+
+
+@pytest.mark.parametrize("name", sorted(GROUPED_CATALOG))
+@pytest.mark.parametrize("nodes", [1, 37, 1500])
+def test_grouped_blocks_are_mapped_in_place_in_one_launch(name, nodes):
+    """Every block of a grouped spec (wide and narrow tiles) against float64, the columns of
+    ``out`` outside the blocks untouched; the same bits on a repeat and in a CUDA graph."""
+    spec = GROUPED_CATALOG[name]
+    gen = torch.Generator().manual_seed(nodes)
+    x64 = torch.randn(nodes, spec.lda, generator=gen, dtype=torch.float64)
+    w64 = torch.randn(spec.weight_numel, generator=gen, dtype=torch.float64) / 16
+    x, w = x64.float().cuda(), w64.float().cuda()
+    out = torch.full((nodes, spec.ldc), 7.0, device="cuda")
+    autograd.mm_grouped(spec, x, w, out)
+    untouched = torch.ones(spec.ldc, dtype=torch.bool)
+    for b in spec.blocks:
+        block = x64[:, b.x_col:b.x_col + b.k * b.d].view(nodes, b.k, b.d)
+        wt = w64[b.w_offset:b.w_offset + b.n * b.k].view(b.n, b.k)
+        want = torch.einsum("nud,vu->nvd", block, wt).reshape(nodes, b.n * b.d)
+        assert _err(out[:, b.out_col:b.out_col + b.n * b.d], want) < TOLERANCE, b
+        untouched[b.out_col:b.out_col + b.n * b.d] = False
+    assert bool((out[:, untouched.cuda()] == 7.0).all())
+    again = torch.full_like(out, 7.0)
+    graph, _ = capture_graph(lambda: autograd.mm_grouped(spec, x, w, again))
+    again.fill_(7.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again, out)
+
+
+def test_grouped_refuses_wrong_shapes():
+    spec = GROUPED_CATALOG["e3nn_grouped"]
+    x, out = torch.randn(5, spec.lda, device="cuda"), torch.zeros(5, spec.ldc, device="cuda")
+    with pytest.raises(KernelError, match="shape"):
+        autograd.mm_grouped(spec, x, torch.zeros(spec.weight_numel - 4, device="cuda"), out)
+    with pytest.raises(KernelError, match="shape"):
+        autograd.mm_grouped(spec, x[:, :-4].contiguous(), torch.zeros(spec.weight_numel,
+                                                                      device="cuda"), out)
 
 
 def test_e3nn_layout_refuses_blocks_outside_rows_or_misaligned_scalars():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mace_accel.ops.tf32x3_gemm import autograd, codegen
-from mace_accel.ops.tf32x3_gemm.spec import GemmSpec, unsupported_reason
+from mace_accel.ops.tf32x3_gemm.spec import E3nnBlock, GemmSpec, GroupedSpec, unsupported_reason
 from mace_accel.options import AccelOptions
 
 
@@ -58,9 +58,32 @@ def test_plans_tile_into_warps_and_fit_static_shared_memory(name):
     rows, cols = plan.grid(20001)
     assert (rows - 1) * plan.bm < 20001 <= rows * plan.bm and cols * plan.bn >= spec.n
     src = codegen.render_kernel(plan)
-    assert codegen.kernel_name(plan) in src and f"#define K {spec.k}\n" in src
+    assert codegen.kernel_name(plan) in src and f"gemm_tile<{spec.k}, {spec.n}, " in src
     assert ("Bs[s][kk + t][c]" in src) == (spec.b_layout == "kn")
     assert ("expf" in src) == (spec.epilogue != "none")
+
+
+def test_grouped_spec_plan_and_source():
+    """A grouped kernel walks its blocks' tiles in one x (largest irreps first as given), each
+    block's tile function with its own widths and irrep dimension; blocks that do not fit the
+    rows, misaligned scalars and misaligned weights are refused."""
+    spec = codegen.GROUPED_CATALOG["e3nn_grouped_narrow"]
+    plan = codegen.plan_kernel(spec)
+    assert plan.bn == 64  # the narrow block sets the tiles
+    assert plan.grid(100) == (2 * 8 + 5 * 8 + 8 * 1, 1)  # ceil(100 d / 64) x ceil(n / 64)
+    src = codegen.render_kernel(plan)
+    for b in spec.blocks:
+        assert f"gemm_tile<{b.k}, {b.n}, {b.d}>(X + {b.x_col}, W + {b.w_offset}," in src
+    assert spec.weight_numel == 524288 + 32 * 64 and spec.key() != codegen.GROUPED_CATALOG[
+        "e3nn_grouped"].key()
+    with pytest.raises(ValueError, match="does not fit"):
+        GroupedSpec((E3nnBlock(3, 512, 512, 512, 512, 0),), 1024, 2048)
+    with pytest.raises(ValueError, match="aligned"):
+        GroupedSpec((E3nnBlock(1, 512, 512, 2, 0, 0),), 1024, 2048)
+    with pytest.raises(ValueError, match="weights at float 2"):
+        GroupedSpec((E3nnBlock(1, 512, 512, 0, 0, 2),), 1024, 2048)
+    with pytest.raises(ValueError, match="at least one"):
+        GroupedSpec((), 4, 4)
 
 
 def test_geometry_that_does_not_fit_is_refused():

@@ -8,7 +8,8 @@ Per output block, the input blocks that feed it (all of one irrep dimension ``d`
 by their stacked weights ``[U, V]`` in one GEMM. On the 3xTF32 kernels, where those blocks lie
 side by side in ``x`` (as e3nn orders them), the kernel reads them and writes the output block
 in e3nn's ``[N, channel, component]`` layout where they stand (:attr:`~mace_accel.ops.
-tf32x3_gemm.spec.GemmSpec.irrep_dim`): one launch a block. Otherwise (cuBLAS, float64) they are
+tf32x3_gemm.spec.GemmSpec.irrep_dim`), all such blocks of the map in one launch
+(:class:`~mace_accel.ops.tf32x3_gemm.spec.GroupedSpec`). Otherwise (cuBLAS, float64) they are
 put side by side along the channels, ``[N, d, U]`` (one copy: e3nn's layout keeps the channel
 outside the irrep component), and the ``[N, d, V]`` result is copied into the output block's
 ``[N, V, d]`` columns. Not for element-indexed weights (the skip connection), which the
@@ -19,12 +20,12 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from mace_accel.ops.irreps_linear.spec import LinearInstruction, LinearSpec, weight_block
-from mace_accel.ops.tf32x3_gemm.spec import IRREP_DIMS, e3nn_misfit
+from mace_accel.ops.tf32x3_gemm.spec import IRREP_DIMS, E3nnBlock, GroupedSpec, e3nn_misfit
 
 Tensor = torch.Tensor
 # float64 maps with shared weights run here from this many nodes: the kernel's multiply-adds
@@ -37,13 +38,16 @@ MIN_NODES_FLOAT64 = 1024
 # float32 maps run as 3xTF32 GEMMs from this many nodes and weights: a 512-channel map of
 # MACE-MH-1 (2.6e5 to 1e6 weights, 5-8 MFLOP a node) is bound by the FMA units in the kernel;
 # MACE-MP's 128-channel maps (at most 6.6e4 weights) keep it. MH-1's whole call replayed in a
-# CUDA graph: 9% faster on the GEMMs at 864 atoms, 14% slower at 256 (scripts/bench_model.py
-# graphs --model mh1 times the default)
-MIN_NODES_FLOAT32 = 512
+# CUDA graph, the blocks of each map in one launch: 12% faster than the kernel at 256 atoms,
+# 21% at 864; one launch a block was 14% slower at 256 (docs/performance.md, "MACE-MH-1's
+# linears"; fewer nodes not measured)
+MIN_NODES_FLOAT32 = 256
 MIN_WEIGHTS_FLOAT32 = 1 << 18
 # blocks that lie side by side are read and written in e3nn's layout by the 3xTF32 kernel (a
 # test hook: off, every block goes through the stacked copies, for A/B timings)
 _IN_PLACE = True
+# ... all of them in one launch (a test hook: off, one launch a block, for A/B timings)
+_GROUPED = True
 
 
 def runs_on(spec: LinearSpec) -> bool:
@@ -61,19 +65,29 @@ def takes(spec: LinearSpec, dtype: torch.dtype, n_nodes: int, min_nodes_float64:
         and spec.weight_numel >= MIN_WEIGHTS_FLOAT32
 
 
-# id(weights) -> (a weak reference to them, (spec, version), per output block); the last few
+# id(weights) -> (a weak reference to them, (spec, version), their Prepared); the last few
 _PREPARED: "collections.OrderedDict[int, Tuple]" = collections.OrderedDict()
 _PREPARED_KEPT = 64
 # per output block: the instructions that feed it, their stacked weights as _layout makes them,
 # and the column where the input blocks start if they lie side by side in that order (else None)
-Prepared = List[Tuple[List[LinearInstruction], Optional[Tuple[bool, Tensor]], Optional[int]]]
+Blocks = List[Tuple[List[LinearInstruction], Optional[Tuple[bool, Tensor]], Optional[int]]]
+
+
+class Prepared(NamedTuple):
+    """A map's GEMMs for one weights tensor: ``blocks`` (:data:`Blocks`), and the blocks the
+    grouped kernel can take in one launch: its spec and weights (``[n, k]`` matrices one
+    after another; each block's own weights are views of them) and the output blocks' indices
+    (None, empty: no such blocks)."""
+
+    blocks: Blocks
+    grouped: Optional[Tuple[GroupedSpec, Tensor]]
+    in_group: FrozenSet[int]
 
 
 def _prepared(spec: LinearSpec, w: Tensor) -> Prepared:
-    """Per output block: the instructions that feed it and their stacked weights as
-    :func:`_layout` makes them; made once per weights tensor and version (the module's
-    effective weights, cached while the parameters are unchanged, come back as the same
-    tensor)."""
+    """The map's GEMMs for the effective weights ``w``: made once per weights tensor and
+    version (the module's effective weights, cached while the parameters are unchanged, come
+    back as the same tensor)."""
     hit = _PREPARED.get(id(w))
     if hit is not None and hit[0]() is w and hit[1] == (spec, w._version):
         _PREPARED.move_to_end(id(w))
@@ -81,20 +95,52 @@ def _prepared(spec: LinearSpec, w: Tensor) -> Prepared:
     feeds: Dict[int, List[LinearInstruction]] = {}
     for ins in spec.instructions:
         feeds.setdefault(ins.i_out, []).append(ins)
-    out = []
+    blocks: Blocks = []
     with torch.no_grad():
         for i_out in range(len(spec.out_blocks)):
             group = feeds.get(i_out, [])
             if not group:
-                out.append((group, None, None))
+                blocks.append((group, None, None))
                 continue
             weights = [weight_block(spec, ins, w)[0] for ins in group]
             wcat = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0]  # [U, V]
-            out.append((group, _layout(wcat), _side_by_side(spec, group)))
+            blocks.append((group, _layout(wcat), _side_by_side(spec, group)))
+        out = _group(spec, blocks)
     _PREPARED[id(w)] = (weakref.ref(w), (spec, w._version), out)
     while len(_PREPARED) > _PREPARED_KEPT:
         _PREPARED.popitem(last=False)
     return out
+
+
+def _group(spec: LinearSpec, blocks: Blocks) -> Prepared:
+    """``blocks`` with those that the 3xTF32 kernel can read and write in place gathered into
+    one :class:`GroupedSpec` (largest irreps first: their tiles are the most); their weights
+    become views of the grouped kernel's buffer."""
+    chosen, members, offset = [], [], 0
+    order = sorted(range(len(blocks)), key=lambda i: -spec.out_blocks[i].d)
+    for i in order:
+        group, weights, x_col = blocks[i]
+        b = spec.out_blocks[i]
+        if not group or not weights[0] or x_col is None or b.d not in IRREP_DIMS:
+            continue
+        wt = weights[1]  # [V, U]
+        block = E3nnBlock(b.d, int(wt.shape[1]), int(wt.shape[0]), x_col, b.offset, offset)
+        try:
+            GroupedSpec((block,), spec.dim_in, spec.dim_out)
+        except ValueError:  # misaligned for the kernel's copies: one launch of its own
+            continue
+        chosen.append(block)
+        members.append(i)
+        offset += wt.numel()
+    if not chosen:
+        return Prepared(blocks, None, frozenset())
+    buffer = torch.cat([blocks[i][1][1].reshape(-1) for i in members])
+    for i, block in zip(members, chosen):
+        group, weights, x_col = blocks[i]
+        view = buffer[block.w_offset:block.w_offset + block.n * block.k].view(block.n, block.k)
+        blocks[i] = (group, (True, view), x_col)
+    return Prepared(blocks, (GroupedSpec(tuple(chosen), spec.dim_in, spec.dim_out), buffer),
+                    frozenset(members))
 
 
 def _side_by_side(spec: LinearSpec, group: List[LinearInstruction]) -> Optional[int]:
@@ -132,6 +178,12 @@ def _in_place(weights: Tuple[bool, Tensor], x_col: Optional[int], d: int, x: Ten
     return e3nn_misfit(d, x, x_col, int(wt.shape[1]), out, out_col, int(wt.shape[0])) is None
 
 
+def _fits_grouped(x: Tensor, out: Tensor) -> bool:
+    """Whether ``x`` and ``out`` are what the grouped kernel reads and writes: contiguous,
+    16-byte aligned (the columns' alignment is the spec's)."""
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (x, out))
+
+
 def _mm(a: Tensor, weights: Tuple[bool, Tensor]) -> Tensor:
     """``a [M, U]`` times a block's weights as :func:`_layout` made them."""
     on_kernels, w = weights
@@ -147,7 +199,17 @@ def apply(spec: LinearSpec, x: Tensor, w: Tensor) -> Tensor:
     (inside the op's forward: no autograd)."""
     n = int(x.shape[0])
     out = x.new_empty((n, spec.dim_out))
-    for b, (group, weights, x_col) in zip(spec.out_blocks, _prepared(spec, w)):
+    prepared = _prepared(spec, w)
+    done: FrozenSet[int] = frozenset()
+    if prepared.grouped is not None and _IN_PLACE and _GROUPED and _fits_grouped(x, out):
+        from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
+
+        grouped, buffer = prepared.grouped
+        tf32x3.mm_grouped(grouped, x, buffer, out)
+        done = prepared.in_group
+    for i, (b, (group, weights, x_col)) in enumerate(zip(spec.out_blocks, prepared.blocks)):
+        if i in done:
+            continue
         if group and _in_place(weights, x_col, b.d, x, out, b.offset):
             from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 

@@ -62,7 +62,7 @@ class CudaZBL:
         energy = torch.empty((n,), dtype=self.dtype, device=self.device)
         slope = torch.empty((e,), dtype=self.dtype, device=self.device)
         if n:
-            grid = max(1, min(-(-n // THREADS), self.sms * 16))
+            grid = max(1, min(-(-n // (THREADS // 32)), self.sms * 16))  # a warp per atom
             self.kernel.launch(grid, THREADS, (
                 ptr(lengths), ptr(elements), ptr(sender), ptr(recv_ptr), ptr(recv_perm),
                 ptr(self.zpow), ptr(self.radii), ptr(self._coulomb_factors()), ptr(energy),

@@ -19,7 +19,7 @@ import torch
 
 from mace_accel.ops import registry
 from mace_accel.ops.custom_op import custom_op
-from mace_accel.ops.tf32x3_gemm.spec import GemmSpec, unsupported_reason
+from mace_accel.ops.tf32x3_gemm.spec import GemmSpec, GroupedSpec, unsupported_reason
 
 if TYPE_CHECKING:
     from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
@@ -106,6 +106,15 @@ def mm_e3nn(x: Tensor, x_col: int, wt: Tensor, out: Tensor, out_col: int, d: int
     and ``out [N, *]`` contiguous float32 (:func:`~.spec.e3nn_misfit` first)."""
     n, k = int(wt.shape[0]), int(wt.shape[1])
     _kernels(k, n, "nk", "none", x.device, d).apply_e3nn(x, x_col, wt, out, out_col)
+
+
+def mm_grouped(spec: GroupedSpec, x: Tensor, w: Tensor, out: Tensor) -> None:
+    """Writes the blocks of ``spec`` into ``out [N, ldc]`` from ``x [N, lda]`` and their weights
+    ``w`` one after another, in one launch, in place (no copies), no autograd."""
+    from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
+
+    kernel = registry.cached((FAMILY, spec, x.device), lambda: CudaGemm(spec, x.device))
+    kernel.apply_grouped(x, w, out)
 
 
 def mm_t(g: Tensor, w: Tensor) -> Tensor:

@@ -15,10 +15,10 @@ Relative L-infinity error against a float64 product: 2-4e-7 (cuBLAS 4e-7 forward
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Optional, Tuple, Union
 
 from mace_accel.ops.limits import STATIC_SHARED, DeviceLimits
-from mace_accel.ops.tf32x3_gemm.spec import GemmSpec
+from mace_accel.ops.tf32x3_gemm.spec import E3nnBlock, GemmSpec, GroupedSpec
 from mace_accel.ops.templates import render
 
 # (bm, bn, bk, warps_m, warps_n, stages)
@@ -45,6 +45,9 @@ class GemmPlan:
     warps_m: int
     warps_n: int
     stages: int
+    groups: Tuple[E3nnBlock, ...] = ()  # a grouped kernel's blocks (k, n, irrep_dim unused)
+    lda: int = 0
+    ldc: int = 0
 
     @property
     def mi(self) -> int:
@@ -64,25 +67,38 @@ class GemmPlan:
         return 4 * self.stages * (self.bm * (self.bk + 4) + b)
 
     def grid(self, m: int) -> Tuple[int, int]:
+        """A plain GEMM's blocks over ``m`` rows; a grouped kernel's over ``m`` nodes."""
+        if self.groups:
+            return max(1, sum(-(-m * b.d // self.bm) * -(-b.n // self.bn)
+                              for b in self.groups)), 1
         return max(1, -(-m // self.bm)), -(-self.n // self.bn)
 
 
-def plan_kernel(spec: GemmSpec, arch: str = "sm_90",
+def plan_kernel(spec: Union[GemmSpec, GroupedSpec], arch: str = "sm_90",
                 geometry: Optional[Tuple[int, int, int, int, int, int]] = None) -> GemmPlan:
-    """The plan of ``spec``: :data:`WIDE` or :data:`NARROW` tiles by the output width, or
-    ``geometry`` ``(bm, bn, bk, warps_m, warps_n, stages)`` (benchmarks).
+    """The plan of ``spec``: :data:`WIDE` or :data:`NARROW` tiles by the output width (a
+    grouped spec's narrowest block), or ``geometry`` ``(bm, bn, bk, warps_m, warps_n, stages)``
+    (benchmarks).
 
     Raises:
         ValueError: a geometry that does not tile (warp tiles of whole 16 x 8 mma tiles, ``bk``
             a multiple of 8) or does not fit the static shared memory.
     """
-    geo = geometry or (WIDE if spec.n >= WIDE_FROM else NARROW)
+    if isinstance(spec, GroupedSpec):
+        n = min(b.n for b in spec.blocks)
+        fields = (spec.key(), arch, 0, n, "nk", "none", 0)
+        extra = dict(groups=spec.blocks, lda=spec.lda, ldc=spec.ldc)
+    else:
+        n = spec.n
+        fields = (spec.key(), arch, spec.k, spec.n, spec.b_layout, spec.epilogue,
+                  spec.irrep_dim)
+        extra = {}
+    geo = geometry or (WIDE if n >= WIDE_FROM else NARROW)
     bm, bn, bk, wm, wn, stages = geo
     if bm % (16 * wm) or bn % (8 * wn) or bk % 8 or stages < 2 or wm * wn * 32 > 1024:
         raise ValueError(f"tile geometry {geo} does not split into warps of 16x8 mma tiles "
                          "(bm % 16 warps_m, bn % 8 warps_n, bk % 8, stages >= 2)")
-    plan = GemmPlan(spec.key(), arch, spec.k, spec.n, spec.b_layout, spec.epilogue,
-                    spec.irrep_dim, *geo)
+    plan = GemmPlan(*fields, *geo, **extra)
     if plan.shared_bytes > STATIC_SHARED:
         raise ValueError(f"tile geometry {geo} needs {plan.shared_bytes} bytes of shared "
                          f"memory, over the {STATIC_SHARED} static limit")
@@ -119,10 +135,19 @@ CATALOG = {
     "e3nn_scalars": GemmSpec(512, 512, "nk", irrep_dim=1),
     "e3nn_vectors": GemmSpec(384, 512, "nk", irrep_dim=3),
 }
+# whole maps in one launch: MH-1-like 512-channel scalars and vectors (wide tiles), and the same
+# with a narrow block of 2e (narrow tiles)
+GROUPED_CATALOG = {
+    "e3nn_grouped": GroupedSpec((E3nnBlock(3, 512, 512, 512, 512, 0),
+                                 E3nnBlock(1, 512, 512, 0, 0, 262144)), 2048, 2048),
+    "e3nn_grouped_narrow": GroupedSpec((E3nnBlock(3, 512, 512, 512, 512, 0),
+                                        E3nnBlock(1, 512, 512, 0, 0, 262144),
+                                        E3nnBlock(5, 64, 32, 2048, 2048, 524288)), 2368, 2208),
+}
 
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
     """``(name, source)`` of every catalog GEMM (float32 only: float64 stays with cuBLAS,
     which runs it on the FP64 tensor cores)."""
-    for name, spec in sorted(CATALOG.items()):
+    for name, spec in sorted({**CATALOG, **GROUPED_CATALOG}.items()):
         yield f"tf32x3_gemm/{name}", render_kernel(plan_kernel(spec, limits.arch))

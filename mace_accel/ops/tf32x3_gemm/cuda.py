@@ -3,7 +3,7 @@ torch's current stream (allocates only its outputs; graph-capturable)."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -12,15 +12,16 @@ from mace_accel.errors import KernelError
 from mace_accel.ops.runtime import Kernel, check_aligned, check_rows, check_tensor, device_limits, i32, \
     kernel_device, ptr
 from mace_accel.ops.tf32x3_gemm import codegen
-from mace_accel.ops.tf32x3_gemm.spec import GemmSpec, e3nn_misfit
+from mace_accel.ops.tf32x3_gemm.spec import GemmSpec, GroupedSpec, e3nn_misfit
 
 Tensor = torch.Tensor
 
 
 class CudaGemm:
-    """``C [M, n] = A [M, k] . op(B)`` of one :class:`GemmSpec` on one device (float32)."""
+    """``C [M, n] = A [M, k] . op(B)`` of one :class:`GemmSpec` on one device (float32), or the
+    blocks of one :class:`GroupedSpec` (:meth:`apply_grouped`)."""
 
-    def __init__(self, spec: GemmSpec, device: torch.device) -> None:
+    def __init__(self, spec: Union[GemmSpec, GroupedSpec], device: torch.device) -> None:
         self.spec = spec
         self.device = kernel_device(torch.float32, device)
         self.plan = codegen.plan_kernel(spec, device_limits(self.device).arch)
@@ -72,6 +73,23 @@ class CudaGemm:
         self._run(m, (a, ptr(wt), c, ptr(None), i32(m), np.int64(x.shape[1]),
                       np.int64(out.shape[1])))
 
+    def apply_grouped(self, x: Tensor, w: Tensor, out: Tensor) -> None:
+        """Writes every block of the :class:`GroupedSpec` into ``out [N, ldc]`` from
+        ``x [N, lda]`` and the blocks' weights ``w [weight_numel]`` (block ``b``'s ``[n, k]`` at
+        ``b.w_offset``), in one launch; the other columns of ``out`` are left alone. All
+        contiguous float32, 16-byte aligned."""
+        s = self.spec
+        if not isinstance(s, GroupedSpec):
+            raise KernelError(f"{s.describe()}: not a grouped kernel")
+        nodes = int(x.shape[0]) if x.dim() == 2 else -1
+        check_tensor("x", x, (nodes, s.lda), torch.float32, self.device, s.describe())
+        check_tensor("out", out, (nodes, s.ldc), torch.float32, self.device, s.describe())
+        check_tensor("w", w, (s.weight_numel,), torch.float32, self.device, s.describe())
+        for name, t in (("x", x), ("out", out), ("w", w)):
+            check_aligned(name, t, "the 3xTF32 GEMM")
+        self._run(nodes * max(b.d for b in s.blocks), (ptr(x), ptr(w), ptr(out), i32(nodes)),
+                  grid_rows=nodes)
+
     def _empty(self, a: Tensor) -> Tensor:
         return torch.empty((int(a.shape[0]), self.spec.n), dtype=torch.float32,
                            device=self.device)
@@ -88,13 +106,15 @@ class CudaGemm:
             check_aligned(name, t, "the 3xTF32 GEMM")
         self._run(m, (ptr(a), ptr(b), ptr(out), ptr(z), i32(m)))
 
-    def _run(self, m: int, args: tuple) -> None:
+    def _run(self, m: int, args: tuple, grid_rows: Optional[int] = None) -> None:
         """The kernel (compiled on first use) over ``m`` rows with ``args``, after checking
-        that the row count indexes in int32."""
+        that the row count indexes in int32; ``grid_rows``: what the plan's grid counts, if
+        not ``m`` (a grouped kernel's nodes)."""
         check_rows(m, self.plan.bm, "the 3xTF32 GEMM")  # offsets are 64-bit
         if m == 0:
             return
         if self._kernel is None:
             self._kernel = Kernel(codegen.render_kernel(self.plan), codegen.kernel_name(self.plan),
                                   self.device, self.plan.arch)
-        self._kernel.launch(self.plan.grid(m), self.plan.threads, args)
+        self._kernel.launch(self.plan.grid(m if grid_rows is None else grid_rows),
+                            self.plan.threads, args)

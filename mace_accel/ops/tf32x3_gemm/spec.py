@@ -5,7 +5,8 @@ radial MLP's widths, an equivariant linear map's channels)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import hashlib
+from typing import Optional, Tuple
 
 import torch
 
@@ -90,3 +91,61 @@ def e3nn_misfit(d: int, x: Tensor, x_col: int, k: int, out: Tensor, out_col: int
         return ("scalars are copied in 16-byte chunks and written in 8-byte pairs: x's rows "
                 "and block start must be 16-byte aligned, out's 8-byte")
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class E3nnBlock:
+    """One output block of an equivariant linear map in the grouped kernel: ``n`` channels of
+    irrep dimension ``d`` at column ``out_col`` of the output rows, from the ``k`` channels at
+    ``x_col`` of the input rows, by the ``[n, k]`` weights at float ``w_offset`` of the map's
+    weight buffer."""
+
+    d: int
+    k: int
+    n: int
+    x_col: int
+    out_col: int
+    w_offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedSpec:
+    """The blocks of one equivariant linear map in one launch of the 3xTF32 kernel, each read
+    and written in e3nn's layout where it stands: inputs ``[N, lda]``, outputs ``[N, ldc]``
+    (every other column of the output is left alone). Enough blocks of tiles for the GPU on
+    MD-sized systems, where one launch per block left most of it idle."""
+
+    blocks: Tuple[E3nnBlock, ...]
+    lda: int
+    ldc: int
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise ValueError("a grouped GEMM needs at least one block")
+        for b in self.blocks:
+            why = unsupported_reason(b.k, b.n)
+            if why is None and b.d not in IRREP_DIMS:
+                why = f"irrep dimension {b.d} is not one of {IRREP_DIMS}"
+            if why is None and (b.x_col < 0 or b.x_col + b.k * b.d > self.lda or b.out_col < 0
+                                or b.out_col + b.n * b.d > self.ldc):
+                why = f"block {b} does not fit rows of {self.lda} and {self.ldc} floats"
+            if why is None and b.w_offset % ALIGN:
+                why = f"weights at float {b.w_offset}: not a multiple of {ALIGN}"
+            if why is None and b.d == 1 and (b.x_col % 4 or self.lda % 4 or b.out_col % 2
+                                             or self.ldc % 2):
+                why = ("scalars are copied in 16-byte chunks and written in 8-byte pairs: "
+                       "their columns and rows must be aligned to them")
+            if why is not None:
+                raise ValueError(why)
+
+    @property
+    def weight_numel(self) -> int:
+        return max(b.w_offset + b.n * b.k for b in self.blocks)
+
+    def key(self) -> str:
+        digest = hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+        return f"grouped_{digest}"
+
+    def describe(self) -> str:
+        return (f"3xTF32 GEMMs of {len(self.blocks)} blocks of an equivariant linear map "
+                f"({self.lda} -> {self.ldc} columns) in one launch, e3nn's layout in place")
