@@ -39,7 +39,9 @@ class DensityForward(BlockForward):
         sc = block.skip_tp(node_feats, node_attrs) if self.residual else None
         node_feats = block.linear_up(node_feats)
         tp_weights = block.conv_tp_weights(edge_feats)
-        edge_density = torch.tanh(block.density_fn(edge_feats) ** 2)
+        squashed = getattr(block.density_fn, "density", None)  # fused: tabulated with its MLP
+        edge_density = (squashed(edge_feats) if squashed is not None
+                        else torch.tanh(block.density_fn(edge_feats) ** 2))
         if cutoff is not None:
             tp_weights = tp_weights * cutoff
             edge_density = edge_density * cutoff

@@ -210,20 +210,20 @@ class FusedLayerNormMLP(FusedModule):
 
 class _ReceiverSums(torch.autograd.Function):
     """:func:`receiver_sums` with its gradient written directly: each edge gets its receiver's
-    gradient (one gather). Autograd through the prefix sums took casts, three indexed
-    accumulations (each sorts its indices on the GPU, several kernels apiece), a reversed scan
-    and zero fills: a forward and backward is 14 torch ops here against 28 (torch's profiler, on
-    the CPU). The gather is differentiable in the gradient, so double backward (training on
-    forces) follows."""
+    gradient (one gather). The forward is a gather and a segmented sum (it was float64 prefix
+    sums and their differences: eleven kernels, on the critical path of an MD-sized call). The
+    gather is differentiable in the gradient, so double backward (training on forces)
+    follows."""
 
     @staticmethod
     def forward(ctx, values: Tensor, edge_index: Tensor, n_nodes: int) -> Tensor:
-        from mace_accel.models.energy_head import segment_sums
         from mace_accel.ops.graph import graph_from_edge_index
 
         ptr, perm = graph_from_edge_index(edge_index, n_nodes).csr("receiver", torch.int64)
         ctx.save_for_backward(edge_index)
-        return segment_sums(values[perm], ptr).to(values.dtype)
+        # each receiver's edges summed in order by one thread (two kernels; ``unsafe``: no
+        # check of the offsets, which would read them on the host: they are the graph's own)
+        return torch.segment_reduce(values[perm], "sum", offsets=ptr, axis=0, unsafe=True)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -232,11 +232,11 @@ class _ReceiverSums(torch.autograd.Function):
 
 
 def receiver_sums(values: Tensor, edge_index: Tensor, n_nodes: int) -> Tensor:
-    """``[N, k]``: ``values [E, k]`` summed per receiver, as differences of float64 prefix sums
-    over the edges in receiver order (the convolution's own ordering,
-    :func:`~mace_accel.ops.graph.graph_from_edge_index`): no float atomics, the same bits on
-    a repeat, no wait for the device (CUDA graphs); mace's ``scatter_sum`` up to rounding. The
-    gradient of an edge's value is its receiver's gradient, exactly."""
+    """``[N, k]``: ``values [E, k]`` summed per receiver over its edges in receiver order (the
+    convolution's own ordering, :func:`~mace_accel.ops.graph.graph_from_edge_index`), each
+    sum in a fixed order: no float atomics, the same bits on a repeat, no wait for the device
+    (CUDA graphs); mace's ``scatter_sum`` up to rounding. The gradient of an edge's value is
+    its receiver's gradient, exactly."""
     return _ReceiverSums.apply(values, edge_index, n_nodes)
 
 

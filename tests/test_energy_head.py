@@ -178,7 +178,7 @@ def test_segment_sums_match_index_add():
 
 
 def test_receiver_sums_and_their_gradients_match_a_scatter_sum():
-    """The density blocks' per-receiver sums (prefix sums, gradient written as a gather): the
+    """The density blocks' per-receiver sums (a segmented sum, gradient written as a gather): the
     values, the gradient and the second derivative of a scatter sum; a node without edges gets
     zero."""
     from mace_accel.patches.nonlinear_block import receiver_sums

@@ -176,7 +176,7 @@ class FusedRadialMLP(FusedModule):
         head = self.spec.describe(self.fold_last)
         if self.backend != "cuda":
             return head
-        table = radial_table.describe(self, "mlp")
+        table = radial_table.describe(self, "mlp") or radial_table.describe(self, "density")
         return (head + self._float32_last() + "; last layer in float64 on cuBLAS"
                 + ("" if table is None else f"; at inference: {table}"))
 
@@ -265,6 +265,22 @@ class FusedRadialMLP(FusedModule):
                              f"radial MLP, got {tuple(x.shape)}")
         overlap = getattr(self, "overlap", None)
         return self.compute(x) if overlap is None else overlap(self, x)
+
+    def density(self, x: torch.Tensor) -> torch.Tensor:
+        """``tanh(forward(x)^2)`` ``[E, h_L]``: a Density block's edge density (its
+        ``density_fn`` squashed as mace squashes it), looked up in tables of its own where the
+        tables run (no square and tanh over the edges, nor their backward)."""
+        if x.dim() != 2 or x.shape[1] != self.hs[0]:
+            raise InputError(f"edge_feats must have shape [n_edges, {self.hs[0]}] for the "
+                             f"radial MLP, got {tuple(x.shape)}")
+        found = None if self.fold_last else radial_table.table_input(self, x)
+        if found is not None:
+            built = radial_table.tables_of(
+                self, "density", self.raw_weights(),
+                lambda: radial_table.squashed(radial_table.mlp_function(self)), found.pairs, x)
+            if built is not None:
+                return radial_table.lookup(self, found, built)
+        return torch.tanh(self(x) ** 2)
 
     def compute(self, x: torch.Tensor, sm_share: Optional[float] = None,
                 backward_sm_share: Optional[float] = None) -> torch.Tensor:

@@ -137,6 +137,16 @@ def mlp_function(mlp) -> PairFunction:
     return of_pairs
 
 
+def squashed(of_pairs: PairFunction) -> PairFunction:
+    """``of_pairs`` followed by ``tanh(f^2)`` (a Density block's edge density, tabulated with
+    its MLP: no square and tanh over the edges a call)."""
+    def wrap(pairs):
+        f = of_pairs(pairs)
+        return lambda r, which: torch.tanh(f(r, which) ** 2)
+
+    return wrap
+
+
 def tables_of(user, name: str, params: List[Tensor], make_function: Callable[[], PairFunction],
               pairs: Optional[PairSet], like: Tensor) -> Optional[Tuple[RadialTable, Tensor]]:
     """``(tables, their coefficients in like's dtype on like's device)`` of the function
