@@ -7,8 +7,8 @@ original's call signature and return values; the edge vectors and lengths the mo
 before them run as one op too (:mod:`mace_accel.patches.edge_vectors`: forward hooks on the
 model, CUDA backend). The model's ``forward`` code is not touched; the originals are kept inside
 (state dict unchanged, ``revert`` hands back the same objects and takes the hooks off). mace's
-Agnesi and Soft distance transforms are fused with the embedding (as torch ops over the edges,
-see :class:`FusedRadialEmbedding`). A module the op cannot compute (lmax > 4, a Gaussian or
+Agnesi and Soft distance transforms are fused with the embedding (the kernels read each edge's
+``r0``, see :class:`FusedRadialEmbedding`). A module the op cannot compute (lmax > 4, a Gaussian or
 Chebyshev basis, another transform, trainable Bessel frequencies, ...) is left as it is, and
 the record says why.
 """
@@ -97,9 +97,9 @@ class FusedRadialEmbedding(FusedModule):
     The constants are read off the module's buffers when fused and again whenever one of them
     changes (``load_state_dict``, ``.to(dtype)``), so the op always computes what the
     original would. With a distance transform (Agnesi, Soft: MACE-MPA-0 and later) the basis
-    takes ``x = T(r, r0)``, ``r0`` from the covalent radii of the edge's two elements; that
-    embedding runs as a few torch ops over the edges (no kernel of its own yet), one element
-    lookup a call shared with the tables.
+    takes ``x = T(r, r0)``, ``r0`` from the covalent radii of the edge's two elements (a few
+    torch ops over the edges, the element lookup shared with the tables); the transform runs
+    inside the embedding's kernels, derivatives included.
 
     Where the radial MLPs' weights depend on the edge's elements (a transform, the non-linear
     blocks' element embeddings), :attr:`pair_kind` is set (by :func:`~mace_accel.patches.
@@ -130,8 +130,8 @@ class FusedRadialEmbedding(FusedModule):
     def describe(self) -> str:
         text = self.spec.describe()
         if self.spec.transform is not None:
-            text += (" (the transform and the basis as torch ops over the edges, the edges' "
-                     "elements looked up once a call)")
+            text += (" (the transform inside the kernels, each edge's r0 from its elements, "
+                     "looked up once a call)")
         return text
 
     @property
@@ -190,13 +190,11 @@ class FusedRadialEmbedding(FusedModule):
                 raise InputError("this radial embedding needs node_attrs and edge_index (its "
                                  "weights depend on the edges' elements), as mace passes them")
             elements = species.node_elements(node_attrs)
+        r0 = None
         if self.spec.transform is not None:
-            r0 = edge_reference.pair_r0(self.spec.transform, self._constant("radii", lengths),
+            r0 = edge_reference.pair_r0(self.spec.transform, self._radii(lengths),
                                         elements, edge_index)
-            feats, cutoff = edge_reference.radial_forward(
-                self.spec, lengths, r0, self._constant("frequencies", lengths))
-        else:
-            feats, cutoff = autograd.radial_embedding(key, lengths, self.backend)
+        feats, cutoff = autograd.radial_embedding(key, lengths, self.backend, r0)
         slots = None if self.pair_kind is None else self._edge_slots(node_attrs, elements,
                                                                      edge_index)
         lead = edge_lengths.shape[:-1]
@@ -207,12 +205,12 @@ class FusedRadialEmbedding(FusedModule):
                                       TableInput(edge_lengths.reshape(-1), slots, self.pairs))
         return feats, (None if cutoff is None else cutoff.reshape(*lead, 1))
 
-    def _constant(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """The spec's per-element ``radii`` or per-function ``frequencies`` as a tensor of
-        ``like``'s dtype on its device (made once per spec: nothing is copied to the device in
-        a call, so it can be captured in a CUDA graph)."""
-        values = self.spec.transform.radii if name == "radii" else self.spec.frequencies
-        return self._kernel_cache((name, self._key, like.dtype, like.device),
+    def _radii(self, like: torch.Tensor) -> torch.Tensor:
+        """The transform's per-element covalent radii as a tensor of ``like``'s dtype on its
+        device (made once per spec: nothing is copied to the device in a call, so it can be
+        captured in a CUDA graph)."""
+        values = self.spec.transform.radii
+        return self._kernel_cache(("radii", self._key, like.dtype, like.device),
                                   lambda: torch.tensor(values, dtype=like.dtype,
                                                        device=like.device))
 

@@ -146,14 +146,16 @@ def _edge_case(which: str, name: str):
     if which == "sh_double_backward":
         return edge_ops.sh_double_backward_op.op, (_grad(vectors), _grad(grad_sh),
                                                 _grad(_rand(gen, n, 3)), sh_key, REF)
+    no_r0 = lengths.new_empty((0,))  # no distance transform
     if which == "radial":
-        return edge_ops.radial_op.op, (_grad(lengths), radial_key, REF)
+        return edge_ops.radial_op.op, (_grad(lengths), no_r0, radial_key, REF)
     if which == "radial_backward":
-        return edge_ops.radial_backward_op.op, (_grad(lengths), _grad(grad_radial), grad_cutoff,
-                                             radial_key, REF)
+        return edge_ops.radial_backward_op.op, (_grad(lengths), no_r0, _grad(grad_radial),
+                                             grad_cutoff, radial_key, REF)
     assert which == "radial_double_backward"
-    return edge_ops.radial_double_backward_op.op, (_grad(lengths), _grad(grad_radial), grad_cutoff,
-                                                _grad(_rand(gen, n, 1)), radial_key, REF)
+    return edge_ops.radial_double_backward_op.op, (_grad(lengths), no_r0, _grad(grad_radial),
+                                                grad_cutoff, _grad(_rand(gen, n, 1)),
+                                                radial_key, REF)
 
 
 # Full opcheck (all four default checks: test_schema, test_autograd_registration,

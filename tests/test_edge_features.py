@@ -370,7 +370,7 @@ def test_ops_return_new_tensors_and_have_fake_implementations():
                                          "cuda")[1].shape == (8, 16)
         rkey = ops.register_radial(make_radial_spec(5.0, 8, 5, False))
         r = mode.from_tensor(edge_lengths(5.0, 8))
-        feats, cutoff = ops.radial_op(r, rkey, "cuda")
+        feats, cutoff = ops.radial_op(r, r.new_empty((0,)), rkey, "cuda")
         assert feats.shape == (8, 8) and cutoff.shape == (8, 1)
     with pytest.raises(KernelError, match="backend must be"):
         ops.sh_op(v, key, "triton")
@@ -419,14 +419,21 @@ def test_generated_radial_maths_matches_reference(name):
     gc = None if spec.apply_cutoff else randn_like(r, 16)
     a = randn_like(r, 17)
     rn = r.numpy()[:, 0]
-    base = {"s": rn / spec.r_max, "m": (rn < spec.r_max).astype(np.float64), "ri": 1.0 / rn}
+    r0 = None if spec.transform is None else pair_r0_values(spec, r.shape[0], seed=18)
+    base = {"s": rn / spec.r_max, "m": (rn < spec.r_max).astype(np.float64), "rb": rn}
     for order in range(3):  # the envelope program of each kernel (order = pass)
         program = symbolic.envelope_program(spec, order)
         base.update(program.evaluate({**base, **symbolic.radial_constants(spec)}))
+    if r0 is not None:  # the Bessel functions take x = T(r, r0)
+        program = symbolic.transform_program(spec, 2)
+        base.update(program.evaluate({"r": rn, "r0": r0.numpy()[:, 0],
+                                      **symbolic.transform_constants(spec)}))
+        base["rb"] = base["X"]
+    base["ri"] = 1.0 / base["rb"]
     cols = {which: [] for which in codegen.PASSES}
     for b in range(spec.num_basis):
         consts = symbolic.radial_constants(spec, b)
-        angle = np.pi * (spec.frequencies[b] / np.pi) * rn  # sinpi(w / pi * r), as the kernels
+        angle = np.pi * (spec.frequencies[b] / np.pi) * base["rb"]  # sinpi(w / pi * x)
         values = {**base, **consts, "S": np.sin(angle), "Cw": np.cos(angle)}
         for which in codegen.PASSES:
             program = symbolic.radial_basis_program(spec, which)
@@ -437,8 +444,8 @@ def test_generated_radial_maths_matches_reference(name):
     gn, an = g.numpy(), a.numpy()[:, 0]
     grad_r = (gn * d1).sum(1) + (0 if gc is None else gc.numpy()[:, 0] * base["dC"])
     hess_r = ((gn * d2).sum(1) + (0 if gc is None else gc.numpy()[:, 0] * base["d2C"])) * an
-    want_feats, want_cutoff = reference.radial_forward(spec, r)
-    want_r, want_g, want_c = reference.radial_double_backward(spec, r, g, gc, a)
+    want_feats, want_cutoff = reference.radial_forward(spec, r, r0)
+    want_r, want_g, want_c = reference.radial_double_backward(spec, r, g, gc, a, r0)
 
     def err(x, y):
         return rel_norm_error(torch.from_numpy(np.array(x, dtype=np.float64, copy=True)), y)
@@ -448,9 +455,51 @@ def test_generated_radial_maths_matches_reference(name):
     if not spec.apply_cutoff:
         assert err(base["C"], want_cutoff[:, 0]) <= TOL["forward"]
         assert err(base["dC"] * an, want_c[:, 0]) <= TOL["double_backward"]
-    assert err(grad_r, reference.radial_backward(spec, r, g, gc)[:, 0]) <= TOL["backward"]
+    assert err(grad_r, reference.radial_backward(spec, r, g, gc, r0)[:, 0]) <= TOL["backward"]
     assert err(hess_r, want_r[:, 0]) <= TOL["double_backward"]
     assert err(d1 * an[:, None], want_g) <= TOL["double_backward"]
+
+
+def pair_r0_values(spec, n: int, seed: int) -> torch.Tensor:
+    """``[n, 1]`` float64: the transform's r0 of random pairs of the spec's elements."""
+    gen = torch.Generator().manual_seed(seed)
+    k = len(spec.transform.radii)
+    a, b = torch.randint(0, k, (2, n), generator=gen).tolist()
+    return torch.tensor([spec.transform.r0(i, j) for i, j in zip(a, b)],
+                        dtype=torch.float64).unsqueeze(-1)
+
+
+@pytest.mark.parametrize("transform", ["Agnesi", "Soft"])
+def test_radial_op_with_a_transform_matches_mace_autograd(transform):
+    """The op with each edge's r0 (reference backend: what the CPU runs) against mace's
+    ``RadialEmbeddingBlock`` with the transform, through double backward."""
+    module = mace_radial(6.0, 10, 5, apply_cutoff=False, distance_transform=transform)
+    numbers = (1, 29)
+    spec = radial_spec_from_module(module, numbers)[0]
+    key = ops.register_radial(spec)
+    n = 300
+    gen = torch.Generator().manual_seed(3)
+    attrs = torch.nn.functional.one_hot(torch.randint(0, 2, (40,), generator=gen), 2).double()
+    edge_index = torch.randint(0, 40, (2, n), generator=gen)
+    r = edge_lengths(spec.r_max, n=n, seed=8)
+    elements = attrs.argmax(1)
+    r0 = reference.pair_r0(spec.transform, torch.tensor(spec.transform.radii,
+                                                        dtype=torch.float64), elements, edge_index)
+
+    def fused(x):
+        feats, cutoff = ops.radial_embedding(key, x, "reference", r0)
+        return feats, cutoff
+
+    def mace(x):
+        return module(x, attrs, edge_index, torch.tensor(numbers))
+
+    got = _first_and_second(fused, r)
+    want = _first_and_second(mace, r)
+    for a, b in zip(got[0], want[0]):
+        assert rel_norm_error(a, b) <= TOL["forward"]
+    assert rel_norm_error(got[1], want[1]) <= TOL["backward"]
+    for a, b in zip(got[2], want[2]):
+        assert rel_norm_error(a, b) <= TOL["double_backward"]
 
 
 def test_printer_prints_exact_literals_and_integer_powers():

@@ -54,6 +54,16 @@ def radial_inputs(spec, n: int, dtype, seed: int = 0):
     return [None if t is None else t.to("cuda", dtype) for t in (r, grad, gc, up)]
 
 
+def radial_r0(spec, n: int, dtype, seed: int = 0):
+    """``[n, 1]``: the transform's r0 of random pairs of the spec's elements (None without a
+    transform)."""
+    if spec.transform is None:
+        return None
+    a, b = torch.randint(0, len(spec.transform.radii), (2, n), generator=_gen(seed)).tolist()
+    return torch.tensor([spec.transform.r0(i, j) for i, j in zip(a, b)], dtype=F64
+                        ).unsqueeze(-1).to("cuda", dtype)
+
+
 def _up(t):
     return None if t is None else t.double()
 
@@ -97,9 +107,10 @@ def test_radial_kernels_vs_reference(name, dtype):
     spec = CATALOG[name].radial_spec()
     prims, err, tol = _radial_prims(spec, dtype), _err(dtype), PASS_TOL[dtype]
     r, g, gc, a = radial_inputs(spec, N_EDGES, dtype, seed=2)
-    rd, gd, gcd, ad = _up(r), _up(g), _up(gc), _up(a)
-    feats, cutoff = prims.forward(r)
-    want_feats, want_cutoff = reference.radial_forward(spec, rd)
+    r0 = radial_r0(spec, N_EDGES, dtype, seed=3)
+    rd, gd, gcd, ad, r0d = _up(r), _up(g), _up(gc), _up(a), _up(r0)
+    feats, cutoff = prims.forward(r, r0)
+    want_feats, want_cutoff = reference.radial_forward(spec, rd, r0d)
     assert err(feats, want_feats) < tol["forward"]
     beyond = (r >= spec.r_max).squeeze(1)
     assert beyond.any() and (~beyond).any()
@@ -107,10 +118,10 @@ def test_radial_kernels_vs_reference(name, dtype):
         assert cutoff is None and torch.all(feats[beyond] == 0)
     else:
         assert err(cutoff, want_cutoff) < tol["forward"] and torch.all(cutoff[beyond] == 0)
-    got = prims.backward(r, g, gc)
-    assert err(got, reference.radial_backward(spec, rd, gd, gcd)) < tol["backward"]
-    d_r, d_g, d_c = prims.double_backward(r, g, gc, a)
-    want_r, want_g, want_c = reference.radial_double_backward(spec, rd, gd, gcd, ad)
+    got = prims.backward(r, g, gc, r0)
+    assert err(got, reference.radial_backward(spec, rd, gd, gcd, r0d)) < tol["backward"]
+    d_r, d_g, d_c = prims.double_backward(r, g, gc, a, r0)
+    want_r, want_g, want_c = reference.radial_double_backward(spec, rd, gd, gcd, ad, r0d)
     assert err(d_r, want_r) < tol["double_backward"], err(d_r, want_r)
     assert err(d_g, want_g) < tol["double_backward"], err(d_g, want_g)
     if not spec.apply_cutoff:
@@ -139,13 +150,14 @@ def test_ops_autograd_cuda_vs_reference(dtype):
     for i, (a, b) in enumerate(zip(got, want)):
         tol = PASS_TOL[dtype]["backward" if i == 0 else "double_backward"]
         assert _err(dtype)(a, b) < tol, (i, _err(dtype)(a, b))
-    for name in ("mp", "no-cutoff"):
+    for name in ("mp", "no-cutoff", "agnesi", "soft"):
         spec = CATALOG[name].radial_spec()
         rkey = ops.register_radial(spec)
         r, _, _, _ = radial_inputs(spec, 2000, dtype, seed=5)
+        r0 = radial_r0(spec, 2000, dtype, seed=7)
 
-        def fused(x, backend, rkey=rkey):
-            feats, cutoff = ops.radial_embedding(rkey, x, backend)
+        def fused(x, backend, rkey=rkey, r0=r0):
+            feats, cutoff = ops.radial_embedding(rkey, x, backend, r0)
             return (feats,) if cutoff is None else (feats, cutoff)
         got = _second(lambda x: fused(x, "cuda"), r, 6)
         want = _second(lambda x: fused(x, "reference"), r.double(), 6)
@@ -242,6 +254,11 @@ def test_prelaunch_checks():
         rprims.backward(r, rg, gc[:50])
     with pytest.raises(KernelError, match="expected shape"):
         rprims.forward(r.reshape(50, 2))
+    transformed = _radial_prims(CATALOG["agnesi"].radial_spec(), F32)
+    with pytest.raises(KernelError, match="r0 .E, 1. is required"):
+        transformed.forward(r)
+    with pytest.raises(KernelError, match=r"expected shape \(100, 1\)"):
+        transformed.forward(r, r[:50].contiguous())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -188,21 +188,28 @@ def spherical_harmonics(key: str, vectors: Tensor, backend: str = "cuda") -> Ten
 
 
 # == radial embedding ==============================================================================
+def _r0(spec, r0: Tensor) -> Optional[Tensor]:
+    """Each edge's ``r0 [E, 1]`` where the spec has a distance transform (else None: the ops
+    take an empty tensor there)."""
+    return None if spec.transform is None else r0
+
+
 @custom_op("mace_accel::edge_radial")
-def radial_op(lengths: Tensor, key: str, backend: str) -> Tuple[Tensor, Tensor]:
-    """``(feats [E, B], cutoff [E, 1])`` of ``lengths [E, 1]``; ``cutoff`` is an empty tensor
-    when the spec applies it (``feats = radial * cutoff``)."""
+def radial_op(lengths: Tensor, r0: Tensor, key: str, backend: str) -> Tuple[Tensor, Tensor]:
+    """``(feats [E, B], cutoff [E, 1])`` of ``lengths [E, 1]`` (and each edge's ``r0 [E, 1]``
+    of a distance transform, else empty); ``cutoff`` is an empty tensor when the spec applies
+    it (``feats = radial * cutoff``)."""
     _check_backend(backend)
     spec = registry.lookup(key)
     if backend == "reference":
-        feats, cutoff = reference.radial_forward(spec, lengths)
+        feats, cutoff = reference.radial_forward(spec, lengths, _r0(spec, r0))
     else:
-        feats, cutoff = _cuda(key, lengths).forward(lengths)
+        feats, cutoff = _cuda(key, lengths).forward(lengths, _r0(spec, r0))
     return feats.contiguous(), (_empty(lengths) if cutoff is None else cutoff.contiguous())
 
 
 @radial_op.register_fake
-def _(lengths, key, backend):
+def _(lengths, r0, key, backend):
     spec = registry.lookup(key)
     n = lengths.shape[0]
     return (lengths.new_empty((n, spec.num_basis)),
@@ -210,25 +217,25 @@ def _(lengths, key, backend):
 
 
 @custom_op("mace_accel::edge_radial_backward")
-def radial_backward_op(lengths: Tensor, grad: Tensor, grad_cutoff: Tensor, key: str,
-                       backend: str) -> Tensor:
+def radial_backward_op(lengths: Tensor, r0: Tensor, grad: Tensor, grad_cutoff: Tensor,
+                       key: str, backend: str) -> Tensor:
     """``d lengths [E, 1]`` of ``<grad, feats> + <grad_cutoff, cutoff>`` (``grad_cutoff``
     empty when the cutoff is applied)."""
     _check_backend(backend)
     spec = registry.lookup(key)
     gc = None if spec.apply_cutoff else grad_cutoff
     if backend == "reference":
-        return reference.radial_backward(spec, lengths, grad, gc).contiguous()
-    return _cuda(key, lengths).backward(lengths, grad, gc)
+        return reference.radial_backward(spec, lengths, grad, gc, _r0(spec, r0)).contiguous()
+    return _cuda(key, lengths).backward(lengths, grad, gc, _r0(spec, r0))
 
 
 @radial_backward_op.register_fake
-def _(lengths, grad, grad_cutoff, key, backend):
+def _(lengths, r0, grad, grad_cutoff, key, backend):
     return lengths.new_empty(lengths.shape)
 
 
 @custom_op("mace_accel::edge_radial_double_backward")
-def radial_double_backward_op(lengths: Tensor, grad: Tensor, grad_cutoff: Tensor,
+def radial_double_backward_op(lengths: Tensor, r0: Tensor, grad: Tensor, grad_cutoff: Tensor,
                               upstream: Tensor, key: str,
                               backend: str) -> Tuple[Tensor, Tensor, Tensor]:
     """``(d lengths [E, 1], d grad [E, B], d grad_cutoff [E, 1] or empty)`` for the upstream
@@ -237,24 +244,25 @@ def radial_double_backward_op(lengths: Tensor, grad: Tensor, grad_cutoff: Tensor
     spec = registry.lookup(key)
     gc = None if spec.apply_cutoff else grad_cutoff
     if backend == "reference":
-        out = reference.radial_double_backward(spec, lengths, grad, gc, upstream)
+        out = reference.radial_double_backward(spec, lengths, grad, gc, upstream,
+                                               _r0(spec, r0))
     else:
-        out = _cuda(key, lengths).double_backward(lengths, grad, gc, upstream)
+        out = _cuda(key, lengths).double_backward(lengths, grad, gc, upstream, _r0(spec, r0))
     d_lengths, d_grad, d_cutoff = out
     return (d_lengths.contiguous(), d_grad.contiguous(),
             _empty(lengths) if d_cutoff is None else d_cutoff.contiguous())
 
 
 @radial_double_backward_op.register_fake
-def _(lengths, grad, grad_cutoff, upstream, key, backend):
+def _(lengths, r0, grad, grad_cutoff, upstream, key, backend):
     spec = registry.lookup(key)
     return (lengths.new_empty(lengths.shape), grad.new_empty(grad.shape),
             _empty(lengths) if spec.apply_cutoff else lengths.new_empty(lengths.shape))
 
 
 def _radial_setup_forward(ctx, inputs, output) -> None:
-    lengths, key, backend = inputs
-    ctx.save_for_backward(lengths)
+    lengths, r0, key, backend = inputs
+    ctx.save_for_backward(lengths, r0)
     ctx.key, ctx.backend = key, backend
     ctx.apply_cutoff = registry.lookup(key).apply_cutoff
 
@@ -270,30 +278,30 @@ def _cutoff_grad(ctx, lengths: Tensor, grad_cutoff: Optional[Tensor]) -> Tensor:
 def _radial_backward_of_forward(ctx, grad, grad_cutoff):
     grad, grad_cutoff_used = _upstream(grad), _upstream(grad_cutoff)
     if not ctx.needs_input_grad[0] or (grad is None and grad_cutoff_used is None):
-        return None, None, None
-    (lengths,) = ctx.saved_tensors
+        return None, None, None, None
+    lengths, r0 = ctx.saved_tensors
     if grad is None:
         grad = lengths.new_zeros((lengths.shape[0], registry.lookup(ctx.key).num_basis))
     gc = _cutoff_grad(ctx, lengths, grad_cutoff)
-    return radial_backward_op(lengths, grad, gc, ctx.key, ctx.backend), None, None
+    return radial_backward_op(lengths, r0, grad, gc, ctx.key, ctx.backend), None, None, None
 
 
 def _radial_setup_backward(ctx, inputs, output) -> None:
-    lengths, grad, grad_cutoff, key, backend = inputs
-    ctx.save_for_backward(lengths, grad, grad_cutoff)
+    lengths, r0, grad, grad_cutoff, key, backend = inputs
+    ctx.save_for_backward(lengths, r0, grad, grad_cutoff)
     ctx.key, ctx.backend = key, backend
     ctx.apply_cutoff = registry.lookup(key).apply_cutoff
 
 
 def _radial_backward_of_backward(ctx, upstream):
     upstream = _upstream(upstream)
-    want_r, want_g, want_gc = ctx.needs_input_grad[:3]
+    want_r, _, want_g, want_gc = ctx.needs_input_grad[:4]
     if upstream is None or not (want_r or want_g or want_gc):
-        return None, None, None, None, None
-    lengths, grad, grad_cutoff = ctx.saved_tensors
-    d_lengths, d_grad, d_cutoff = radial_double_backward_op(lengths, grad, grad_cutoff,
+        return None, None, None, None, None, None
+    lengths, r0, grad, grad_cutoff = ctx.saved_tensors
+    d_lengths, d_grad, d_cutoff = radial_double_backward_op(lengths, r0, grad, grad_cutoff,
                                                             upstream, ctx.key, ctx.backend)
-    return ((d_lengths if want_r else None), (d_grad if want_g else None),
+    return ((d_lengths if want_r else None), None, (d_grad if want_g else None),
             (d_cutoff if want_gc and not ctx.apply_cutoff else None), None, None)
 
 
@@ -304,13 +312,16 @@ radial_double_backward_op.register_autograd(
     _no_third_derivative, setup_context=_setup_last("mace_accel::edge_radial_double_backward"))
 
 
-def radial_embedding(key: str, lengths: Tensor,
-                     backend: str = "cuda") -> Tuple[Tensor, Optional[Tensor]]:
-    """Differentiable fused radial embedding of ``lengths [E, 1]``.
+def radial_embedding(key: str, lengths: Tensor, backend: str = "cuda",
+                     r0: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """Differentiable fused radial embedding of ``lengths [E, 1]`` (with a distance transform:
+    the Bessel functions of ``T(lengths, r0)``, ``r0 [E, 1]`` each edge's length scale, held
+    constant).
 
     Returns:
         ``(radial * cutoff [E, B], None)`` if the spec applies the cutoff, else
         ``(radial [E, B], cutoff [E, 1])``, as mace's ``RadialEmbeddingBlock``.
     """
-    feats, cutoff = radial_op(lengths.contiguous(), key, backend)
+    r0 = _empty(lengths) if r0 is None else r0.reshape(-1, 1).to(lengths.dtype).contiguous()
+    feats, cutoff = radial_op(lengths.contiguous(), r0, key, backend)
     return feats, (None if registry.lookup(key).apply_cutoff else cutoff)

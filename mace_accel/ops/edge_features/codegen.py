@@ -13,6 +13,7 @@ Kernels (one thread per edge; wide output rows staged in shared memory, see :mod
     radial backward     lengths, g_feats [E, B] (, g_cutoff)    -> d lengths [E, 1]
     radial double bwd   lengths, g_feats (, g_cutoff), a [E, 1]
                                                             -> d lengths, d g_feats (, d g_cutoff)
+(the radial kernels also read each edge's ``r0 [E, 1]`` where the spec has a distance transform)
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ def c_expr(expr: sympy.Expr, constants: Mapping[str, float]) -> str:
             return f"(((real)1) / {_power(expr.base, -int(exp), constants)})"
         if exp == sympy.Rational(1, 2):
             return f"sqrt({c_expr(expr.base, constants)})"
+        if not exp.is_number:  # a distance transform's real exponent
+            return f"real_pow({c_expr(expr.base, constants)}, {c_expr(exp, constants)})"
+    if isinstance(expr, sympy.tanh):
+        return f"real_tanh({c_expr(expr.args[0], constants)})"
     raise ValueError(f"the edge-feature printer cannot print {expr!r} ({type(expr).__name__})")
 
 
@@ -161,9 +166,12 @@ def render_radial(spec: RadialSpec, plan: EdgePlan, which: str) -> str:
              for b in range(spec.num_basis)]
     envelope = program_lines(symbolic.envelope_program(spec, order),
                              symbolic.radial_constants(spec))
+    transform = [] if spec.transform is None else program_lines(
+        symbolic.transform_program(spec, order), symbolic.transform_constants(spec))
     return render(f"edge_features/radial_{which}.cu.j2", plan=plan, spec=spec, real=plan.real,
                   name=kernel_name("radial", which), envelope=envelope, bases=bases,
-                  r_max=literal(spec.r_max), key=spec.key(), describe=spec.describe())
+                  transform=transform, r_max=literal(spec.r_max), key=spec.key(),
+                  describe=spec.describe())
 
 
 def _check(spec, which: str) -> None:

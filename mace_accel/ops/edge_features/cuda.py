@@ -147,36 +147,52 @@ class CudaRadialEmbedding(_EdgeKernels):
                               "(apply_cutoff=False)")
         return {"grad_cutoff": (grad_cutoff, (e, 1))}
 
-    def forward(self, lengths: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-        """``(feats [E, B], cutoff [E, 1])``; cutoff is None when applied (``apply_cutoff``)."""
+    def _r0(self, e: int, r0: Optional[Tensor]) -> Dict[str, tuple]:
+        if self.spec.transform is None:
+            return {}
+        if r0 is None:
+            raise KernelError(f"{self.spec.describe()}: each edge's r0 [E, 1] is required "
+                              "with a distance transform")
+        return {"r0": (r0, (e, 1))}
+
+    def _r0_ptr(self, r0: Optional[Tensor]):
+        return ptr(None if self.spec.transform is None else r0)
+
+    def forward(self, lengths: Tensor, r0: Optional[Tensor] = None
+                ) -> Tuple[Tensor, Optional[Tensor]]:
+        """``(feats [E, B], cutoff [E, 1])``; cutoff is None when applied (``apply_cutoff``);
+        ``r0 [E, 1]``: each edge's length scale where the spec has a distance transform."""
         e = self._n(lengths)
-        self._check(e, lengths=(lengths, (e, 1)))
+        self._check(e, lengths=(lengths, (e, 1)), **self._r0(e, r0))
         feats = self._empty(e, self.spec.num_basis)
         cutoff = None if self.spec.apply_cutoff else self._empty(e, 1)
-        self._launch("forward", e, (ptr(lengths), ptr(feats), ptr(cutoff)))
+        self._launch("forward", e, (ptr(lengths), self._r0_ptr(r0), ptr(feats), ptr(cutoff)))
         return feats, cutoff
 
-    def backward(self, lengths: Tensor, grad: Tensor, grad_cutoff: Optional[Tensor]) -> Tensor:
+    def backward(self, lengths: Tensor, grad: Tensor, grad_cutoff: Optional[Tensor],
+                 r0: Optional[Tensor] = None) -> Tensor:
         """``d lengths [E, 1]``; ``grad_cutoff [E, 1]`` only when the cutoff is apart."""
         e = self._n(lengths)
         self._check(e, lengths=(lengths, (e, 1)), grad=(grad, (e, self.spec.num_basis)),
-                    **self._cutoff_grad(e, grad_cutoff))
+                    **self._cutoff_grad(e, grad_cutoff), **self._r0(e, r0))
         out = self._empty(e, 1)
-        self._launch("backward", e, (ptr(lengths), ptr(grad),
+        self._launch("backward", e, (ptr(lengths), self._r0_ptr(r0), ptr(grad),
                                      ptr(None if self.spec.apply_cutoff else grad_cutoff),
                                      ptr(out)))
         return out
 
     def double_backward(self, lengths: Tensor, grad: Tensor, grad_cutoff: Optional[Tensor],
-                        upstream: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+                        upstream: Tensor, r0: Optional[Tensor] = None
+                        ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """``(d lengths [E, 1], d grad [E, B], d grad_cutoff [E, 1] or None)``."""
         e = self._n(lengths)
         self._check(e, lengths=(lengths, (e, 1)), grad=(grad, (e, self.spec.num_basis)),
-                    upstream=(upstream, (e, 1)), **self._cutoff_grad(e, grad_cutoff))
+                    upstream=(upstream, (e, 1)), **self._cutoff_grad(e, grad_cutoff),
+                    **self._r0(e, r0))
         d_lengths, d_grad = self._empty(e, 1), self._empty(e, self.spec.num_basis)
         d_cutoff = None if self.spec.apply_cutoff else self._empty(e, 1)
         self._launch("double_backward", e,
-                     (ptr(lengths), ptr(grad),
+                     (ptr(lengths), self._r0_ptr(r0), ptr(grad),
                       ptr(None if self.spec.apply_cutoff else grad_cutoff), ptr(upstream),
                       ptr(d_lengths), ptr(d_grad), ptr(d_cutoff)))
         return d_lengths, d_grad, d_cutoff

@@ -150,17 +150,19 @@ def radial_forward(spec: RadialSpec, lengths: Tensor, r0: Optional[Tensor] = Non
     return radial * cutoff, None
 
 
-def _outputs(spec: RadialSpec, lengths: Tensor) -> Tuple[Tensor, ...]:
+def _outputs(spec: RadialSpec, lengths: Tensor, r0: Optional[Tensor] = None
+             ) -> Tuple[Tensor, ...]:
     """The op's tensor outputs: ``(feats,)`` or ``(radial, cutoff)``."""
-    feats, cutoff = radial_forward(spec, lengths)
+    feats, cutoff = radial_forward(spec, lengths, r0)
     return (feats,) if cutoff is None else (feats, cutoff)
 
 
 def radial_backward(spec: RadialSpec, lengths: Tensor, grad: Tensor,
-                    grad_cutoff: Optional[Tensor]) -> Tensor:
+                    grad_cutoff: Optional[Tensor], r0: Optional[Tensor] = None) -> Tensor:
     """``[E, 1]``: d/d lengths of ``<grad, feats> (+ <grad_cutoff, cutoff>)``; a missing
-    ``grad_cutoff`` (cutoff applied, or not used) counts as zero."""
-    _, vjp = torch.func.vjp(lambda r: _outputs(spec, r), lengths)
+    ``grad_cutoff`` (cutoff applied, or not used) counts as zero; ``r0``: each edge's length
+    scale of a distance transform (held constant)."""
+    _, vjp = torch.func.vjp(lambda r: _outputs(spec, r, r0), lengths)
     if spec.apply_cutoff:
         cotangents: Tuple[Tensor, ...] = (grad,)
     else:
@@ -170,13 +172,14 @@ def radial_backward(spec: RadialSpec, lengths: Tensor, grad: Tensor,
 
 
 def radial_double_backward(spec: RadialSpec, lengths: Tensor, grad: Tensor,
-                           grad_cutoff: Optional[Tensor], upstream: Tensor
+                           grad_cutoff: Optional[Tensor], upstream: Tensor,
+                           r0: Optional[Tensor] = None
                            ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """``(d_lengths [E, 1], d_grad [E, B], d_grad_cutoff [E, 1] or None)`` for the upstream
     gradient ``upstream [E, 1]`` of :func:`radial_backward`'s output."""
     def backward(r: Tensor) -> Tensor:
-        return radial_backward(spec, r, grad, grad_cutoff)
+        return radial_backward(spec, r, grad, grad_cutoff, r0)
 
     _, d_lengths = torch.func.jvp(backward, (lengths,), (upstream,))
-    _, tangents = torch.func.jvp(lambda r: _outputs(spec, r), (lengths,), (upstream,))
+    _, tangents = torch.func.jvp(lambda r: _outputs(spec, r, r0), (lengths,), (upstream,))
     return d_lengths, tangents[0], (tangents[1] if len(tangents) > 1 else None)

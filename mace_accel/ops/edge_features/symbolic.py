@@ -22,7 +22,10 @@ where ``|v| >= eps``, 0 where the norm is clamped and the map is linear)::
 
 Radial basis (per Bessel function, ``S = sin(w r)``, ``Cw = cos(w r)``): sympy differentiates
 ``prefactor * sin(w r) / r`` and the cutoff polynomial; the mask ``m = (r < r_max)`` is a
-runtime value with zero derivative (as in torch).
+runtime value with zero derivative (as in torch). With a distance transform the Bessel functions
+take ``x = T(r, r0)`` (``S = sin(w x)``, ``ri = 1 / x``; ``r0`` per edge, from its elements):
+sympy differentiates ``T`` in ``r`` (``X, DX, D2X``) and the chain rule carries the basis'
+``x``-derivatives to ``r``; the cutoff still sees ``r``.
 """
 
 from __future__ import annotations
@@ -305,16 +308,58 @@ def bessel_derivatives(order: int) -> List[sympy.Expr]:
     return [sympy.expand(e.subs(subs).subs({_R: 1 / RINV, _W: WF})) for e in out]
 
 
+# a transform's constants, kept as symbols (printed as literals, as the spec's constants)
+TQ, TP, TA, TALPHA = sympy.symbols("TQ TP TA TALPHA", positive=True)
+R0 = sympy.Symbol("r0", positive=True)  # the edge's length scale, read per edge
+
+
+def transform_constants(spec: RadialSpec) -> Dict[str, float]:
+    """Values of the transform's constant symbols (none without a transform)."""
+    t = spec.transform
+    if t is None:
+        return {}
+    return dict(zip(("TQ", "TP", "TA") if t.kind == "Agnesi" else ("TALPHA",), t.params))
+
+
+def transform_expression(kind: str) -> sympy.Expr:
+    """mace's ``AgnesiTransform`` / ``SoftTransform`` of ``r`` with the edge's ``r0``
+    (:func:`~mace_accel.ops.edge_features.reference.distance_transform`)."""
+    if kind == "Agnesi":
+        ratio = _R / R0
+        return 1 / (1 + TA * ratio**TQ / (1 + ratio**(TQ - TP)))
+    p0, p1 = sympy.Rational(3, 4) * R0, sympy.Rational(4, 3) * R0
+    m = (p0 + p1) / 2
+    return p0 + (_R - p0) * (1 + sympy.tanh(TALPHA / (p1 - p0) * (_R - m))) / 2
+
+
+@functools.lru_cache(maxsize=None)
+def transform_program(spec: RadialSpec, order: int) -> Program:
+    """``X = T(r, r0)`` and up to ``order`` r-derivatives ``DX``, ``D2X`` (inputs ``r``,
+    ``r0`` and the transform's constants)."""
+    x = transform_expression(spec.transform.kind)
+    outputs = [("X", x)] + [(name, sympy.diff(x, _R, n))
+                            for n, name in ((1, "DX"), (2, "D2X")) if n <= order]
+    return cse_program(["r", "r0", *transform_constants(spec)], outputs, prefix="t")
+
+
 @functools.lru_cache(maxsize=None)
 def radial_basis_program(spec: RadialSpec, which: str) -> Program:
-    """Per-basis code of one kernel (inputs ``S, Cw, ri, C, dC, d2C, PF, WF``).
+    """Per-basis code of one kernel (inputs ``S, Cw, ri, C, dC, d2C, PF, WF``; with a
+    transform also ``DX, D2X``, and ``S, Cw, ri`` of ``x``).
 
     ``which``: ``"forward"`` -> ``F`` (the output value); ``"backward"`` -> ``dF`` (its
     r-derivative); ``"double_backward"`` -> ``dF`` and ``d2F``. With ``apply_cutoff`` the
-    function is ``PF sin(WF r) / r * C``, else ``PF sin(WF r) / r``.
+    function is ``PF sin(WF x) / x * C``, else ``PF sin(WF x) / x`` (``x = r`` without a
+    transform).
     """
     order = {"forward": 0, "backward": 1, "double_backward": 2}[which]
     f = bessel_derivatives(order)
+    inputs = ["S", "Cw", "ri", "C", "dC", "d2C", "PF", "WF"]
+    if spec.transform is not None:  # d/dr of f(x(r)) from the x-derivatives
+        dx, d2x = sympy.symbols("DX D2X", real=True)
+        f = [f[0]] + ([f[1] * dx] if order >= 1 else []) + \
+            ([f[2] * dx**2 + f[1] * d2x] if order >= 2 else [])
+        inputs += ["DX", "D2X"]
     if spec.apply_cutoff:
         c, dc, d2c = sympy.symbols("C dC d2C", real=True)
         f = [f[0] * c] + ([f[1] * c + f[0] * dc] if order >= 1 else []) + \
@@ -322,4 +367,4 @@ def radial_basis_program(spec: RadialSpec, which: str) -> Program:
     outputs = list(zip(["F", "dF", "d2F"], f))
     if which != "forward":
         outputs = outputs[1:]
-    return cse_program(["S", "Cw", "ri", "C", "dC", "d2C", "PF", "WF"], outputs, prefix="b")
+    return cse_program(inputs, outputs, prefix="b")
