@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from mace_accel.patches.nonlinear_block import (FORWARD_ATTR, BlockForward, convolve,
-                                                receiver_sums)
+                                                divide_rows, receiver_sums)
 
 Tensor = torch.Tensor
 CLASSES = ("RealAgnosticDensityInteractionBlock", "RealAgnosticDensityResidualInteractionBlock")
@@ -47,7 +47,7 @@ class DensityForward(BlockForward):
             edge_density = edge_density * cutoff
         density = receiver_sums(edge_density, edge_index, n_nodes)
         message = convolve(block, node_feats, edge_attrs, tp_weights, edge_index)
-        message = block.linear(message) / (density + 1)
+        message = divide_rows(block.linear(message), density + 1)
         if not self.residual:
             message = block.skip_tp(message, node_attrs)
         return block.reshape(message), sc

@@ -240,6 +240,36 @@ def receiver_sums(values: Tensor, edge_index: Tensor, n_nodes: int) -> Tensor:
     return _ReceiverSums.apply(values, edge_index, n_nodes)
 
 
+class _DivideRows(torch.autograd.Function):
+    """:func:`divide_rows` with its gradient written directly: ``g / d`` and
+    ``-<g, out> / d`` per row (two passes over ``g``; autograd's division took five, with
+    ``-g x / d^2`` formed whole before its sum). The backward is torch ops on the saved output,
+    so double backward (training on forces) follows."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, d: Tensor) -> Tensor:
+        out = x / d
+        ctx.save_for_backward(out, d)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        out, d = ctx.saved_tensors
+        grad_x = g / d if ctx.needs_input_grad[0] else None
+        grad_d = None
+        if ctx.needs_input_grad[1]:
+            grad_d = -torch.linalg.vecdot(g, out, dim=-1).unsqueeze(-1) / d
+        return grad_x, grad_d
+
+
+def divide_rows(x: Tensor, d: Tensor) -> Tensor:
+    """``x [N, k] / d [N, 1]`` (a block's messages over its receivers' density term; any other
+    ``d`` divides as torch does)."""
+    if d.dim() != x.dim() or d.shape[-1] != 1:
+        return x / d
+    return _DivideRows.apply(x, d)
+
+
 def convolve(block: torch.nn.Module, node_feats: Tensor, edge_attrs: Tensor,
              tp_weights: Tensor, edge_index: Tensor) -> Tensor:
     """``[N, irreps_mid]``: a block's messages summed per receiver, by its fused conv (gather,
@@ -293,7 +323,7 @@ class NonLinearForward(BlockForward):
         edge_density = block.density_fn.compute(*args)
         density = receiver_sums(edge_density, edge_index, n_nodes)
         message = convolve(block, node_feats, edge_attrs, tp_weights, edge_index)
-        message = block.linear_1(message) / (density * block.beta + block.alpha)
+        message = divide_rows(block.linear_1(message), density * block.beta + block.alpha)
         message = message + node_feats_res
         message = block.equivariant_nonlin(message)
         message = block.linear_2(message)

@@ -202,6 +202,21 @@ def test_receiver_sums_and_their_gradients_match_a_scatter_sum():
                                         (values,))
 
 
+def test_divide_rows_and_its_gradients_match_a_division():
+    """The blocks' ``message / density term`` with its gradient written directly: values,
+    gradients and second derivatives of torch's division."""
+    from mace_accel.patches.nonlinear_block import divide_rows
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    d = (torch.rand(7, 1, generator=gen, dtype=torch.float64) + 0.5).requires_grad_(True)
+    assert torch.allclose(divide_rows(x, d), x / d, rtol=1e-15, atol=0)
+    assert torch.autograd.gradcheck(divide_rows, (x, d))
+    assert torch.autograd.gradgradcheck(divide_rows, (x, d))
+    wide = torch.rand(7, 5, generator=gen, dtype=torch.float64) + 0.5  # not one per row
+    assert torch.equal(divide_rows(x, wide), x / wide)
+
+
 def _cuda_model(dtype):
     from mace_accel.models.checkpoint import default_model_path, load_model
 
