@@ -106,18 +106,23 @@ def test_blocks_of_e3nn_layout_are_mapped_in_place(d, nodes):
     assert bool((rest == 7.0).all())
 
 
+@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("name", sorted(GROUPED_CATALOG))
 @pytest.mark.parametrize("nodes", [1, 37, 1500])
-def test_grouped_blocks_are_mapped_in_place_in_one_launch(name, nodes):
-    """Every block of a grouped spec (wide and narrow tiles) against float64, the columns of
-    ``out`` outside the blocks untouched; the same bits on a repeat and in a CUDA graph."""
+def test_grouped_blocks_are_mapped_in_place_in_one_launch(name, nodes, narrow):
+    """Every block of a grouped spec (tiles by the blocks' widths, or narrow ones as small
+    systems take them) against float64, the columns of ``out`` outside the blocks untouched;
+    the same bits on a repeat and in a CUDA graph."""
+    from mace_accel.ops.tf32x3_gemm.codegen import NARROW
+
+    geometry = NARROW if narrow else None
     spec = GROUPED_CATALOG[name]
     gen = torch.Generator().manual_seed(nodes)
     x64 = torch.randn(nodes, spec.lda, generator=gen, dtype=torch.float64)
     w64 = torch.randn(spec.weight_numel, generator=gen, dtype=torch.float64) / 16
     x, w = x64.float().cuda(), w64.float().cuda()
     out = torch.full((nodes, spec.ldc), 7.0, device="cuda")
-    autograd.mm_grouped(spec, x, w, out)
+    autograd.mm_grouped(spec, x, w, out, geometry)
     untouched = torch.ones(spec.ldc, dtype=torch.bool)
     for b in spec.blocks:
         block = x64[:, b.x_col:b.x_col + b.k * b.d].view(nodes, b.k, b.d)
@@ -127,7 +132,7 @@ def test_grouped_blocks_are_mapped_in_place_in_one_launch(name, nodes):
         untouched[b.out_col:b.out_col + b.n * b.d] = False
     assert bool((out[:, untouched.cuda()] == 7.0).all())
     again = torch.full_like(out, 7.0)
-    graph, _ = capture_graph(lambda: autograd.mm_grouped(spec, x, w, again))
+    graph, _ = capture_graph(lambda: autograd.mm_grouped(spec, x, w, again, geometry))
     again.fill_(7.0)
     graph.replay()
     torch.cuda.synchronize()

@@ -48,6 +48,10 @@ MIN_WEIGHTS_FLOAT32 = 1 << 18
 _IN_PLACE = True
 # ... all of them in one launch (a test hook: off, one launch a block, for A/B timings)
 _GROUPED = True
+# below this many nodes the grouped launch takes the narrow tiles (64 x 64, up to three blocks
+# an SM), more of them for a GPU that the wide ones (64 x 128, one an SM) leave half idle on
+# small systems (a test hook for A/B timings while it is 0: the tiles by the blocks' widths)
+_NARROW_BELOW = 0
 
 
 def runs_on(spec: LinearSpec) -> bool:
@@ -204,8 +208,10 @@ def apply(spec: LinearSpec, x: Tensor, w: Tensor) -> Tensor:
     if prepared.grouped is not None and _IN_PLACE and _GROUPED and _fits_grouped(x, out):
         from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 
+        from mace_accel.ops.tf32x3_gemm.codegen import NARROW
+
         grouped, buffer = prepared.grouped
-        tf32x3.mm_grouped(grouped, x, buffer, out)
+        tf32x3.mm_grouped(grouped, x, buffer, out, NARROW if n < _NARROW_BELOW else None)
         done = prepared.in_group
     for i, (b, (group, weights, x_col)) in enumerate(zip(spec.out_blocks, prepared.blocks)):
         if i in done:

@@ -13,7 +13,7 @@ kernels (float32, CUDA, ``k`` and ``n`` multiples of 4: :func:`~.spec.unsupporte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
@@ -108,12 +108,15 @@ def mm_e3nn(x: Tensor, x_col: int, wt: Tensor, out: Tensor, out_col: int, d: int
     _kernels(k, n, "nk", "none", x.device, d).apply_e3nn(x, x_col, wt, out, out_col)
 
 
-def mm_grouped(spec: GroupedSpec, x: Tensor, w: Tensor, out: Tensor) -> None:
+def mm_grouped(spec: GroupedSpec, x: Tensor, w: Tensor, out: Tensor,
+               geometry: Optional[Tuple[int, int, int, int, int, int]] = None) -> None:
     """Writes the blocks of ``spec`` into ``out [N, ldc]`` from ``x [N, lda]`` and their weights
-    ``w`` one after another, in one launch, in place (no copies), no autograd."""
+    ``w`` one after another, in one launch, in place (no copies), no autograd; ``geometry``:
+    the tiles (:func:`~.codegen.plan_kernel`; None: by the blocks' widths)."""
     from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
 
-    kernel = registry.cached((FAMILY, spec, x.device), lambda: CudaGemm(spec, x.device))
+    kernel = registry.cached((FAMILY, spec, geometry, x.device),
+                             lambda: CudaGemm(spec, x.device, geometry))
     kernel.apply_grouped(x, w, out)
 
 

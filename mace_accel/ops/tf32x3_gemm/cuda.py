@@ -21,10 +21,11 @@ class CudaGemm:
     """``C [M, n] = A [M, k] . op(B)`` of one :class:`GemmSpec` on one device (float32), or the
     blocks of one :class:`GroupedSpec` (:meth:`apply_grouped`)."""
 
-    def __init__(self, spec: Union[GemmSpec, GroupedSpec], device: torch.device) -> None:
+    def __init__(self, spec: Union[GemmSpec, GroupedSpec], device: torch.device,
+                 geometry: Optional[Tuple[int, int, int, int, int, int]] = None) -> None:
         self.spec = spec
         self.device = kernel_device(torch.float32, device)
-        self.plan = codegen.plan_kernel(spec, device_limits(self.device).arch)
+        self.plan = codegen.plan_kernel(spec, device_limits(self.device).arch, geometry)
         self._kernel: Optional[Kernel] = None
 
     def apply(self, a: Tensor, b: Tensor, z: Optional[Tensor] = None) -> Tensor:
