@@ -210,8 +210,9 @@ class FusedLayerNormMLP(FusedModule):
 
 class _ReceiverSums(torch.autograd.Function):
     """:func:`receiver_sums` with its gradient written directly: each edge gets its receiver's
-    gradient (one gather). The forward is a gather and a segmented sum (it was float64 prefix
-    sums and their differences: eleven kernels, on the critical path of an MD-sized call). The
+    gradient (one gather). The forward is a gather and a segmented float64 sum (it was float64
+    prefix sums and their differences: eleven kernels, on the critical path of an MD-sized
+    call). The
     gather is differentiable in the gradient, so double backward (training on forces)
     follows."""
 
@@ -221,9 +222,12 @@ class _ReceiverSums(torch.autograd.Function):
 
         ptr, perm = graph_from_edge_index(edge_index, n_nodes).csr("receiver", torch.int64)
         ctx.save_for_backward(edge_index)
-        # each receiver's edges summed in order by one thread (two kernels; ``unsafe``: no
-        # check of the offsets, which would read them on the host: they are the graph's own)
-        return torch.segment_reduce(values[perm], "sum", offsets=ptr, axis=0, unsafe=True)
+        # each receiver's edges summed in order by one thread, in float64 as the prefix sums
+        # before it were (``unsafe``: no check of the offsets, which would read them on the
+        # host: they are the graph's own)
+        sums = torch.segment_reduce(values[perm].to(torch.float64), "sum", offsets=ptr,
+                                    axis=0, unsafe=True)
+        return sums.to(values.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
