@@ -370,11 +370,6 @@ def _evaluate_both(model: torch.nn.Module,
     return patched, plain
 
 
-def verify_against_unpatched(model: torch.nn.Module, seed: int = 0) -> Dict[str, float]:
-    """Relative errors of patched vs unpatched energy/forces/stress on a random structure."""
-    return _errors(*_evaluate_both(model, seed))
-
-
 def _errors(patched: Dict[str, torch.Tensor], plain: Dict[str, torch.Tensor]) -> Dict[str, float]:
     """Relative error of each result (the energy against its per-atom terms' scale,
     :func:`~mace_accel.tolerances.energy_error`)."""

@@ -348,7 +348,3 @@ def remove(block: torch.nn.Module) -> None:
     if isinstance(block.__dict__.get(FORWARD_ATTR), BlockForward):
         del block.__dict__[FORWARD_ATTR]
     split_gate.remove(block._modules.get("equivariant_nonlin"))
-
-
-def runs_fused(block: torch.nn.Module) -> bool:
-    return isinstance(block.__dict__.get(FORWARD_ATTR), NonLinearForward)

@@ -28,7 +28,6 @@ from mace_accel.errors import KernelError, KernelSizeError
 from mace_accel.ops.limits import (
     MAX_THREAD_REGISTERS,
     OPTIN_SHARED,
-    RESERVED_SHARED,
     SM_REGISTERS,
     SM_SHARED,
     SM_THREADS,
@@ -284,15 +283,6 @@ class Kernel:
             return int(driver.funcGetAttribute(_NUM_REGS_ATTRIBUTE, self._function.ptr))
         except Exception:  # an older cupy without the call: assume the worst
             return MAX_THREAD_REGISTERS
-
-    def resident_blocks(self, threads: int, sm_shared: int = SM_SHARED,
-                        sm_registers: int = SM_REGISTERS, sm_threads: int = SM_THREADS) -> int:
-        """Blocks of ``threads`` threads an SM holds at once: registers (allocated per warp in
-        units of 256), shared memory (1 KB a block reserved) and threads; at least 1."""
-        warp_regs = -(-self.registers() * 32 // 256) * 256
-        by_regs = sm_registers // (warp_regs * -(-threads // 32))
-        by_shared = sm_shared // (self.dynamic_shared + RESERVED_SHARED)
-        return max(1, min(by_regs, by_shared, sm_threads // threads))
 
     def launch(self, grid, block: int, args: tuple) -> None:
         """``grid``: blocks along x, or a tuple (x, y[, z]), on torch's current stream of the

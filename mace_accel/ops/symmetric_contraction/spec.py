@@ -91,10 +91,6 @@ class SCSpec:
         return tuple((self.num_elements, part.num_params, self.num_features)
                      for o in self.outputs for part in o.parts)
 
-    @property
-    def max_correlation(self) -> int:
-        return max(o.correlation for o in self.outputs)
-
     def describe(self) -> str:
         def irrep(l: int, p: int) -> str:
             return f"{l}{'e' if p == 1 else 'o'}"
