@@ -212,9 +212,8 @@ class _ReceiverSums(torch.autograd.Function):
     """:func:`receiver_sums` with its gradient written directly: each edge gets its receiver's
     gradient (one gather). The forward is a gather and a segmented float64 sum (it was float64
     prefix sums and their differences: eleven kernels, on the critical path of an MD-sized
-    call). The
-    gather is differentiable in the gradient, so double backward (training on forces)
-    follows."""
+    call). The gather is differentiable in the gradient, so double backward (training on
+    forces) follows."""
 
     @staticmethod
     def forward(ctx, values: Tensor, edge_index: Tensor, n_nodes: int) -> Tensor:

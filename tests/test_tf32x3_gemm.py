@@ -76,7 +76,7 @@ def test_grouped_spec_plan_and_source():
         assert f"gemm_tile<{b.k}, {b.n}, {b.d}>(X + {b.x_col}, W + {b.w_offset}," in src
     assert spec.weight_numel == 524288 + 32 * 64 and spec.key() != codegen.GROUPED_CATALOG[
         "e3nn_grouped"].key()
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="do not fit"):
         GroupedSpec((E3nnBlock(3, 512, 512, 512, 512, 0),), 1024, 2048)
     with pytest.raises(ValueError, match="aligned"):
         GroupedSpec((E3nnBlock(1, 512, 512, 2, 0, 0),), 1024, 2048)

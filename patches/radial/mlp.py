@@ -260,19 +260,20 @@ class FusedRadialMLP(FusedModule):
         :meth:`route` gives the full weights; the conv reads it, :meth:`route_for`). Where the
         model's radial MLPs are linked (:mod:`~mace_accel.patches.radial.overlap`), a later
         block's may have been started already beside the earlier blocks' work."""
+        self._check_input(x)
+        overlap = getattr(self, "overlap", None)
+        return self.compute(x) if overlap is None else overlap(self, x)
+
+    def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 2 or x.shape[1] != self.hs[0]:
             raise InputError(f"edge_feats must have shape [n_edges, {self.hs[0]}] for the "
                              f"radial MLP, got {tuple(x.shape)}")
-        overlap = getattr(self, "overlap", None)
-        return self.compute(x) if overlap is None else overlap(self, x)
 
     def density(self, x: torch.Tensor) -> torch.Tensor:
         """``tanh(forward(x)^2)`` ``[E, h_L]``: a Density block's edge density (its
         ``density_fn`` squashed as mace squashes it), looked up in tables of its own where the
         tables run (no square and tanh over the edges, nor their backward)."""
-        if x.dim() != 2 or x.shape[1] != self.hs[0]:
-            raise InputError(f"edge_feats must have shape [n_edges, {self.hs[0]}] for the "
-                             f"radial MLP, got {tuple(x.shape)}")
+        self._check_input(x)
         found = None if self.fold_last else radial_table.table_input(self, x)
         if found is not None:
             built = radial_table.tables_of(

@@ -25,7 +25,10 @@ from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 import torch
 
 from mace_accel.ops.irreps_linear.spec import LinearInstruction, LinearSpec, weight_block
-from mace_accel.ops.tf32x3_gemm.spec import IRREP_DIMS, E3nnBlock, GroupedSpec, e3nn_misfit
+from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
+from mace_accel.ops.tf32x3_gemm.codegen import NARROW
+from mace_accel.ops.tf32x3_gemm.spec import (IRREP_DIMS, E3nnBlock, GroupedSpec, e3nn_misfit,
+                                             layout_misfit)
 
 Tensor = torch.Tensor
 # float64 maps with shared weights run here from this many nodes: the kernel's multiply-adds
@@ -130,10 +133,9 @@ def _group(spec: LinearSpec, blocks: Blocks) -> Prepared:
             continue
         wt = weights[1]  # [V, U]
         block = E3nnBlock(b.d, int(wt.shape[1]), int(wt.shape[0]), x_col, b.offset, offset)
-        try:
-            GroupedSpec((block,), spec.dim_in, spec.dim_out)
-        except ValueError:  # misaligned for the kernel's copies: one launch of its own
-            continue
+        if layout_misfit(b.d, block.x_col, block.k, spec.dim_in, block.out_col, block.n,
+                         spec.dim_out) is not None:
+            continue  # misaligned for the kernel's copies: one launch of its own
         chosen.append(block)
         members.append(i)
         offset += wt.numel()
@@ -168,8 +170,6 @@ def _layout(wcat: Tensor) -> Tuple[bool, Tensor]:
 
 
 def _tf32x3_takes(wcat: Tensor) -> bool:
-    from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
-
     return tf32x3.runs_on(wcat, int(wcat.shape[0]), int(wcat.shape[1]))
 
 
@@ -193,8 +193,6 @@ def _mm(a: Tensor, weights: Tuple[bool, Tensor]) -> Tensor:
     """``a [M, U]`` times a block's weights as :func:`_layout` made them."""
     on_kernels, w = weights
     if on_kernels:
-        from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
-
         return tf32x3.mm_nk(a, w)
     return torch.mm(a, w)
 
@@ -207,10 +205,6 @@ def apply(spec: LinearSpec, x: Tensor, w: Tensor) -> Tensor:
     prepared = _prepared(spec, w)
     done: FrozenSet[int] = frozenset()
     if prepared.grouped is not None and _IN_PLACE and _GROUPED and _fits_grouped(x, out):
-        from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
-
-        from mace_accel.ops.tf32x3_gemm.codegen import NARROW
-
         grouped, buffer = prepared.grouped
         tf32x3.mm_grouped(grouped, x, buffer, out, NARROW if n < NARROW_BELOW else None)
         done = prepared.in_group
@@ -218,8 +212,6 @@ def apply(spec: LinearSpec, x: Tensor, w: Tensor) -> Tensor:
         if i in done:
             continue
         if group and _in_place(weights, x_col, b.d, x, out, b.offset):
-            from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
-
             tf32x3.mm_e3nn(x, x_col, weights[1], out, b.offset, b.d)
             continue
         target = out[:, b.offset:b.offset + b.size].view(n, b.mul, b.d)

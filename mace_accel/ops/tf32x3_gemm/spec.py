@@ -74,23 +74,32 @@ def unsupported_reason(k: int, n: int) -> Optional[str]:
     return None
 
 
-def e3nn_misfit(d: int, x: Tensor, x_col: int, k: int, out: Tensor, out_col: int,
-                n: int) -> Optional[str]:
-    """Why the block of ``k`` channels of irrep dimension ``d`` at column ``x_col`` of ``x``
-    cannot be mapped by the kernel of e3nn's layout into the ``n`` channels at ``out_col`` of
-    ``out`` (both ``[N, width]``, contiguous), or None: the blocks must lie inside the rows,
-    and with ``d`` = 1 the kernel copies ``x`` in 16-byte chunks and writes ``out`` in 8-byte
-    pairs, so those rows and starts must be aligned to them."""
-    if x_col < 0 or x_col + k * d > x.shape[1] or out_col < 0 or out_col + n * d > out.shape[1]:
-        return (f"the blocks [{x_col}, {x_col + k * d}) of x's {x.shape[1]} columns and "
-                f"[{out_col}, {out_col + n * d}) of out's {out.shape[1]} do not fit the rows")
-    if not (x.is_contiguous() and out.is_contiguous()):
-        return "x and out must be contiguous"
-    if d == 1 and ((x.data_ptr() + 4 * x_col) % 16 or x.shape[1] % 4
-                   or (out.data_ptr() + 4 * out_col) % 8 or out.shape[1] % 2):
+def layout_misfit(d: int, x_col: int, k: int, lda: int, out_col: int, n: int, ldc: int,
+                  x_base: int = 0, out_base: int = 0) -> Optional[str]:
+    """Why the block of ``k`` channels of irrep dimension ``d`` at column ``x_col`` of rows of
+    ``lda`` floats cannot be mapped by the kernel of e3nn's layout into the ``n`` channels at
+    ``out_col`` of rows of ``ldc`` floats, or None: the blocks must lie inside the rows, and
+    with ``d`` = 1 the kernel copies the input in 16-byte chunks and writes the output in
+    8-byte pairs, so those rows and the blocks' starts (``x_base``, ``out_base``: the rows'
+    start addresses in bytes, aligned where not given) must be aligned to them."""
+    if x_col < 0 or x_col + k * d > lda or out_col < 0 or out_col + n * d > ldc:
+        return (f"the blocks [{x_col}, {x_col + k * d}) of x's {lda} columns and "
+                f"[{out_col}, {out_col + n * d}) of out's {ldc} do not fit the rows")
+    if d == 1 and ((x_base + 4 * x_col) % 16 or lda % 4 or (out_base + 4 * out_col) % 8
+                   or ldc % 2):
         return ("scalars are copied in 16-byte chunks and written in 8-byte pairs: x's rows "
                 "and block start must be 16-byte aligned, out's 8-byte")
     return None
+
+
+def e3nn_misfit(d: int, x: Tensor, x_col: int, k: int, out: Tensor, out_col: int,
+                n: int) -> Optional[str]:
+    """:func:`layout_misfit` of the block in ``x`` and ``out`` (both ``[N, width]``, which
+    must be contiguous), or None."""
+    if not (x.is_contiguous() and out.is_contiguous()):
+        return "x and out must be contiguous"
+    return layout_misfit(d, x_col, k, int(x.shape[1]), out_col, n, int(out.shape[1]),
+                         x.data_ptr(), out.data_ptr())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,15 +135,10 @@ class GroupedSpec:
             why = unsupported_reason(b.k, b.n)
             if why is None and b.d not in IRREP_DIMS:
                 why = f"irrep dimension {b.d} is not one of {IRREP_DIMS}"
-            if why is None and (b.x_col < 0 or b.x_col + b.k * b.d > self.lda or b.out_col < 0
-                                or b.out_col + b.n * b.d > self.ldc):
-                why = f"block {b} does not fit rows of {self.lda} and {self.ldc} floats"
+            if why is None:  # the kernel checks at launch that the rows start aligned
+                why = layout_misfit(b.d, b.x_col, b.k, self.lda, b.out_col, b.n, self.ldc)
             if why is None and b.w_offset % ALIGN:
                 why = f"weights at float {b.w_offset}: not a multiple of {ALIGN}"
-            if why is None and b.d == 1 and (b.x_col % 4 or self.lda % 4 or b.out_col % 2
-                                             or self.ldc % 2):
-                why = ("scalars are copied in 16-byte chunks and written in 8-byte pairs: "
-                       "their columns and rows must be aligned to them")
             if why is not None:
                 raise ValueError(why)
 
