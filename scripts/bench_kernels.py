@@ -867,6 +867,56 @@ def tf32x3_gemm(args) -> None:
                         args.repeats)
 
 
+@family("grouped-linear",
+        opt("--nodes", type=ints, default="256,864,6912", help="node counts"),
+        opt("--variants", type=names, default="64:128:16:2:4:3,128:128:16:2:4:2",
+            help="other tile geometries bm:bn:bk:warps_m:warps_n:stages, comma-separated"))
+def grouped_linear(args) -> None:
+    """MACE-MH-1's 512-channel equivariant linears on the grouped 3xTF32 kernel.
+
+    linear_2 (512x(0e+1o+2e+3o) to itself), linear_1 (128x(0e+1o+2e+3o) to
+    2048x0e+512x(1o+2e+3o)) and the product's linear (512x(0e+1o)), float32, each map's blocks
+    in one launch on the default tiles and the --variants, against cuBLAS's float32 (FMA units)
+    and TF32 (one pass, not float32-accurate) GEMMs of the same FLOPs on row-major copies.
+    """
+    from mace_accel._e3nn_compat import o3
+    from mace_accel.ops.irreps_linear import gemm
+    from mace_accel.ops.irreps_linear.spec import effective_weights, linear_scales, linear_spec
+    from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
+
+    maps = {"linear_2": ("512x0e+512x1o+512x2e+512x3o",) * 2,
+            "linear_1": ("128x0e+128x1o+128x2e+128x3o", "2048x0e+512x1o+512x2e+512x3o"),
+            "product": ("512x0e+512x1o",) * 2}
+    geometries = [None] + [tuple(int(v) for v in s.split(":")) for s in args.variants]
+    for name, (irreps_in, irreps_out) in maps.items():
+        lin = o3().Linear(irreps_in, irreps_out).cuda()
+        spec = linear_spec(lin)
+        w = effective_weights(spec, lin.weight.detach(), linear_scales(lin)).contiguous()
+        grouped, buffer = gemm._prepared(spec, w).grouped
+        flops = sum(2 * b.k * b.n * b.d for b in grouped.blocks)  # a node's
+        for nodes in args.nodes:
+            x = torch.randn(nodes, spec.dim_in, device="cuda")
+            exact = gemm.apply(spec, x.double(), w.double())
+            out = torch.zeros(nodes, spec.dim_out, device="cuda")
+            for geometry in geometries:
+                try:
+                    tf32x3.mm_grouped(grouped, x, buffer, out, geometry)
+                except ValueError as exc:  # a geometry the shared memory cannot hold
+                    say(f"  skip {geometry}: {exc}")
+                    continue
+                ms = graph_ms(partial(tf32x3.mm_grouped, grouped, x, buffer, out, geometry),
+                              args.repeats)
+                say(f"{name:8s} {nodes:5d} nodes 3xtf32 {str(geometry or 'default'):26s} "
+                    f"{rates(ms, flops * nodes)} err {rel_err(out, exact):.1e}")
+            pairs = [(torch.randn(nodes * b.d, b.k, device="cuda"),
+                      torch.randn(b.k, b.n, device="cuda")) for b in grouped.blocks]
+            for label, tf32 in (("cuBLAS float32", False), ("cuBLAS tf32 (1 pass)", True)):
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+                ms = graph_ms(lambda: [a @ b for a, b in pairs], args.repeats)
+                say(f"{name:8s} {nodes:5d} nodes {label:33s} {rates(ms, flops * nodes)}")
+            torch.backends.cuda.matmul.allow_tf32 = False
+
+
 @family("gemm-layouts",
         opt("--edges", type=int, default=539136, help="rows (edges)"),
         opt("--dtypes", type=dtypes, default="float32,float64", help="comma-separated"))

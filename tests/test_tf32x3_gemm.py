@@ -67,7 +67,7 @@ def test_grouped_spec_plan_and_source():
     """A grouped kernel walks its blocks' tiles in one x (largest irreps first as given), each
     block's tile function with its own widths and irrep dimension; blocks that do not fit the
     rows, misaligned scalars and misaligned weights are refused."""
-    spec = codegen.GROUPED_CATALOG["e3nn_grouped_narrow"]
+    spec = codegen.GROUPED_CATALOG["e3nn_grouped_ragged"]
     plan = codegen.plan_kernel(spec)
     assert plan.bn == 64  # the narrow block sets the tiles
     assert plan.grid(100) == (2 * 8 + 5 * 8 + 8 * 1, 1)  # ceil(100 d / 64) x ceil(n / 64)

@@ -26,7 +26,6 @@ import torch
 
 from mace_accel.ops.irreps_linear.spec import LinearInstruction, LinearSpec, weight_block
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
-from mace_accel.ops.tf32x3_gemm.codegen import NARROW
 from mace_accel.ops.tf32x3_gemm.spec import (IRREP_DIMS, E3nnBlock, GroupedSpec, e3nn_misfit,
                                              layout_misfit)
 
@@ -51,11 +50,6 @@ MIN_WEIGHTS_FLOAT32 = 1 << 18
 _IN_PLACE = True
 # ... all of them in one launch (a test hook: off, one launch a block, for A/B timings)
 _GROUPED = True
-# below this many nodes the grouped launch takes the narrow tiles (64 x 64, up to three blocks
-# an SM), more of them for a GPU that the wide ones (64 x 128, one an SM) leave half idle on
-# small systems: MH-1's call in a CUDA graph 14% faster at 256 atoms, 10% at 864 (larger
-# systems not measured: they keep the tiles by the blocks' widths)
-NARROW_BELOW = 1024
 
 
 def runs_on(spec: LinearSpec) -> bool:
@@ -206,7 +200,7 @@ def apply(spec: LinearSpec, x: Tensor, w: Tensor) -> Tensor:
     done: FrozenSet[int] = frozenset()
     if prepared.grouped is not None and _IN_PLACE and _GROUPED and _fits_grouped(x, out):
         grouped, buffer = prepared.grouped
-        tf32x3.mm_grouped(grouped, x, buffer, out, NARROW if n < NARROW_BELOW else None)
+        tf32x3.mm_grouped(grouped, x, buffer, out)
         done = prepared.in_group
     for i, (b, (group, weights, x_col)) in enumerate(zip(spec.out_blocks, prepared.blocks)):
         if i in done:

@@ -24,7 +24,12 @@ from mace_accel.ops.templates import render
 # (bm, bn, bk, warps_m, warps_n, stages)
 WIDE = (64, 128, 16, 2, 4, 3)
 NARROW = (64, 64, 32, 2, 2, 2)
-WIDE_FROM = 128  # output widths from here take the wide tiles
+WIDE_FROM = 128  # output widths from here take the wide tiles (plain GEMMs)
+# a grouped kernel (an equivariant linear map's blocks in one launch) takes the narrow tiles at
+# every size: more blocks of fewer warps per SM hide the strided loads of e3nn's layout better;
+# MH-1's 512-channel maps alone 11-19% faster than on the wide tiles at 6,912 nodes, 8-15% at
+# 864 (scripts/bench_kernels.py grouped-linear)
+GROUPED_TILES = NARROW
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +82,7 @@ class GemmPlan:
 def plan_kernel(spec: Union[GemmSpec, GroupedSpec], arch: str = "sm_90",
                 geometry: Optional[Tuple[int, int, int, int, int, int]] = None) -> GemmPlan:
     """The plan of ``spec``: :data:`WIDE` or :data:`NARROW` tiles by the output width (a
-    grouped spec's narrowest block), or ``geometry`` ``(bm, bn, bk, warps_m, warps_n, stages)``
+    grouped spec: :data:`GROUPED_TILES`), or ``geometry`` ``(bm, bn, bk, warps_m, warps_n, stages)``
     (benchmarks).
 
     Raises:
@@ -85,15 +90,15 @@ def plan_kernel(spec: Union[GemmSpec, GroupedSpec], arch: str = "sm_90",
             a multiple of 8) or does not fit the static shared memory.
     """
     if isinstance(spec, GroupedSpec):
-        n = min(b.n for b in spec.blocks)
-        fields = (spec.key(), arch, 0, n, "nk", "none", 0)
+        fields = (spec.key(), arch, 0, min(b.n for b in spec.blocks), "nk", "none", 0)
         extra = dict(groups=spec.blocks, lda=spec.lda, ldc=spec.ldc)
+        default = GROUPED_TILES
     else:
-        n = spec.n
         fields = (spec.key(), arch, spec.k, spec.n, spec.b_layout, spec.epilogue,
                   spec.irrep_dim)
         extra = {}
-    geo = geometry or (WIDE if n >= WIDE_FROM else NARROW)
+        default = WIDE if spec.n >= WIDE_FROM else NARROW
+    geo = geometry or default
     bm, bn, bk, wm, wn, stages = geo
     if bm % (16 * wm) or bn % (8 * wn) or bk % 8 or stages < 2 or wm * wn * 32 > 1024:
         raise ValueError(f"tile geometry {geo} does not split into warps of 16x8 mma tiles "
@@ -135,12 +140,12 @@ CATALOG = {
     "e3nn_scalars": GemmSpec(512, 512, "nk", irrep_dim=1),
     "e3nn_vectors": GemmSpec(384, 512, "nk", irrep_dim=3),
 }
-# whole maps in one launch: MH-1-like 512-channel scalars and vectors (wide tiles), and the same
-# with a narrow block of 2e (narrow tiles)
+# whole maps in one launch: MH-1-like 512-channel scalars and vectors, and the same with a
+# narrow block of 2e (ragged tiles)
 GROUPED_CATALOG = {
     "e3nn_grouped": GroupedSpec((E3nnBlock(3, 512, 512, 512, 512, 0),
                                  E3nnBlock(1, 512, 512, 0, 0, 262144)), 2048, 2048),
-    "e3nn_grouped_narrow": GroupedSpec((E3nnBlock(3, 512, 512, 512, 512, 0),
+    "e3nn_grouped_ragged": GroupedSpec((E3nnBlock(3, 512, 512, 512, 512, 0),
                                         E3nnBlock(1, 512, 512, 0, 0, 262144),
                                         E3nnBlock(5, 64, 32, 2048, 2048, 524288)), 2368, 2208),
 }
