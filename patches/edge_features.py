@@ -29,7 +29,8 @@ from mace_accel.ops.edge_features.spec import (
     radial_spec_from_module,
     sh_spec_from_module,
 )
-from mace_accel.ops import species
+from mace_accel.ops import glue, species
+from mace_accel.ops.graph import graph_from_edge_index
 from mace_accel.ops.radial.table import order as radial_order
 from mace_accel.ops.species import PairSet
 from mace_accel.options import AccelOptions
@@ -157,6 +158,8 @@ class FusedRadialEmbedding(FusedModule):
 
     def start_compiles(self, dtype: torch.dtype, device: torch.device) -> None:
         autograd.start_compiles(self._key, dtype, device)
+        if self.spec.transform is not None or self.pair_kind is not None:
+            glue.start_compiles(dtype, device)  # the edges' pairs (and the blocks' densities)
 
     def _current_key(self) -> str:
         if torch.compiler.is_compiling():  # no _version guards in a graph: the spec as fused
@@ -184,19 +187,13 @@ class FusedRadialEmbedding(FusedModule):
         _check_floating("edge_lengths", edge_lengths, 1)
         key = self._current_key()
         lengths = edge_lengths.reshape(-1, 1)
-        elements = None
+        r0 = slots = None
         if self.spec.transform is not None or self.pair_kind is not None:
             if node_attrs is None or edge_index is None:
                 raise InputError("this radial embedding needs node_attrs and edge_index (its "
                                  "weights depend on the edges' elements), as mace passes them")
-            elements = species.node_elements(node_attrs)
-        r0 = None
-        if self.spec.transform is not None:
-            r0 = edge_reference.pair_r0(self.spec.transform, self._radii(lengths),
-                                        elements, edge_index)
+            r0, slots = self._edge_pairs(lengths, node_attrs, edge_index)
         feats, cutoff = autograd.radial_embedding(key, lengths, self.backend, r0)
-        slots = None if self.pair_kind is None else self._edge_slots(node_attrs, elements,
-                                                                     edge_index)
         lead = edge_lengths.shape[:-1]
         feats = feats.reshape(*lead, self.spec.num_basis)
         # what the radial MLPs' tables look up (table_input): the features by identity, so no
@@ -214,14 +211,34 @@ class FusedRadialEmbedding(FusedModule):
                                   lambda: torch.tensor(values, dtype=like.dtype,
                                                        device=like.device))
 
-    def _edge_slots(self, node_attrs: torch.Tensor, elements: torch.Tensor,
-                    edge_index: torch.Tensor) -> torch.Tensor:
-        """``[E]`` int32: the table slot of each edge's pair of elements, the pairs extended
-        first to every element of ``node_attrs`` (see :meth:`cover`)."""
-        self.cover(node_attrs)
-        slot_map = self._kernel_cache(("slot_map", self.pairs, node_attrs.device), lambda: (
-            torch.tensor(self.pairs.slot_map(), dtype=torch.int32, device=node_attrs.device)))
-        return species.edge_slots(elements, edge_index, slot_map, self.pairs.n_elements)
+    def _edge_pairs(self, lengths: torch.Tensor, node_attrs: torch.Tensor,
+                    edge_index: torch.Tensor
+                    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(r0 [E, 1], slots [E] int32)`` of the edges' pairs of elements: the transform's
+        ``r0`` (None without one) and each pair's table slot (None without pair tables; the
+        pairs extended first to every element of ``node_attrs``, see :meth:`cover`). One
+        kernel on CUDA, torch's gathers elsewhere (the same numbers)."""
+        elements = edge_vectors.element_index(node_attrs, torch.int64)
+        transform = self.spec.transform
+        radii = None if transform is None else self._radii(lengths)
+        slot_map = None
+        if self.pair_kind is not None:
+            self.cover(node_attrs)
+            slot_map = self._kernel_cache(("slot_map", self.pairs, node_attrs.device), lambda: (
+                torch.tensor(self.pairs.slot_map(), dtype=torch.int32,
+                             device=node_attrs.device)))
+        n_elements = int(node_attrs.shape[1])
+        if glue.runs_on(lengths):
+            graph = graph_from_edge_index(edge_index, int(node_attrs.shape[0]))
+            scale = 0.0 if transform is None else edge_reference.R0_SCALE[transform.kind]
+            return glue.kernels(lengths.dtype, lengths.device).edge_pairs(
+                elements, graph.index32("sender"), graph.index32("receiver"), radii, scale,
+                slot_map, n_elements)
+        r0 = None if transform is None else edge_reference.pair_r0(transform, radii, elements,
+                                                                    edge_index)
+        slots = None if slot_map is None else species.edge_slots(elements, edge_index,
+                                                                 slot_map, n_elements)
+        return r0, slots
 
     def cover(self, node_attrs: torch.Tensor) -> bool:
         """Make the pairs those of the elements of ``node_attrs [N, n]`` (reading them waits

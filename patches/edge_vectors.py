@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from mace_accel.ops import species
 from mace_accel.options import AccelOptions
 
 
@@ -39,8 +40,9 @@ class CallState:
     what its blocks share, per input tensor (dropped when the call ends)."""
 
     options: Optional[AccelOptions]
-    elements: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
-        default_factory=dict)
+    # (id of node_attrs, dtype) -> (node_attrs, its element indices)
+    elements: Dict[Tuple[int, torch.dtype], Tuple[torch.Tensor, torch.Tensor]] = \
+        dataclasses.field(default_factory=dict)
 
 
 # the accelerated model call that is running (None: none, mace's own function)
@@ -135,18 +137,23 @@ def leave_call(model: torch.nn.Module, args: Any, output: Any) -> None:
         _ACTIVE.reset(stack.pop())
 
 
-def element_index(node_attrs: torch.Tensor) -> torch.Tensor:
-    """``[N]`` int32: the element of each node, the argmax of the one-hot ``node_attrs [N, Z]``;
-    inside an accelerated model's call computed once for all its blocks (they get the same
-    tensor), so a captured CUDA graph computes it once per replay."""
+def element_index(node_attrs: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``[N]`` int32 (or int64): the element of each node, mace's argmax of the one-hot
+    ``node_attrs [N, Z]`` (:func:`~mace_accel.ops.species.node_elements`); inside an
+    accelerated model's call computed once for all its blocks (they get the same tensor), so
+    a captured CUDA graph computes it once per replay (the int32 copy from the int64)."""
     call = None if torch.compiler.is_compiling() else _ACTIVE.get()
+    key = (id(node_attrs), dtype)
     if call is not None:
-        hit = call.elements.get(id(node_attrs))
+        hit = call.elements.get(key)
         if hit is not None and hit[0] is node_attrs:
             return hit[1]
-    elem = node_attrs.argmax(dim=-1).to(torch.int32)
+    if dtype == torch.int64:
+        elem = species.node_elements(node_attrs)
+    else:
+        elem = element_index(node_attrs, torch.int64).to(dtype)
     if call is not None:
-        call.elements[id(node_attrs)] = (node_attrs, elem)
+        call.elements[key] = (node_attrs, elem)
     return elem
 
 

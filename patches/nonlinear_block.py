@@ -26,6 +26,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from mace_accel.errors import InputError
+from mace_accel.ops import glue
 from mace_accel.options import AccelOptions
 from mace_accel.patches import gate as split_gate
 from mace_accel.patches.radial import table as radial_table
@@ -210,20 +211,25 @@ class FusedLayerNormMLP(FusedModule):
 
 class _ReceiverSums(torch.autograd.Function):
     """:func:`receiver_sums` with its gradient written directly: each edge gets its receiver's
-    gradient (one gather). The forward is a gather and a segmented float64 sum (it was float64
-    prefix sums and their differences: eleven kernels, on the critical path of an MD-sized
-    call). The gather is differentiable in the gradient, so double backward (training on
-    forces) follows."""
+    gradient (one gather). The forward is one kernel on CUDA
+    (:meth:`~mace_accel.ops.glue.CudaGlue.receiver_sums`; it was float64
+    prefix sums and their differences, eleven kernels on the critical path of an MD-sized
+    call, then a gather, two casts and a segmented sum), else a gather and a segmented float64
+    sum. The gather is differentiable in the gradient, so double backward (training on forces)
+    follows."""
 
     @staticmethod
     def forward(ctx, values: Tensor, edge_index: Tensor, n_nodes: int) -> Tensor:
         from mace_accel.ops.graph import graph_from_edge_index
 
-        ptr, perm = graph_from_edge_index(edge_index, n_nodes).csr("receiver", torch.int64)
+        graph = graph_from_edge_index(edge_index, n_nodes)
         ctx.save_for_backward(edge_index)
-        # each receiver's edges summed in order by one thread, in float64 as the prefix sums
-        # before it were (``unsafe``: no check of the offsets, which would read them on the
-        # host: they are the graph's own)
+        if glue.runs_on(values) and values.dim() == 2:
+            return glue.kernels(values.dtype, values.device).receiver_sums(
+                values.contiguous(), *graph.csr("receiver", torch.int32))
+        ptr, perm = graph.csr("receiver", torch.int64)
+        # each receiver's edges summed in order by one thread, in float64 (``unsafe``: no
+        # check of the offsets, which would read them on the host: they are the graph's own)
         sums = torch.segment_reduce(values[perm].to(torch.float64), "sum", offsets=ptr,
                                     axis=0, unsafe=True)
         return sums.to(values.dtype)

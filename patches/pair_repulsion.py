@@ -13,10 +13,10 @@ from typing import List, Optional
 
 import torch
 
-from mace_accel.ops import species
 from mace_accel.ops.pair_repulsion import autograd
 from mace_accel.ops.pair_repulsion.spec import ZBLSpec, zbl_spec_from_module
 from mace_accel.options import AccelOptions
+from mace_accel.patches import edge_vectors
 from mace_accel.patches.adopt import FusedModule
 from mace_accel.patches.edge_features import model_numbers
 from mace_accel.patches.registry import RECORD_ATTR, PartPlan, SubmodulePatch
@@ -56,7 +56,7 @@ class FusedPairRepulsion(FusedModule):
 
     def forward(self, x: torch.Tensor, node_attrs: torch.Tensor, edge_index: torch.Tensor,
                 atomic_numbers: Optional[torch.Tensor] = None) -> torch.Tensor:
-        elements = species.node_elements(node_attrs)
+        elements = edge_vectors.element_index(node_attrs, torch.int64)
         return autograd.repulsion(self._current_spec(), x, elements, edge_index, self.backend)
 
 

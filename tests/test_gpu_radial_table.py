@@ -48,7 +48,7 @@ BOUNDS = {torch.float32: (1e-6, 1e-5, 1e-6), torch.float64: (1e-14, 1e-12, 1e-12
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("n_out", [1280, 90])
+@pytest.mark.parametrize("n_out", [1280, 90, 1])
 @pytest.mark.parametrize("edges", [1, 1000, 70000, 70001])
 def test_lookup_matches_the_table_and_the_mlp(n_out, edges, dtype):
     """Forward and ``d r`` of the kernels (cubic float32, quintic float64 tables) against the

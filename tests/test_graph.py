@@ -72,3 +72,21 @@ def test_last_graph_is_reused_until_the_edges_change():
     assert cached_graph(edge_index, 10) is None
     forget_cached_graph()
     assert cached_graph(edge_index, 10) is None
+
+
+def test_range_check_runs_on_a_graph_built_without_it():
+    """An op that builds the call's graph unchecked does not let a later caller that asks for
+    the check skip it; once checked, the reused graph is not checked again."""
+    forget_cached_graph()
+    edge_index = _edges(10, 40, seed=6)
+    graph = graph_from_edge_index(edge_index, 10)
+    assert not graph.ranges_checked
+    assert graph_from_edge_index(edge_index, 10, check_ranges=True) is graph
+    assert graph.ranges_checked
+    bad = edge_index.clone()
+    bad[1, 3] = 10
+    unchecked = graph_from_edge_index(bad, 10)
+    with pytest.raises(InputError, match="only 10 nodes"):
+        graph_from_edge_index(bad, 10, check_ranges=True)
+    assert not unchecked.ranges_checked
+    forget_cached_graph()

@@ -31,6 +31,7 @@ class ConvGraph:
     sender: torch.Tensor
     receiver: torch.Tensor
     n_nodes: int
+    ranges_checked: bool = False  # every index was found in [0, n_nodes)
     _derived: dict = dataclasses.field(default_factory=dict, repr=False)  # int32 copies, CSRs
 
     @property
@@ -193,7 +194,8 @@ def graph_from_edge_index(edge_index: torch.Tensor, n_nodes: int,
     """Build (or reuse) the :class:`ConvGraph` of ``edge_index [2, E]``.
 
     The last graph is reused while the same, unmodified ``edge_index`` tensor comes back with the
-    same node count, which is the case for every layer of one model call.
+    same node count, which is the case for every layer of one model call; a caller that asks for
+    the check gets it on a graph another op built without.
 
     Args:
         check_ranges: verify every index is in ``[0, n_nodes)`` (synchronises with the device).
@@ -207,18 +209,21 @@ def graph_from_edge_index(edge_index: torch.Tensor, n_nodes: int,
     if edge_index.dtype not in (torch.int32, torch.int64):
         raise InputError(f"edge_index must be int32 or int64, got {edge_index.dtype}")
     compiling = torch.compiler.is_compiling()  # dynamo cannot guard on _version: no reuse
-    if _LAST is not None and not compiling:
-        ref, version, nodes, graph = _LAST
-        if ref() is edge_index and version == edge_index._version and nodes == n_nodes:
-            return graph
+    reused = cached_graph(edge_index, n_nodes) if not compiling else None
+    if reused is not None and (reused.ranges_checked or not check_ranges):
+        return reused
     if check_ranges and edge_index.numel() > 0:
         lo, hi = int(edge_index.min()), int(edge_index.max())
         if lo < 0 or hi >= n_nodes:
             raise InputError(
                 f"edge_index holds node indices in [{lo}, {hi}] but there are only {n_nodes} nodes"
             )
+    if reused is not None:  # built by an op that did not check: checked now, kept
+        reused.ranges_checked = True
+        return reused
     ei = edge_index.to(torch.int64)
-    graph = ConvGraph(sender=ei[0].contiguous(), receiver=ei[1].contiguous(), n_nodes=int(n_nodes))
+    graph = ConvGraph(sender=ei[0].contiguous(), receiver=ei[1].contiguous(),
+                      n_nodes=int(n_nodes), ranges_checked=check_ranges)
     if not compiling:
         _LAST = (weakref.ref(edge_index), edge_index._version, int(n_nodes), graph)
     return graph

@@ -22,7 +22,7 @@ ORDERED, UNORDERED = "ordered", "unordered"
 
 def node_elements(node_attrs: Tensor) -> Tensor:
     """``[N]`` int64: each atom's element index (mace's ``argmax`` of ``node_attrs [N, n]``)."""
-    return torch.argmax(node_attrs.detach(), dim=1)
+    return node_attrs.detach().argmax(dim=1)
 
 
 def elements_present(node_attrs: Tensor) -> Tuple[int, ...]:

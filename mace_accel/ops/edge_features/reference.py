@@ -114,12 +114,16 @@ def distance_transform(transform: DistanceTransform, lengths: Tensor, r0: Tensor
     return p0 + (lengths - p0) * s
 
 
+# r0 = scale (radius_a + radius_b) per transform (mace: Agnesi the mean, Soft the sum)
+R0_SCALE = {"Agnesi": 0.5, "Soft": 1.0}
+
+
 def pair_r0(transform: DistanceTransform, radii: Tensor, elements: Tensor,
             edge_index: Tensor) -> Tensor:
     """``[E, 1]``: the transform's ``r0`` of each edge from the radii of the model's elements
     ``radii [n]`` and the atoms' element indices ``elements [N]`` (mace's arithmetic)."""
     total = radii[elements[edge_index[0]]] + radii[elements[edge_index[1]]]
-    return (0.5 * total if transform.kind == "Agnesi" else total).unsqueeze(-1)
+    return (R0_SCALE[transform.kind] * total).unsqueeze(-1)
 
 
 def radial_cutoff(spec: RadialSpec, lengths: Tensor) -> Tensor:

@@ -27,8 +27,9 @@ BACKWARD_THREADS = 256  # the backward in any order: warps of a block, two edges
 DIRECTIONS = ("forward", "backward", "sorted_backward")
 DTYPES = ("float32", "float64")
 # the row widths CI compiles: MACE-MP medium's two interactions, MACE-MP large's, and widths
-# that take the narrower vectors (odd: scalars in both dtypes; 2 mod 4: float2 in float32)
-CATALOG_WIDTHS = (512, 1280, 1792, 2560, 90, 45)
+# that take the narrower vectors (odd: scalars in both dtypes; 2 mod 4: float2 in float32), and
+# a density's one weight (rows narrower than the block: lanes of edges)
+CATALOG_WIDTHS = (512, 1280, 1792, 2560, 90, 45, 1)
 # the degree each dtype's tables have (ops/radial/table/table.py SPECS)
 CATALOG_DEGREES = {"float32": 3, "float64": 5}
 _VEC = {"float32": (4, 2, 1), "float64": (2, 1)}

@@ -1,0 +1,21 @@
+"""The glue kernels' sources (CPU): both per dtype, in the catalog CI compiles and pins."""
+
+from __future__ import annotations
+
+import pytest
+
+from mace_accel.ops import glue
+from mace_accel.ops.sources import PIN_LIMITS
+
+
+@pytest.mark.parametrize("dtype,real", [("float32", "float"), ("float64", "double")])
+def test_both_kernels_render_per_dtype(dtype, real):
+    src = glue.render_kernels(dtype)
+    for which in glue.KERNELS:
+        assert f"{glue.kernel_name(which, dtype)}(" in src
+    assert f"typedef {real} real;" in src and "__shfl_xor_sync" in src and "atomic" not in src
+
+
+def test_catalog_has_both_dtypes():
+    names = [name for name, _ in glue.catalog_sources(PIN_LIMITS)]
+    assert names == ["glue/float32", "glue/float64"]
