@@ -3,6 +3,7 @@ replayed as a CUDA graph against cuEquivariance and e3nn captured the same way, 
 batched MD against torch-sim's own MACE model. Same process, same systems.
 
     python scripts/bench_model.py graphs [--sizes 256,2048] [--md 256,864] [--serial] [--shares]
+    python scripts/bench_model.py replay [--models mp0-medium,mpa0-medium,mh1 --sizes 256,864]
     python scripts/bench_model.py torchsim [--systems 64 --atoms 108 --steps 100]
     python scripts/bench_model.py radial-routes [--models mpa0-medium,mp0-medium]
 
@@ -10,6 +11,10 @@ batched MD against torch-sim's own MACE model. Same process, same systems.
 against the simpler ones (the faster routes switched off in turn), rounds interleaved: the
 numbers that keep or remove a radial kernel variant (docs/performance.md); with ``--tables``,
 the tables' sorted walk of the edges against the unsorted one.
+
+``replay``: mace-accel's call replayed as the calculator's CUDA graph (``GraphedCall``) for
+several models in one process, rounds interleaved, each against the first model's time (what
+the MD-sized targets compare: MPA-0's and MH-1's call against MP-0's).
 """
 
 from __future__ import annotations
@@ -204,6 +209,32 @@ def graphs(args) -> None:
             json.dump(out, fh, indent=1, default=str)
 
 
+def replay(args) -> None:
+    from mace_accel.capture import GraphedCall
+
+    models = {}
+    for name in args.models:
+        source = resolve_model_source(name).load(torch.float32, torch.device("cuda"))
+        info = model_info(source)
+        models[name] = (prepare_backend("mace-accel", source, "cuda").model, info)
+    for size in args.sizes:
+        calls = {}
+        for name, (model, info) in models.items():
+            batch = make_batch(build_system(info, size), info, torch.float32, "cuda")[0]
+            graphed = GraphedCall(model, info.r_max)
+            calls[name] = (lambda g=graphed, b=batch: g(b, compute_stress=False))
+            calls[name]()  # captures
+        times: Dict[str, List[float]] = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                times[name] += list(time_calls(call, "cuda", 3, args.repeats).samples_ms)
+        medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+        base = medians[args.models[0]]
+        print(json.dumps({"atoms": size, "ms": {n: round(m, 3) for n, m in medians.items()},
+                          "ratio": {n: round(m / base, 3) for n, m in medians.items()}}),
+              flush=True)
+
+
 def torchsim(args) -> None:
     """atoms x steps per second of ``ts.integrate(..., integrator=ts.nvt_langevin)`` after a
     warm-up run, and each model's energies against mace-accel's on the first state."""
@@ -367,11 +398,17 @@ def main(argv=None) -> None:
     r.add_argument("--tables", action="store_true",
                    help="radial tables on: time the lookups walking the edges sorted by length "
                         "against unsorted")
+    p = modes.add_parser("replay", help="several models' calls in CUDA graphs, one process")
+    p.add_argument("--models", type=csv(str), default="mp0-medium,mpa0-medium,mh1")
+    p.add_argument("--sizes", type=csv(int), default="256,864", help="atom counts")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default: 4)")
+    p.add_argument("--repeats", type=int, default=15, help="replays a model per round")
     for sub in (g, t):
         sub.add_argument("--model", default="mp-medium")
     g.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
-    {"graphs": graphs, "torchsim": torchsim, "radial-routes": radial_routes}[args.mode](args)
+    {"graphs": graphs, "torchsim": torchsim, "radial-routes": radial_routes,
+     "replay": replay}[args.mode](args)
 
 
 if __name__ == "__main__":
