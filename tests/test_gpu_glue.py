@@ -87,19 +87,3 @@ def test_checks_before_launch():
     elements = torch.zeros(10, dtype=torch.int64, device="cuda")
     with pytest.raises(KernelError, match="int64"):
         ops.edge_pairs(elements.int(), perm, perm, None, 0.0, None, 1)
-
-
-
-def test_checks_before_launch():
-    ops = glue.kernels(torch.float32, torch.device("cuda"))
-    edge_index = _graph(10, 50, seed=1)
-    ptr, perm = graph_from_edge_index(edge_index, 10).csr("receiver", torch.int32)
-    with pytest.raises(KernelError, match="float32"):
-        ops.receiver_sums(torch.zeros(50, 1, dtype=torch.float64, device="cuda"), ptr, perm)
-    with pytest.raises(KernelError, match="shape"):
-        ops.receiver_sums(torch.zeros(49, 1, device="cuda"), ptr, perm)
-    with pytest.raises(KernelError, match="int32"):
-        ops.receiver_sums(torch.zeros(50, 1, device="cuda"), ptr.long(), perm)
-    elements = torch.zeros(10, dtype=torch.int64, device="cuda")
-    with pytest.raises(KernelError, match="int64"):
-        ops.edge_pairs(elements.int(), perm, perm, None, 0.0, None, 1)
