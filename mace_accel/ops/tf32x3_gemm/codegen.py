@@ -8,8 +8,10 @@ thousands) 64 x 64 tiles (4 warps, slices of 32 two deep).
 
 Against torch.mm on cuBLAS's float32 kernels (``scripts/bench_kernels.py tf32x3-gemm``, MACE-MP's
 64 -> 1280 layer): faster on small graphs and in the backward, on par in the large forward.
-Relative L-infinity error against a float64 product: 2-4e-7 (cuBLAS 4e-7 forward, 0.7-1.9e-6 backward). Tried and slower: 128 x
-128 tiles (16 warps), 64 x 64 forward tiles, 32 x 128 tiles.
+Relative L-infinity error against a float64 product: 2-4e-7 (cuBLAS 4e-7 forward, 0.7-1.9e-6
+backward). Tried and slower for these plain GEMMs: 128 x 128 tiles (16 warps), 64 x 64 forward
+tiles, 32 x 128 tiles. The grouped kernels of equivariant linear maps take
+:data:`GROUPED_TILES`.
 """
 
 from __future__ import annotations
