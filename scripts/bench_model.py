@@ -4,6 +4,7 @@ batched MD against torch-sim's own MACE model. Same process, same systems.
 
     python scripts/bench_model.py graphs [--sizes 256,2048] [--md 256,864] [--serial] [--shares]
     python scripts/bench_model.py replay [--models mp0-medium,mpa0-medium,mh1 --sizes 256,864]
+    python scripts/bench_model.py accuracy [--models mh1 --size 6912 --backends e3nn,mace-accel]
     python scripts/bench_model.py torchsim [--systems 64 --atoms 108 --steps 100]
     python scripts/bench_model.py radial-routes [--models mpa0-medium,mp0-medium]
 
@@ -15,6 +16,10 @@ the tables' sorted walk of the edges against the unsorted one.
 ``replay``: mace-accel's call replayed as the calculator's CUDA graph (``GraphedCall``) for
 several models in one process, rounds interleaved, each against the first model's time (what
 the MD-sized targets compare: MPA-0's and MH-1's call against MP-0's).
+
+``accuracy``: each backend's float32 energy and forces against e3nn's float64 on the same
+weights and structure (the bench checks float32 against e3nn's float32, whose own error grows
+with the model and the system: MH-1's at 6,912 atoms is ~1e-5).
 """
 
 from __future__ import annotations
@@ -235,6 +240,39 @@ def replay(args) -> None:
               flush=True)
 
 
+def accuracy(args) -> None:
+    from mace_accel.models.outputs import evaluate
+
+    device = torch.device(args.device)
+    for name in args.models:
+        results = {}
+        for dtype, backends in ((torch.float64, ["e3nn"]), (torch.float32, args.backends)):
+            source = resolve_model_source(name).load(dtype, device)
+            info = model_info(source)
+            batch = make_batch(build_system(info, args.size), info, dtype, args.device)[0]
+            for backend in backends:
+                prepared = prepare_backend(backend, source, args.device)
+                if not prepared.ok:
+                    print(json.dumps({"model": name, "backend": prepared.name,
+                                      "status": prepared.status}), flush=True)
+                    continue
+                model = prepared.model
+                inputs = dict(batch)
+                inputs["positions"] = batch["positions"].detach().clone().requires_grad_(True)
+                out = (evaluate(model, inputs, False) if backend.startswith("mace-accel")
+                       else model(inputs, compute_force=True, training=False))
+                results[(backend, dtype)] = {k: out[k].detach().double() for k in
+                                             ("energy", "forces")}
+                model = None
+        exact = results.pop(("e3nn", torch.float64))
+        for (backend, _), out in results.items():
+            errors = {k: float((out[k] - exact[k]).norm() / exact[k].norm()) for k in exact}
+            print(json.dumps({"model": name, "atoms": args.size, "backend": backend,
+                              "dtype": "float32", "vs": "e3nn float64",
+                              "rel_err": {k: f"{v:.2e}" for k, v in errors.items()}}),
+                  flush=True)
+
+
 def torchsim(args) -> None:
     """atoms x steps per second of ``ts.integrate(..., integrator=ts.nvt_langevin)`` after a
     warm-up run, and each model's energies against mace-accel's on the first state."""
@@ -403,12 +441,17 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", type=csv(int), default="256,864", help="atom counts")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default: 4)")
     p.add_argument("--repeats", type=int, default=15, help="replays a model per round")
+    a = modes.add_parser("accuracy", help="float32 energy and forces against e3nn float64")
+    a.add_argument("--models", type=csv(str), default="mh1")
+    a.add_argument("--size", type=int, default=6912, help="atoms")
+    a.add_argument("--backends", type=csv(str), default="e3nn,mace-accel")
+    a.add_argument("--device", default="cuda")
     for sub in (g, t):
         sub.add_argument("--model", default="mp-medium")
     g.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
     {"graphs": graphs, "torchsim": torchsim, "radial-routes": radial_routes,
-     "replay": replay}[args.mode](args)
+     "replay": replay, "accuracy": accuracy}[args.mode](args)
 
 
 if __name__ == "__main__":
