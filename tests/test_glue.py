@@ -19,3 +19,14 @@ def test_both_kernels_render_per_dtype(dtype, real):
 def test_catalog_has_both_dtypes():
     names = [name for name, _ in glue.catalog_sources(PIN_LIMITS)]
     assert names == ["glue/float32", "glue/float64"]
+
+
+def test_kernels_take_cuda_floats_outside_a_compile_trace(monkeypatch):
+    import torch
+
+    assert not glue.runs_on(torch.zeros(2))  # CPU: the torch formulas
+    fake_cuda = type("T", (), {"is_cuda": True, "dtype": torch.float32})()
+    assert glue.runs_on(fake_cuda)
+    assert not glue.runs_on(type("T", (), {"is_cuda": True, "dtype": torch.float16})())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not glue.runs_on(fake_cuda)

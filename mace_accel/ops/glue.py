@@ -112,8 +112,10 @@ class CudaGlue:
 
 
 def runs_on(t: Tensor) -> bool:
-    """Whether the kernels take ``t`` (a float32 or float64 CUDA tensor)."""
-    return t.is_cuda and t.dtype in (torch.float32, torch.float64)
+    """Whether the kernels take ``t``: a float32 or float64 CUDA tensor, outside a
+    ``torch.compile`` trace (there the torch formulas run: dynamo traces them, not a launch)."""
+    return t.is_cuda and t.dtype in (torch.float32, torch.float64) \
+        and not torch.compiler.is_compiling()
 
 
 def kernels(dtype: torch.dtype, device: torch.device) -> CudaGlue:
