@@ -215,8 +215,6 @@ def graphs(args) -> None:
 
 
 def replay(args) -> None:
-    from mace_accel.capture import GraphedCall
-
     models = {}
     for name in args.models:
         source = resolve_model_source(name).load(torch.float32, torch.device("cuda"))
@@ -226,8 +224,7 @@ def replay(args) -> None:
         calls = {}
         for name, (model, info) in models.items():
             batch = make_batch(build_system(info, size), info, torch.float32, "cuda")[0]
-            graphed = GraphedCall(model, info.r_max)
-            calls[name] = (lambda g=graphed, b=batch: g(b, compute_stress=False))
+            calls[name] = _accel_graph(model, batch, info.r_max)
             calls[name]()  # captures
         times: Dict[str, List[float]] = {name: [] for name in calls}
         for _ in range(args.rounds):
@@ -241,8 +238,6 @@ def replay(args) -> None:
 
 
 def accuracy(args) -> None:
-    from mace_accel.models.outputs import evaluate
-
     device = torch.device(args.device)
     for name in args.models:
         results = {}
@@ -256,14 +251,10 @@ def accuracy(args) -> None:
                     print(json.dumps({"model": name, "backend": prepared.name,
                                       "status": prepared.status}), flush=True)
                     continue
-                model = prepared.model
-                inputs = dict(batch)
-                inputs["positions"] = batch["positions"].detach().clone().requires_grad_(True)
-                out = (evaluate(model, inputs, False) if backend.startswith("mace-accel")
-                       else model(inputs, compute_force=True, training=False))
+                out = _eager(prepared.model, batch)()
                 results[(backend, dtype)] = {k: out[k].detach().double() for k in
                                              ("energy", "forces")}
-                model = None
+                prepared = None
         exact = results.pop(("e3nn", torch.float64))
         for (backend, _), out in results.items():
             errors = {k: float((out[k] - exact[k]).norm() / exact[k].norm()) for k in exact}

@@ -112,7 +112,7 @@ def mm_grouped(spec: GroupedSpec, x: Tensor, w: Tensor, out: Tensor,
                geometry: Optional[Tuple[int, int, int, int, int, int]] = None) -> None:
     """Writes the blocks of ``spec`` into ``out [N, ldc]`` from ``x [N, lda]`` and their weights
     ``w`` one after another, in one launch, in place (no copies), no autograd; ``geometry``:
-    the tiles (:func:`~.codegen.plan_kernel`; None: by the blocks' widths)."""
+    the tiles (:func:`~.codegen.plan_kernel`; None: :data:`~.codegen.GROUPED_TILES`)."""
     from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
 
     kernel = registry.cached((FAMILY, spec, geometry, x.device),
