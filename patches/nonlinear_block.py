@@ -251,9 +251,11 @@ def receiver_sums(values: Tensor, edge_index: Tensor, n_nodes: int) -> Tensor:
 
 class _DivideRows(torch.autograd.Function):
     """:func:`divide_rows` with its gradient written directly: ``g / d`` and
-    ``-<g, out> / d`` per row (two passes over ``g``; autograd's division took five, with
-    ``-g x / d^2`` formed whole before its sum). The backward is torch ops on the saved output,
-    so double backward (training on forces) follows."""
+    ``-<g, out> / d`` per row (autograd's division took five kernels, with ``-g x / d^2``
+    formed whole before its sum). On a GPU, outside a double backward, one kernel
+    (:meth:`~mace_accel.ops.glue.CudaGlue.divide_rows_backward`: four of torch's a block at
+    MD sizes, on the call's critical path); with ``create_graph`` (training on forces) torch
+    ops on the saved output, so the double backward follows."""
 
     @staticmethod
     def forward(ctx, x: Tensor, d: Tensor) -> Tensor:
@@ -264,6 +266,10 @@ class _DivideRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         out, d = ctx.saved_tensors
+        if not torch.is_grad_enabled() and glue.runs_on(out) and out.dim() == 2 \
+                and ctx.needs_input_grad[1]:
+            return glue.kernels(out.dtype, out.device).divide_rows_backward(
+                g.contiguous(), out, d.contiguous(), want_x=ctx.needs_input_grad[0])
         grad_x = g / d if ctx.needs_input_grad[0] else None
         grad_d = None
         if ctx.needs_input_grad[1]:

@@ -9,7 +9,7 @@ from mace_accel.ops.sources import PIN_LIMITS
 
 
 @pytest.mark.parametrize("dtype,real", [("float32", "float"), ("float64", "double")])
-def test_both_kernels_render_per_dtype(dtype, real):
+def test_every_kernel_renders_per_dtype(dtype, real):
     src = glue.render_kernels(dtype)
     for which in glue.KERNELS:
         assert f"{glue.kernel_name(which, dtype)}(" in src

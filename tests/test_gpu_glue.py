@@ -1,5 +1,6 @@
-"""The glue kernels (GPU): receiver sums and edge pairs against the torch formulas they replace,
-nodes without edges, the same bits on a repeat and in a CUDA graph, checks before launch."""
+"""The glue kernels (GPU): receiver sums, edge pairs and the division's backward against the
+torch formulas they replace, nodes without edges, the same bits on a repeat and in a CUDA
+graph, checks before launch."""
 
 from __future__ import annotations
 
@@ -74,6 +75,51 @@ def test_edge_pairs_equal_the_torch_gathers(dtype, kind):
     assert only_r0[1] is None and torch.equal(only_r0[0], r0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("n,k", [(0, 8), (1, 1), (256, 2048), (70, 9728)])
+def test_divide_rows_backward_matches_autograd(dtype, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(n, k, dtype=dtype, device="cuda", generator=gen)
+    d = 1 + torch.rand(n, 1, dtype=dtype, device="cuda", generator=gen) * 5
+    g = torch.randn(n, k, dtype=dtype, device="cuda", generator=gen)
+    ops = glue.kernels(dtype, torch.device("cuda"))
+    out = x / d
+    grad_x, grad_d = ops.divide_rows_backward(g, out, d)
+    xr, dr = x.double().requires_grad_(), d.double().requires_grad_()
+    want_x, want_d = torch.autograd.grad(xr / dr, (xr, dr), g.double())
+    assert torch.equal(grad_x, g / d)  # the same division, element for element
+    eps = torch.finfo(dtype).eps
+    scale = float((g.double() * out.double()).abs().sum(1).max()) if n else 0.0
+    assert grad_d.shape == (n, 1) and grad_d.dtype == dtype
+    # the float64 dot rounded once, the division once, against float64 autograd on x and d
+    assert n == 0 or float((grad_d.double() - want_d).abs().max()) <= 4 * eps * max(1.0, scale)
+    only_d = ops.divide_rows_backward(g, out, d, want_x=False)
+    assert only_d[0] is None and torch.equal(only_d[1], grad_d)
+    again = torch.full_like(grad_d, 7.0)
+    graph_run, _ = capture_graph(lambda: again.copy_(ops.divide_rows_backward(g, out, d)[1]))
+    graph_run.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again, grad_d)
+
+
+def test_divide_rows_takes_the_kernel_without_create_graph():
+    from mace_accel.patches.nonlinear_block import divide_rows
+
+    x = torch.randn(40, 96, device="cuda", requires_grad=True)
+    d = (1 + torch.rand(40, 1, device="cuda")).requires_grad_()
+    g = torch.randn(40, 96, device="cuda")
+    fast = torch.autograd.grad(divide_rows(x, d), (x, d), g)
+    graph = torch.autograd.grad(divide_rows(x, d), (x, d), g, create_graph=True)
+    plain = torch.autograd.grad(x / d, (x, d), g)
+    for a, b, c in zip(fast, graph, plain):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-5)
+    assert graph[1].requires_grad  # the torch ops: a double backward follows
+    ops = glue.kernels(torch.float32, torch.device("cuda"))
+    assert torch.equal(fast[1], ops.divide_rows_backward(g, x.detach() / d.detach(),
+                                                         d.detach())[1])
+
+
 def test_checks_before_launch():
     ops = glue.kernels(torch.float32, torch.device("cuda"))
     edge_index = _graph(10, 50, seed=1)
@@ -87,3 +133,8 @@ def test_checks_before_launch():
     elements = torch.zeros(10, dtype=torch.int64, device="cuda")
     with pytest.raises(KernelError, match="int64"):
         ops.edge_pairs(elements.int(), perm, perm, None, 0.0, None, 1)
+    rows = torch.zeros(10, 4, device="cuda")
+    with pytest.raises(KernelError, match="shape"):
+        ops.divide_rows_backward(rows, rows, torch.ones(10, device="cuda"))
+    with pytest.raises(KernelError, match="contiguous"):
+        ops.divide_rows_backward(rows.t().contiguous().t(), rows, torch.ones(10, 1, device="cuda"))

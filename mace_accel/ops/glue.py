@@ -1,7 +1,7 @@
 """The small CUDA kernels between the fused ops of the Density and non-linear blocks (template
 ``kernels/glue/glue.cu.j2``, one source per dtype): per-receiver sums of edge values (the
-blocks' densities) and each edge's pair of elements (a distance transform's ``r0`` and a radial
-table's slot). Each was a chain of torch's gathers and casts on the critical path of an
+blocks' densities), each edge's pair of elements (a distance transform's ``r0`` and a radial
+table's slot) and the backward of the blocks' division by the density. Each was a chain of torch's gathers and casts on the critical path of an
 MD-sized call. Launched on torch's current stream; outputs from ``torch.empty``, every element
 written; nothing synchronises (CUDA graphs). The torch formulas they replace stay the
 reference and the CPU path (:func:`mace_accel.patches.nonlinear_block.receiver_sums`,
@@ -26,7 +26,7 @@ from mace_accel.options import dtype_name
 Tensor = torch.Tensor
 THREADS = 256
 WHAT = "glue kernels"
-KERNELS = ("receiver_sums", "edge_pairs")
+KERNELS = ("receiver_sums", "edge_pairs", "divide_rows_backward")
 
 
 def kernel_name(which: str, dtype: str) -> str:
@@ -36,9 +36,10 @@ def kernel_name(which: str, dtype: str) -> str:
 
 def render_kernels(dtype: str) -> str:
     """The kernels for ``dtype`` (``"float32"`` or ``"float64"``)."""
-    sums, pairs = (kernel_name(k, dtype) for k in KERNELS)
+    sums, pairs, divide = (kernel_name(k, dtype) for k in KERNELS)
     return render("glue/glue.cu.j2", dtype=dtype, threads=THREADS, sums_name=sums,
-                  pairs_name=pairs, real="double" if dtype == "float64" else "float")
+                  pairs_name=pairs, divide_name=divide,
+                  real="double" if dtype == "float64" else "float")
 
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
@@ -62,7 +63,10 @@ class CudaGlue:
         self._real = np.float64 if dtype == torch.float64 else np.float32
 
     def _grid(self, threads: int) -> int:
-        return max(1, min(-(-threads // THREADS), self.sms * 16))
+        return self._blocks(-(-threads // THREADS))
+
+    def _blocks(self, blocks: int) -> int:
+        return max(1, min(blocks, self.sms * 16))
 
     def _check(self, name: str, t: Tensor, shape: Tuple[int, ...],
                dtype: Optional[torch.dtype] = None) -> None:
@@ -109,6 +113,24 @@ class CudaGlue:
                 ptr(elements), ptr(sender), ptr(receiver), ptr(radii), self._real(scale),
                 ptr(slot_map), i32(n_elements), ptr(r0), ptr(slots), i32(e)))
         return r0, slots
+
+    def divide_rows_backward(self, g: Tensor, out: Tensor, d: Tensor,
+                             want_x: bool = True) -> Tuple[Optional[Tensor], Tensor]:
+        """``(grad_x [N, k] or None, grad_d [N, 1])``: the gradients of ``out = x / d`` (``x,
+        out [N, k]``, ``d [N, 1]``) from ``g = dL/dout [N, k]``: ``g / d`` (where ``want_x``)
+        and ``-<g, out> / d``, the dot summed in float64 in a fixed order."""
+        n, k = int(out.shape[0]), int(out.shape[1])
+        self._check("g", g, (n, k))
+        self._check("out", out, (n, k))
+        self._check("d", d, (n, 1))
+        if n * max(k, 1) > INT32_MAX:
+            raise KernelSizeError(f"{n} rows x {k} values exceed the division's int32 range")
+        grad_x = torch.empty_like(out) if want_x else None
+        grad_d = torch.empty((n, 1), dtype=self.dtype, device=self.device)
+        if n:
+            self.kernels["divide_rows_backward"].launch(self._blocks(n), THREADS, (
+                ptr(g), ptr(out), ptr(d), ptr(grad_x), ptr(grad_d), i32(n), i32(k)))
+        return grad_x, grad_d
 
 
 def runs_on(t: Tensor) -> bool:
