@@ -270,16 +270,17 @@ class FusedRadialEmbedding(FusedModule):
             return None
         return last[2]
 
-    def length_order(self, lengths: torch.Tensor,
-                     slots: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``[E]`` int64: the edges sorted by table slot and ``lengths`` (see
+    def length_order(self, lengths: torch.Tensor, slots: Optional[torch.Tensor] = None,
+                     tables: Optional[int] = None) -> torch.Tensor:
+        """``[E]`` int64: the edges sorted by table slot (of ``tables``) and ``lengths`` (see
         :func:`mace_accel.ops.radial.table.order.length_order`), made once per call for every
         table that looks them up."""
         cached = self._kernels.get("length_order")
-        if cached is None or cached[0] is not lengths or cached[1] is not slots:
-            order = radial_order.length_order(lengths, self.spec.r_max, slots)
-            cached = self._kernels["length_order"] = (lengths, slots, order)
-        return cached[2]
+        if cached is None or cached[0] is not lengths or cached[1] is not slots \
+                or cached[2] != tables:
+            order = radial_order.length_order(lengths, self.spec.r_max, slots, tables)
+            cached = self._kernels["length_order"] = (lengths, slots, tables, order)
+        return cached[3]
 
     def table_function(self, pairs: Optional[List[Tuple[int, int]]] = None) -> Any:
         """``f(r [N], which [N]) -> [N, num_basis]``: this embedding's features (what the radial

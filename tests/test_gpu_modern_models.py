@@ -142,7 +142,9 @@ def test_pair_table_lookups_match_their_evaluation(dtype, edges):
     slots = torch.randint(0, 5, (edges,), generator=g, dtype=torch.int32).cuda()
     want = evaluate(coeffs.double(), table.inv_h, r.double(), slots, 5)
     tol = {torch.float32: 1e-6, torch.float64: 1e-14}[dtype]
-    for order in (None, length_order(r, 5.0, slots)):
+    walk = length_order(r, 5.0, slots, 5)
+    assert bool((slots[walk].diff() >= 0).all())  # table by table (15-bit keys on the GPU)
+    for order in (None, walk):
         rr = r.clone().requires_grad_(True)
         w = table_ops.lookup(rr, order, coeffs, table.inv_h, slots, 5)
         assert rel_norm_error(w, want) < tol

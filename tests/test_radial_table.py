@@ -195,6 +195,29 @@ def test_embedding_hands_out_the_lengths_of_its_own_output_only():
     assert embedding.table_input(feats) is None
 
 
+@pytest.mark.parametrize("tables", [2, 15, 128, 129, 300])
+def test_pair_table_walk_goes_by_table_then_length(tables):
+    """Two radix passes (15-bit keys) up to 128 tables, the slot in the high bits; beyond, 32-bit
+    keys: either way table by table, each in order of length to its keys' steps."""
+    from mace_accel.ops.radial.table import order as walk
+
+    g = torch.Generator().manual_seed(tables)
+    lengths = torch.rand(5000, generator=g, dtype=F64) * 6.5  # some past r_max = 6
+    slots = torch.randint(0, tables, (5000,), generator=g, dtype=torch.int32)
+    slots[:2] = torch.tensor([0, tables - 1], dtype=torch.int32)
+    order = walk.length_order(lengths, 6.0, slots, tables)
+    assert torch.equal(order.sort().values, torch.arange(5000))
+    s, r = slots[order], lengths[order].clamp(max=6.0)
+    assert bool((s.diff() >= 0).all())
+    step = 6.0 / walk.length_steps(tables)
+    same = s[1:] == s[:-1]
+    assert bool((r.diff()[same] > -step).all())
+    assert walk.length_steps(tables) == {2: 16383, 15: 2047, 128: 255}.get(tables,
+                                                                          walk.ORDER_KEY_MAX)
+    with pytest.raises(ValueError, match="together"):
+        walk.length_order(lengths, 6.0, slots)
+
+
 def test_only_large_tables_are_walked_in_order_of_length():
     """A table that stays in L2 (float32 cubic, 21 MB) is walked as the edges come at any
     count; one that does not (float64 quintic, 126 MB) in order of length from 4,096 edges."""
