@@ -37,11 +37,11 @@ Tensor = torch.Tensor
 # cell's coefficient rows from memory, so the lookups of large tables walk the edges in order of
 # table and length (one sort a call, shared by the blocks) from SORT_MIN_EDGES edges (at 20k
 # edges, a 126 MB float64 table of 1,280 weights: 233 + 199 us forward + backward unsorted
-# against 88 + 97 us sorted; 1k to 20k edges not measured). A table that stays in L2 is walked
-# as the edges come: sorting it gained nothing end to end (MACE-MP-0, float32: 4% slower at
-# 160k edges, 0.5% faster at 539k), while MPA-0's pair tables gained 9% (float32) and 31%
-# (float64) at 539k edges and lost 4% at 160k in float32 (scripts/bench_model.py radial-routes
-# --tables)
+# against 88 + 97 us sorted). A table that stays in L2 is walked as the edges come: sorting it
+# gained nothing end to end (MACE-MP-0, float32: 4% slower at 160k edges, 0.5% faster at 539k),
+# while MPA-0's pair tables gained 9-13% (float32) and 31-33% (float64) at 539k edges, lost 3-4%
+# at 160k (scripts/bench_model.py radial-routes --tables), and in CUDA graphs were even at 20k
+# edges and 10% faster at 60k (docs/performance.md)
 LARGE_TABLE_BYTES = 32 * 2 ** 20
 SORT_MIN_EDGES = 4096
 # the most of the GPU's memory one block's tables may take (all pairs of elements together);
