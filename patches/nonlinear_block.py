@@ -253,8 +253,8 @@ class _DivideRows(torch.autograd.Function):
     """:func:`divide_rows` with its gradient written directly: ``g / d`` and
     ``-<g, out> / d`` per row (autograd's division took five kernels, with ``-g x / d^2``
     formed whole before its sum). On a GPU, outside a double backward, one kernel
-    (:meth:`~mace_accel.ops.glue.CudaGlue.divide_rows_backward`: four of torch's a block at
-    MD sizes, on the call's critical path); with ``create_graph`` (training on forces) torch
+    (:meth:`~mace_accel.ops.glue.CudaGlue.divide_rows_backward`) instead of torch's four per
+    block on an MD-sized call's critical path; with ``create_graph`` (training on forces) torch
     ops on the saved output, so the double backward follows."""
 
     @staticmethod

@@ -1,8 +1,8 @@
 """The small CUDA kernels between the fused ops of the Density and non-linear blocks (template
 ``kernels/glue/glue.cu.j2``, one source per dtype): per-receiver sums of edge values (the
 blocks' densities), each edge's pair of elements (a distance transform's ``r0`` and a radial
-table's slot) and the backward of the blocks' division by the density. Each was a chain of torch's gathers and casts on the critical path of an
-MD-sized call. Launched on torch's current stream; outputs from ``torch.empty``, every element
+table's slot) and the backward of the blocks' division by their density. Each was a chain of
+torch's kernels on the critical path of an MD-sized call. Launched on torch's current stream; outputs from ``torch.empty``, every element
 written; nothing synchronises (CUDA graphs). The torch formulas they replace stay the
 reference and the CPU path (:func:`mace_accel.patches.nonlinear_block.receiver_sums`,
 :func:`mace_accel.ops.species.edge_slots`, :func:`mace_accel.ops.edge_features.reference.
@@ -122,9 +122,7 @@ class CudaGlue:
         n, k = int(out.shape[0]), int(out.shape[1])
         self._check("g", g, (n, k))
         self._check("out", out, (n, k))
-        self._check("d", d, (n, 1))
-        if n * max(k, 1) > INT32_MAX:
-            raise KernelSizeError(f"{n} rows x {k} values exceed the division's int32 range")
+        self._check("d", d, (n, 1))  # rows index with size_t: no int32 bound on n k
         grad_x = torch.empty_like(out) if want_x else None
         grad_d = torch.empty((n, 1), dtype=self.dtype, device=self.device)
         if n:

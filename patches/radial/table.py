@@ -214,8 +214,8 @@ def lookup(user, found, tables: Tuple[RadialTable, Tensor]) -> Tensor:
     ``tables`` (:func:`tables_of`)."""
     table, coeffs = tables
     embedding = user.embedding
-    tables = None if found.slots is None else table.tables
-    order = (embedding.length_order(found.lengths, found.slots, tables)
+    count = None if found.slots is None else table.tables
+    order = (embedding.length_order(found.lengths, found.slots, count)
              if walks_sorted(found.lengths.shape[0], coeffs, table.tables) else None)
     return table_ops.lookup(found.lengths, order, coeffs, table.inv_h, found.slots,
                             table.tables)
