@@ -206,3 +206,21 @@ def test_gemm_path_equals_the_reference(name):
     want_t = autograd.reference(spec.transposed(), g, transpose_weights(spec, w), elem)
     got_t = gemm.apply(spec.transposed(), g, transpose_weights(spec, w))
     assert torch.allclose(got_t, want_t, rtol=1e-13, atol=1e-13)
+
+
+def test_grouped_maps_take_contiguous_16_byte_aligned_tensors_only():
+    """One predicate (``runtime.is_aligned16``): the grouped kernel's yes/no and the checks
+    that refuse a misaligned tensor before a launch agree."""
+    from mace_accel.errors import KernelError
+    from mace_accel.ops.irreps_linear.gemm import _fits_grouped
+    from mace_accel.ops.runtime import aligned16, check_aligned, is_aligned16
+
+    base = torch.zeros(4 * 64 + 4)
+    assert is_aligned16(base)
+    x, shifted = base[:256].view(4, 64), base[1:257].view(4, 64)  # 4 bytes off
+    assert _fits_grouped(x, x) and not _fits_grouped(shifted, x)
+    assert not _fits_grouped(x, base[:256].view(64, 4).t())  # not contiguous
+    check_aligned("x", x, "the test")
+    with pytest.raises(KernelError, match="16-byte"):
+        check_aligned("x", shifted, "the test")
+    assert aligned16(x) is x and is_aligned16(aligned16(shifted))

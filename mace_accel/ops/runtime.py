@@ -343,10 +343,15 @@ def side_stream(purpose: str, device: torch.device) -> "torch.cuda.Stream":
     return stream
 
 
+def is_aligned16(t: torch.Tensor) -> bool:
+    """Whether ``t`` starts on a 16-byte boundary (what the kernels' 16-byte copies read)."""
+    return t.data_ptr() % 16 == 0
+
+
 def check_aligned(name: str, t: Optional[torch.Tensor], what: str) -> None:
     """Raise :class:`KernelError` unless ``t`` (None: nothing to check) starts on a 16-byte
     boundary, as ``what``'s 16-byte copies need."""
-    if t is not None and t.data_ptr() % 16:
+    if t is not None and not is_aligned16(t):
         raise KernelError(f"{name}: {what} copies 16-byte chunks and needs a 16-byte aligned "
                           "tensor; pass a fresh .contiguous() copy")
 
@@ -354,7 +359,7 @@ def check_aligned(name: str, t: Optional[torch.Tensor], what: str) -> None:
 def aligned16(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a copy where its start is not 16-byte aligned (for kernels that read row pairs
     as 16-byte vectors; a view may start mid-pair)."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+    return t if is_aligned16(t) else t.clone()
 
 
 def torch_arch(device: torch.device) -> str:

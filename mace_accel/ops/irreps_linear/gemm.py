@@ -25,6 +25,7 @@ from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 import torch
 
 from mace_accel.ops.irreps_linear.spec import LinearInstruction, LinearSpec, weight_block
+from mace_accel.ops.runtime import is_aligned16
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 from mace_accel.ops.tf32x3_gemm.spec import (IRREP_DIMS, E3nnBlock, GroupedSpec, e3nn_misfit,
                                              layout_misfit)
@@ -180,7 +181,7 @@ def _in_place(weights: Tuple[bool, Tensor], x_col: Optional[int], d: int, x: Ten
 def _fits_grouped(x: Tensor, out: Tensor) -> bool:
     """Whether ``x`` and ``out`` are what the grouped kernel reads and writes: contiguous,
     16-byte aligned (the columns' alignment is the spec's)."""
-    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (x, out))
+    return all(t.is_contiguous() and is_aligned16(t) for t in (x, out))
 
 
 def _mm(a: Tensor, weights: Tuple[bool, Tensor]) -> Tensor:
