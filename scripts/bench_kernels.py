@@ -876,8 +876,9 @@ def grouped_linear(args) -> None:
 
     linear_2 (512x(0e+1o+2e+3o) to itself), linear_1 (128x(0e+1o+2e+3o) to
     2048x0e+512x(1o+2e+3o)) and the product's linear (512x(0e+1o)), float32, each map's blocks
-    in one launch on the default tiles and the --variants, against cuBLAS's float32 (FMA units)
-    and TF32 (one pass, not float32-accurate) GEMMs of the same FLOPs on row-major copies.
+    in one launch on the default tiles and the --variants, against cuBLAS's float32 (FMA units),
+    TF32, FP16 and BF16 (one pass each, not float32-accurate) GEMMs of the same FLOPs on
+    row-major copies.
     """
     from mace_accel._e3nn_compat import o3
     from mace_accel.ops.irreps_linear import gemm
@@ -915,6 +916,11 @@ def grouped_linear(args) -> None:
                 ms = graph_ms(lambda: [a @ b for a, b in pairs], args.repeats)
                 say(f"{name:8s} {nodes:5d} nodes {label:33s} {rates(ms, flops * nodes)}")
             torch.backends.cuda.matmul.allow_tf32 = False
+            for half in (torch.float16, torch.bfloat16):  # what a 3-product split would run on
+                halves = [(a.to(half), b.to(half)) for a, b in pairs]
+                ms = graph_ms(lambda: [a @ b for a, b in halves], args.repeats)
+                say(f"{name:8s} {nodes:5d} nodes {'cuBLAS ' + dname(half) + ' (1 pass)':33s} "
+                    f"{rates(ms, flops * nodes)}")
 
 
 @family("gemm-layouts",
