@@ -2,11 +2,13 @@
 ``kernels/glue/glue.cu.j2``, one source per dtype): per-receiver sums of edge values (the
 blocks' densities), each edge's pair of elements (a distance transform's ``r0`` and a radial
 table's slot) and the backward of the blocks' division by their density. Each was a chain of
-torch's kernels on the critical path of an MD-sized call. Launched on torch's current stream; outputs from ``torch.empty``, every element
-written; nothing synchronises (CUDA graphs). The torch formulas they replace stay the
-reference and the CPU path (:func:`mace_accel.patches.nonlinear_block.receiver_sums`,
-:func:`mace_accel.ops.species.edge_slots`, :func:`mace_accel.ops.edge_features.reference.
-pair_r0`)."""
+torch's kernels on the critical path of an MD-sized call. Launched on torch's current stream;
+outputs from ``torch.empty``, every element written; nothing synchronises (CUDA graphs). The
+torch formulas they replace stay the reference and the CPU path
+(:func:`mace_accel.patches.nonlinear_block.receiver_sums`,
+:func:`mace_accel.ops.species.edge_slots`,
+:func:`mace_accel.ops.edge_features.reference.pair_r0`, the torch ops of
+``nonlinear_block._DivideRows.backward``)."""
 
 from __future__ import annotations
 
