@@ -870,30 +870,40 @@ def tf32x3_gemm(args) -> None:
 @family("grouped-linear",
         opt("--nodes", type=ints, default="256,864,6912", help="node counts"),
         opt("--variants", type=names, default="64:128:16:2:4:3,128:128:16:2:4:2",
-            help="other tile geometries bm:bn:bk:warps_m:warps_n:stages, comma-separated"))
+            help="other tile geometries bm:bn:bk:warps_m:warps_n:stages, comma-separated"),
+        opt("--fp16x3-variants", type=names,
+            default="64:64:2:2:32:1:3:8:4,128:128:4:4:32:1:1:8:4,64:128:2:4:32:1:2:16:4",
+            help="other 3xFP16 tile geometries bm:bn:warps_m:warps_n:bk:prefetch:min_blocks:"
+                 "group_rows:chunk"))
 def grouped_linear(args) -> None:
-    """MACE-MH-1's 512-channel equivariant linears on the grouped 3xTF32 kernel.
+    """MACE-MH-1's 512-channel equivariant linears on the grouped 3xFP16 and 3xTF32 kernels.
 
-    linear_2 (512x(0e+1o+2e+3o) to itself), linear_1 (128x(0e+1o+2e+3o) to
-    2048x0e+512x(1o+2e+3o)) and the product's linear (512x(0e+1o)), float32, each map's blocks
-    in one launch on the default tiles and the --variants, against cuBLAS's float32 (FMA units),
-    TF32, FP16 and BF16 (one pass each, not float32-accurate) GEMMs of the same FLOPs on
-    row-major copies.
+    linear_2 (512x(0e+1o+2e+3o) to itself), linear_1 (the convolution's 128-channel paths,
+    256x0e+384x1o+384x2e+256x3o, to 2048x0e+512x(1o+2e+3o)), its transpose (the backward) and
+    the product's linear
+    (512x(0e+1o)), float32, each map's blocks in one launch on the default tiles and the
+    variants, against cuBLAS's float32 (FMA units), TF32, FP16 and BF16 (one pass each, not
+    float32-accurate) GEMMs of the same FLOPs on row-major copies.
     """
     from mace_accel._e3nn_compat import o3
     from mace_accel.ops.irreps_linear import gemm
     from mace_accel.ops.irreps_linear.spec import effective_weights, linear_scales, linear_spec
     from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 
+    mid = "128x0e+128x0e+128x1o+128x1o+128x1o+128x2e+128x2e+128x2e+128x3o+128x3o"
+    nonlin = "2048x0e+512x1o+512x2e+512x3o"
     maps = {"linear_2": ("512x0e+512x1o+512x2e+512x3o",) * 2,
-            "linear_1": ("128x0e+128x1o+128x2e+128x3o", "2048x0e+512x1o+512x2e+512x3o"),
+            "linear_1": (mid, nonlin), "linear_1^T": (nonlin, mid),
             "product": ("512x0e+512x1o",) * 2}
     geometries = [None] + [tuple(int(v) for v in s.split(":")) for s in args.variants]
+    fp16x3_geometries = [None] + [tuple(int(v) for v in s.split(":"))
+                                  for s in args.fp16x3_variants]
     for name, (irreps_in, irreps_out) in maps.items():
         lin = o3().Linear(irreps_in, irreps_out).cuda()
         spec = linear_spec(lin)
         w = effective_weights(spec, lin.weight.detach(), linear_scales(lin)).contiguous()
-        grouped, buffer = gemm._prepared(spec, w).grouped
+        prepared = gemm._prepared(spec, w)
+        grouped, buffer = prepared.grouped
         flops = sum(2 * b.k * b.n * b.d for b in grouped.blocks)  # a node's
         for nodes in args.nodes:
             x = torch.randn(nodes, spec.dim_in, device="cuda")
@@ -908,6 +918,16 @@ def grouped_linear(args) -> None:
                 ms = graph_ms(partial(tf32x3.mm_grouped, grouped, x, buffer, out, geometry),
                               args.repeats)
                 say(f"{name:8s} {nodes:5d} nodes 3xtf32 {str(geometry or 'default'):26s} "
+                    f"{rates(ms, flops * nodes)} err {rel_err(out, exact):.1e}")
+            for geometry in fp16x3_geometries if prepared.split is not None else ():
+                try:
+                    tf32x3.mm_grouped_fp16x3(grouped, x, prepared.split, out, geometry)
+                except ValueError as exc:
+                    say(f"  skip {geometry}: {exc}")
+                    continue
+                ms = graph_ms(partial(tf32x3.mm_grouped_fp16x3, grouped, x, prepared.split, out,
+                                      geometry), args.repeats)
+                say(f"{name:8s} {nodes:5d} nodes 3xfp16 {str(geometry or 'default'):26s} "
                     f"{rates(ms, flops * nodes)} err {rel_err(out, exact):.1e}")
             pairs = [(torch.randn(nodes * b.d, b.k, device="cuda"),
                       torch.randn(b.k, b.n, device="cuda")) for b in grouped.blocks]

@@ -139,6 +139,59 @@ def test_grouped_blocks_are_mapped_in_place_in_one_launch(name, nodes, wide):
     assert torch.equal(again, out)
 
 
+@pytest.mark.parametrize("name", sorted(GROUPED_CATALOG))
+@pytest.mark.parametrize("nodes", [1, 37, 1500])
+def test_fp16x3_grouped_kernel_keeps_float32_accuracy(name, nodes):
+    """The 3xFP16 kernel against float64 on rows whose magnitudes span 1e-8 to 1e8 (one row
+    zero, one 1e30): within the float32 tolerance of the largest output, the zero row exactly
+    zero, the huge row finite and accurate on its own scale, the columns outside the blocks
+    untouched; the same bits on a repeat in a CUDA graph."""
+    from mace_accel.ops.tf32x3_gemm import fp16x3
+
+    spec = GROUPED_CATALOG[name]
+    gen = torch.Generator().manual_seed(nodes)
+    x64 = torch.randn(nodes, spec.lda, generator=gen, dtype=torch.float64)
+    magnitudes = torch.logspace(-8, 8, nodes, dtype=torch.float64)
+    x64 *= magnitudes[torch.randperm(nodes, generator=gen)][:, None]
+    if nodes > 2:
+        x64[1], x64[2] = 0.0, x64[2] / x64[2].abs().max() * 1e30
+    w64 = torch.randn(spec.weight_numel, generator=gen, dtype=torch.float64) / 16
+    x, w = x64.float().cuda(), w64.float().cuda()
+    split = fp16x3.split_weights(spec, w)
+    out = torch.full((nodes, spec.ldc), 7.0, device="cuda")
+    autograd.mm_grouped_fp16x3(spec, x, split, out)
+    untouched = torch.ones(spec.ldc, dtype=torch.bool)
+    for b in spec.blocks:
+        block = x64[:, b.x_col:b.x_col + b.k * b.d].view(nodes, b.k, b.d)
+        wt = w64[b.w_offset:b.w_offset + b.n * b.k].view(b.n, b.k)
+        want = torch.einsum("nud,vu->nvd", block, wt).reshape(nodes, b.n * b.d)
+        got = out[:, b.out_col:b.out_col + b.n * b.d]
+        assert _err(got, want) < TOLERANCE, b
+        if nodes > 2:
+            assert bool((got[1] == 0).all()) and _err(got[2:3], want[2:3]) < TOLERANCE, b
+        untouched[b.out_col:b.out_col + b.n * b.d] = False
+    assert bool((out[:, untouched.cuda()] == 7.0).all())
+    again = torch.full_like(out, 7.0)
+    graph, _ = capture_graph(lambda: autograd.mm_grouped_fp16x3(spec, x, split, again))
+    again.fill_(7.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again, out)
+
+
+def test_fp16x3_refuses_unsplit_weights():
+    from mace_accel.ops.tf32x3_gemm import fp16x3
+
+    spec = GROUPED_CATALOG["e3nn_grouped"]
+    x, out = torch.randn(5, spec.lda, device="cuda"), torch.zeros(5, spec.ldc, device="cuda")
+    w = torch.randn(spec.weight_numel, device="cuda")
+    hi, lo, inv = fp16x3.split_weights(spec, w)
+    with pytest.raises(KernelError, match="expected torch.float16"):
+        autograd.mm_grouped_fp16x3(spec, x, (w, lo, inv), out)
+    with pytest.raises(KernelError, match="shape"):
+        autograd.mm_grouped_fp16x3(spec, x, (hi, lo, inv[:1]), out)
+
+
 def test_grouped_refuses_wrong_shapes():
     spec = GROUPED_CATALOG["e3nn_grouped"]
     x, out = torch.randn(5, spec.lda, device="cuda"), torch.zeros(5, spec.ldc, device="cuda")

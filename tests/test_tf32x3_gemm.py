@@ -86,6 +86,61 @@ def test_grouped_spec_plan_and_source():
         GroupedSpec((), 4, 4)
 
 
+def test_fp16x3_plan_source_and_refusals():
+    """The grouped 3xFP16 kernel: its default tiles (64 x 128, eight warps), every block's tile
+    function in the source, its grid, and specs or geometries it cannot take refused."""
+    from mace_accel.ops.tf32x3_gemm import fp16x3
+
+    spec = codegen.GROUPED_CATALOG["e3nn_grouped_ragged"]
+    plan = fp16x3.plan_fp16x3(spec)
+    assert (plan.bm, plan.bn, plan.threads, plan.mi, plan.ni) == (64, 128, 256, 2, 4)
+    assert plan.grid(100) == (2 * 4 + 5 * 4 + 8 * 1, 1)  # ceil(100 d / 64) x ceil(n / 128)
+    assert plan.shared_bytes == 8 * (64 + 128) * 40 + 2 * 4 * 8  # stages, scales
+    src = fp16x3.render_kernel(plan)
+    assert fp16x3.kernel_name(plan) in src and "m16n8k16" in src
+    for i, b in enumerate(spec.blocks):
+        assert (f"tile<{b.k}, {b.n}, {b.d}>(X + {b.x_col}, WHI + {b.w_offset},\n"
+                f"          WLO + {b.w_offset}, WINV[{i}]") in src
+    odd = GroupedSpec((E3nnBlock(3, 48, 64, 0, 0, 0),), 144, 192)
+    assert "multiple of 32" in fp16x3.misfit(odd)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fp16x3.plan_fp16x3(odd)
+    with pytest.raises(ValueError, match="does not split"):
+        fp16x3.plan_fp16x3(spec, geometry=(48, 128, 2, 4, 32, 1, 2, 8, 2))
+    with pytest.raises(ValueError, match="does not split"):
+        fp16x3.plan_fp16x3(spec, geometry=(64, 128, 2, 4, 128, 1, 2, 8, 2))
+    with pytest.raises(ValueError, match="shared memory"):
+        fp16x3.plan_fp16x3(spec, geometry=(512, 512, 8, 4, 64, 1, 1, 8, 2))
+
+
+def test_fp16x3_weight_split_keeps_float32_accuracy():
+    """Each block's weights come back from their FP16 hi and lo parts and inverse scale to
+    2^-22 of the block's largest (a zero block, a tiny one and a huge one included), and
+    the scale puts every block's largest in [2^14, 2^15)."""
+    from mace_accel.ops.tf32x3_gemm import fp16x3
+
+    blocks = (E3nnBlock(1, 32, 8, 0, 0, 0), E3nnBlock(3, 32, 8, 32, 8, 256),
+              E3nnBlock(5, 32, 8, 128, 32, 512), E3nnBlock(7, 32, 8, 288, 72, 768))
+    spec = GroupedSpec(blocks, 512, 128)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(spec.weight_numel, generator=gen)
+    w[256:512] = 0.0
+    w[512:768] *= 1e-30
+    w[768:] *= 1e30
+    hi, lo, inv = fp16x3.split_weights(spec, w)
+    assert hi.dtype == lo.dtype == torch.float16 and inv.shape == (4,)
+    back = (hi.double() + lo.double())
+    for b, s in zip(blocks, inv.double()):
+        part = slice(b.w_offset, b.w_offset + b.n * b.k)
+        top = float(w[part].abs().max())
+        assert float((back[part] * s - w[part].double()).abs().max()) <= 2.0 ** -22 * top
+        if top:
+            assert 2.0 ** 14 <= float(back[part].abs().max()) <= 2.0 ** 15
+    tops = torch.tensor([0.0, 1e-30, 1.0, 3e4, 1e30])
+    scaled = tops * fp16x3.power_of_two_scale(tops)
+    assert bool(((scaled >= 2.0 ** 14) & (scaled < 2.0 ** 15))[1:].all()) and scaled[0] == 0
+
+
 def test_geometry_that_does_not_fit_is_refused():
     spec = GemmSpec(64, 1280, "nk")
     with pytest.raises(ValueError, match="shared memory"):

@@ -120,6 +120,18 @@ def mm_grouped(spec: GroupedSpec, x: Tensor, w: Tensor, out: Tensor,
     kernel.apply_grouped(x, w, out)
 
 
+def mm_grouped_fp16x3(spec: GroupedSpec, x: Tensor, split: Tuple[Tensor, Tensor, Tensor],
+                      out: Tensor, geometry: Optional[Tuple[int, ...]] = None) -> None:
+    """:func:`mm_grouped` on the FP16 tensor cores (3xFP16, :mod:`.fp16x3`), the weights
+    ``split`` by :func:`~.fp16x3.split_weights`; ``geometry``: the tiles
+    (:func:`~.fp16x3.plan_fp16x3`; None: :data:`~.fp16x3.TILES`)."""
+    from mace_accel.ops.tf32x3_gemm.fp16x3 import CudaFp16x3
+
+    kernel = registry.cached((FAMILY, "fp16x3", spec, geometry, x.device),
+                             lambda: CudaFp16x3(spec, x.device, geometry))
+    kernel.apply(x, split, out)
+
+
 def mm_t(g: Tensor, w: Tensor) -> Tensor:
     """``g [M, n] @ w^T`` (``w [k, n]``) on the kernel, no autograd (inside other ops'
     backward)."""

@@ -34,8 +34,30 @@ WIDE_FROM = 128  # output widths from here take the wide tiles (plain GEMMs)
 GROUPED_TILES = NARROW
 
 
+class WarpTiles:
+    """Warp geometry of a tensor-core tile (shared by the 3xTF32 and 3xFP16 plans): ``bm x bn``
+    outputs a block, ``warps_m x warps_n`` warps of ``mi x ni`` mma tiles (16 x 8)."""
+
+    bm: int
+    bn: int
+    warps_m: int
+    warps_n: int
+
+    @property
+    def mi(self) -> int:
+        return self.bm // (16 * self.warps_m)
+
+    @property
+    def ni(self) -> int:
+        return self.bn // (8 * self.warps_n)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+
 @dataclasses.dataclass(frozen=True)
-class GemmPlan:
+class GemmPlan(WarpTiles):
     """Tile geometry of one kernel: ``bm x bn`` outputs per block, ``bk`` of K per stage,
     ``warps_m x warps_n`` warps of ``mi x ni`` mma tiles (16 x 8) each."""
 
@@ -55,18 +77,6 @@ class GemmPlan:
     groups: Tuple[E3nnBlock, ...] = ()  # a grouped kernel's blocks (k, n, irrep_dim unused)
     lda: int = 0
     ldc: int = 0
-
-    @property
-    def mi(self) -> int:
-        return self.bm // (16 * self.warps_m)
-
-    @property
-    def ni(self) -> int:
-        return self.bn // (8 * self.warps_n)
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
 
     @property
     def shared_bytes(self) -> int:
@@ -155,6 +165,11 @@ GROUPED_CATALOG = {
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
     """``(name, source)`` of every catalog GEMM (float32 only: float64 stays with cuBLAS,
-    which runs it on the FP64 tensor cores)."""
+    which runs it on the FP64 tensor cores), and of the grouped ones on the 3xFP16 kernel."""
+    from mace_accel.ops.tf32x3_gemm import fp16x3
+
     for name, spec in sorted({**CATALOG, **GROUPED_CATALOG}.items()):
         yield f"tf32x3_gemm/{name}", render_kernel(plan_kernel(spec, limits.arch))
+    for name, spec in sorted(GROUPED_CATALOG.items()):
+        yield (f"tf32x3_gemm/{name}_fp16x3",
+               fp16x3.render_kernel(fp16x3.plan_fp16x3(spec, limits.arch)))

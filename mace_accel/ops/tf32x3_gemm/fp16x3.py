@@ -1,0 +1,183 @@
+"""An equivariant linear map's blocks in one launch on the FP16 tensor cores with float32's
+accuracy (3xFP16): the plan, the weights' split and the CUDA side of
+``kernels/tf32x3_gemm/fp16x3.cu.j2``.
+
+Each operand is split as ``x = (hi + lo) / s``: ``hi`` = FP16 of ``x s``, ``lo`` = FP16 of the
+rest, ``s`` a power of two that puts the largest magnitude of its group in [2^14, 2^15)
+(FP16's range ends at 65,504). ``hi lo + lo hi + hi hi`` on ``mma.m16n8k16`` is as accurate as
+3xTF32 (22 of float32's 24 bits per operand; what is dropped, ``lo lo``, is 2^-22 of the
+product) at twice the tensor cores' rate per instruction. The weights are split once, on the
+host (:func:`split_weights`, one scale per block); the inputs as the kernel loads them, one
+scale per 16 rows and K slice of 32, each slice's sum rescaled as it is added in float32.
+Values far below their group's largest (2^-17 of it and less) keep an absolute error of 2^-39
+of it, not a relative one.
+
+Same contract as the 3xTF32 grouped kernel (:class:`~.spec.GroupedSpec`: e3nn's layout read and
+written in place); every block's ``k`` a multiple of 32 (:func:`misfit`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from mace_accel.ops.limits import OPTIN_SHARED
+from mace_accel.ops.runtime import Kernel, check_aligned, check_rows, check_tensor, \
+    device_limits, i32, kernel_device, ptr
+from mace_accel.ops.tf32x3_gemm.codegen import WarpTiles
+from mace_accel.ops.tf32x3_gemm.spec import GroupedSpec
+from mace_accel.ops.templates import render
+
+Tensor = torch.Tensor
+K_ALIGN = 32  # every block's k is a multiple of the K slices (two or four k16 steps)
+# (bm, bn, warps_m, warps_n, bk, prefetch, min_blocks, group_rows, chunk): 64 x 128 tiles of
+# eight warps of 32 x 32, K in slices of 32, A's loaded one slice ahead, two blocks an SM (128
+# registers a thread), one scale per 8 rows of A and slice, a warp's slice summed for all its
+# n8 tiles at once (chunks of two spilled under the 128 registers). On MH-1's maps at 864 and
+# 6,912 nodes 0.51-0.59x the 3xTF32 kernel's time (0.78x for linear_1's transpose at 864),
+# ahead of 64 x 64 tiles (three blocks an SM), 128 x 128 tiles, one scale per 16 rows, slices
+# of 64 and A loaded two slices ahead; at 256 nodes 0.48-1.04x (scripts/bench_kernels.py
+# grouped-linear)
+TILES = (64, 128, 2, 4, 32, 1, 2, 8, 4)
+TOP_EXPONENT = 14  # a group's largest magnitude is scaled into [2^14, 2^15)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp16x3Plan(WarpTiles):
+    """Tile geometry of one grouped 3xFP16 kernel: ``bm x bn`` outputs per block,
+    ``warps_m x warps_n`` warps of ``mi x ni`` mma tiles (16 x 8)."""
+
+    spec_key: str
+    arch: str
+    bm: int
+    bn: int
+    warps_m: int
+    warps_n: int
+    bk: int
+    prefetch: int
+    min_blocks: int
+    group_rows: int
+    chunk: int
+    groups: tuple
+    lda: int
+    ldc: int
+
+    @property
+    def shared_bytes(self) -> int:
+        """Two stages of A's and the weights' hi and lo slices (rows of ``BK + 8`` halves),
+        and the scales."""
+        return 2 * 2 * 2 * (self.bm + self.bn) * (self.bk + 8) + 2 * 4 * (self.bm //
+                                                                         self.group_rows)
+
+    def grid(self, nodes: int) -> Tuple[int, int]:
+        return max(1, sum(-(-nodes * b.d // self.bm) * -(-b.n // self.bn)
+                          for b in self.groups)), 1
+
+
+def misfit(spec: GroupedSpec) -> Optional[str]:
+    """Why ``spec`` cannot run on the 3xFP16 kernel, or None."""
+    for b in spec.blocks:
+        if b.k % K_ALIGN or b.w_offset % 8:
+            return (f"the 3xFP16 kernel needs every block's k to be a multiple of {K_ALIGN} "
+                    f"and its weights 16-byte aligned, got k={b.k} at {b.w_offset}")
+    return None
+
+
+def plan_fp16x3(spec: GroupedSpec, arch: str = "sm_90",
+                geometry: Optional[Tuple[int, ...]] = None) -> Fp16x3Plan:
+    """The plan of ``spec``: :data:`TILES`, or ``geometry`` ``(bm, bn, warps_m, warps_n, bk,
+    prefetch, min_blocks, group_rows, chunk)`` (benchmarks).
+
+    Raises:
+        ValueError: a spec the kernel cannot take, or a geometry that does not tile (warp tiles
+            of 16 x 16 outputs, loads of 16-row groups) or fit the static shared memory.
+    """
+    why = misfit(spec)
+    if why is not None:
+        raise ValueError(why)
+    bm, bn, wm, wn, bk, prefetch, min_blocks, group_rows, chunk = geo = geometry or TILES
+    ni = bn // (8 * wn) if bn % (16 * wn) == 0 else 0
+    if bm % (16 * wm) or not ni or wm * wn > 32 or bk not in (32, 64) \
+            or prefetch not in (1, 2) or group_rows not in (8, 16) or chunk % 2 \
+            or not 0 < chunk <= ni or ni % chunk or any(b.k % bk for b in spec.blocks):
+        raise ValueError(f"tile geometry {geo} does not split into warps of 16 x 16 outputs, "
+                         "slices of 32 or 64 dividing every k, a prefetch of 1 or 2, groups "
+                         "of 8 or 16 rows and chunks of an even number of n8 tiles")
+    plan = Fp16x3Plan(spec.key(), arch, bm, bn, wm, wn, bk, prefetch, min_blocks, group_rows,
+                      chunk, spec.blocks, spec.lda, spec.ldc)
+    if plan.shared_bytes > OPTIN_SHARED:
+        raise ValueError(f"tile geometry {geo} needs {plan.shared_bytes} bytes of shared "
+                         f"memory, over the {OPTIN_SHARED} a block can have")
+    return plan
+
+
+def kernel_name(plan: Fp16x3Plan) -> str:
+    return (f"mace_fp16x3_gemm_{plan.spec_key}_{plan.bm}x{plan.bn}x{plan.bk}"
+            f"_w{plan.warps_m}x{plan.warps_n}_p{plan.prefetch}_b{plan.min_blocks}"
+            f"_g{plan.group_rows}_c{plan.chunk}")
+
+
+def render_kernel(plan: Fp16x3Plan) -> str:
+    return render("tf32x3_gemm/fp16x3.cu.j2", plan=plan, name=kernel_name(plan))
+
+
+def power_of_two_scale(top: Tensor) -> Tensor:
+    """``2^(14 - e)`` for the largest magnitudes ``top`` (``e`` their float32 exponent, ``top``
+    = 0 taken as 1): ``top`` times it lies in [2^14, 2^15) (the scale kept a normal float32).
+    Shape of ``top``, float32."""
+    exponent = torch.frexp(torch.where(top > 0, top, torch.ones_like(top)))[1] - 1
+    return torch.ldexp(torch.ones_like(top), (TOP_EXPONENT - exponent).clamp(-126, 127))
+
+
+def split_weights(spec: GroupedSpec, w: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(hi, lo, inverse scales)`` of the blocks' weights ``w [weight_numel]`` (float32, block
+    ``b``'s ``[n, k]`` at ``b.w_offset``): FP16 ``[weight_numel]`` each and float32
+    ``[blocks]``; block ``b``'s weights are ``(hi + lo) * inv[b]`` to 2^-22."""
+    scaled = torch.empty_like(w)
+    scales = []
+    for b in spec.blocks:
+        part = w[b.w_offset:b.w_offset + b.n * b.k]
+        s = power_of_two_scale(part.abs().max())
+        scaled[b.w_offset:b.w_offset + b.n * b.k] = part * s
+        scales.append(s)
+    hi = scaled.half()
+    lo = (scaled - hi.float()).half()
+    return hi, lo, 1.0 / torch.stack(scales).float()
+
+
+class CudaFp16x3:
+    """The grouped 3xFP16 kernel of one :class:`GroupedSpec` on one device."""
+
+    def __init__(self, spec: GroupedSpec, device: torch.device,
+                 geometry: Optional[Tuple[int, ...]] = None) -> None:
+        self.spec = spec
+        self.device = kernel_device(torch.float32, device)
+        self.plan = plan_fp16x3(spec, device_limits(self.device).arch, geometry)
+        self._kernel: Optional[Kernel] = None
+
+    def apply(self, x: Tensor, weights: Tuple[Tensor, Tensor, Tensor], out: Tensor) -> None:
+        """Writes every block into ``out [N, ldc]`` from ``x [N, lda]`` and the split weights
+        of :func:`split_weights`; the other columns of ``out`` are left alone. ``x`` and
+        ``out`` contiguous float32, 16-byte aligned."""
+        s, what = self.spec, f"{self.spec.describe()} (3xFP16)"
+        hi, lo, inv = weights
+        nodes = int(x.shape[0]) if x.dim() == 2 else -1
+        check_tensor("x", x, (nodes, s.lda), torch.float32, self.device, what)
+        check_tensor("out", out, (nodes, s.ldc), torch.float32, self.device, what)
+        for name, t in (("hi", hi), ("lo", lo)):
+            check_tensor(name, t, (s.weight_numel,), torch.float16, self.device, what)
+            check_aligned(name, t, what)
+        check_tensor("inv", inv, (len(s.blocks),), torch.float32, self.device, what)
+        for name, t in (("x", x), ("out", out)):
+            check_aligned(name, t, what)
+        check_rows(nodes * max(b.d for b in s.blocks), self.plan.bm, what)
+        if nodes == 0:
+            return
+        if self._kernel is None:
+            self._kernel = Kernel(render_kernel(self.plan), kernel_name(self.plan), self.device,
+                                  self.plan.arch, self.plan.shared_bytes)
+        self._kernel.launch(self.plan.grid(nodes), self.plan.threads,
+                            (ptr(x), ptr(hi), ptr(lo), ptr(inv), ptr(out), i32(nodes)))
+
