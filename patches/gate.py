@@ -25,6 +25,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from mace_accel.ops.gate import GATE_ACTS, SCALAR_ACTS, GatedGroup, GateSpec
+
 Tensor = torch.Tensor
 FORWARD_ATTR = "forward"
 # mace's GatedEquivariantBlock attributes the split reads (mace-torch >= 0.3.15)
@@ -81,12 +83,43 @@ def _activated(x: Tensor, act, cst: float) -> Tensor:
     return x if act is None else act(x) * cst
 
 
+def _act_name(act) -> Optional[str]:
+    """The kernels' name of mace's activation ``act`` (None: one they do not have)."""
+    if act is None:
+        return "none"
+    if act is torch.nn.functional.silu:
+        return "silu"
+    if act in (torch.sigmoid, torch.nn.functional.sigmoid):
+        return "sigmoid"
+    return None
+
+
+def kernel_spec(gate: torch.nn.Module, layout: GateLayout) -> Optional[GateSpec]:
+    """The :class:`~mace_accel.ops.gate.GateSpec` of ``gate`` (laid out as ``layout``) for the
+    kernels that also divide and add the residual, or None where its activations are not
+    theirs (silu or none for the scalars, sigmoid or none for the gates)."""
+    act_scalar, act_gate = _act_name(gate._act_scalar), _act_name(gate._act_gate)
+    if act_scalar not in SCALAR_ACTS or act_gate not in GATE_ACTS:
+        return None
+    scalars, n_gates = layout.sizes[0], layout.sizes[1]
+    gate_at = [scalars + sum(layout.gate_sizes[:i]) for i in range(len(layout.gate_sizes))]
+    groups, start, out = [], scalars + n_gates, scalars
+    for mul, ir_dim, which in layout.gated:
+        groups.append(GatedGroup(start, mul, ir_dim, gate_at[which], out))
+        start += mul * ir_dim
+        out += mul * ir_dim
+    return GateSpec(scalars, start, tuple(groups), act_scalar, float(gate._scalar_cst),
+                    act_gate, float(gate._gate_cst))
+
+
 class SplitGate:
     """The forward of one ``GatedEquivariantBlock`` (see the module docstring):
-    ``[..., D] -> [..., D - gates]``."""
+    ``[..., D] -> [..., D - gates]``; ``spec``: its kernels' layout where they take it (see
+    :func:`kernel_spec`), else None."""
 
     def __init__(self, gate: torch.nn.Module, layout: GateLayout) -> None:
         self.gate, self.layout = gate, layout
+        self.spec = kernel_spec(gate, layout)
 
     def __call__(self, features: Tensor) -> Tensor:
         g, lay = self.gate, self.layout
@@ -108,6 +141,12 @@ def install(gate: Optional[torch.nn.Module]) -> None:
     layout = None if gate is None else layout_of(gate)
     if layout is not None:
         gate.__dict__[FORWARD_ATTR] = SplitGate(gate, layout)
+
+
+def spec_of(gate: Optional[torch.nn.Module]) -> Optional[GateSpec]:
+    """The kernels' :class:`~mace_accel.ops.gate.GateSpec` of an installed gate, or None."""
+    forward = None if gate is None else gate.__dict__.get(FORWARD_ATTR)
+    return forward.spec if isinstance(forward, SplitGate) else None
 
 
 def remove(gate: Optional[torch.nn.Module]) -> None:

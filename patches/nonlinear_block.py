@@ -26,6 +26,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from mace_accel.errors import InputError
+from mace_accel.ops import gate as gate_ops
 from mace_accel.ops import glue
 from mace_accel.options import AccelOptions
 from mace_accel.patches import gate as split_gate
@@ -38,6 +39,9 @@ Tensor = torch.Tensor
 PART = "radial_mlp"
 WEIGHTS, DENSITY = "weights", "density"
 FORWARD_ATTR = "forward"  # the instance attribute the fused forward is installed as
+# the division, residual and gate in one kernel each way where they take the gate (a test hook:
+# off, torch's ops, for A/B timings)
+_FUSED_GATE = True
 
 
 def layer_norm_mlp_reason(module: Any) -> Optional[str]:
@@ -285,6 +289,16 @@ def divide_rows(x: Tensor, d: Tensor) -> Tensor:
     return _DivideRows.apply(x, d)
 
 
+def gated(gate: torch.nn.Module, x: Tensor, d: Tensor, res: Tensor) -> Tensor:
+    """``gate(x / d + res)``: a block's messages over its density term, plus the residual,
+    through its gated non-linearity; one kernel each way on a GPU where the gate's layout and
+    activations allow (:func:`mace_accel.ops.gate.gate_residual`), else mace's steps."""
+    spec = split_gate.spec_of(gate) if _FUSED_GATE else None
+    if spec is not None and gate_ops.runs_on(x, d, res) and x.shape[1] == spec.d_in:
+        return gate_ops.gate_residual(spec, x, d, res)
+    return gate(divide_rows(x, d) + res)
+
+
 def convolve(block: torch.nn.Module, node_feats: Tensor, edge_attrs: Tensor,
              tp_weights: Tensor, edge_index: Tensor) -> Tensor:
     """``[N, irreps_mid]``: a block's messages summed per receiver, by its fused conv (gather,
@@ -338,9 +352,8 @@ class NonLinearForward(BlockForward):
         edge_density = block.density_fn.compute(*args)
         density = receiver_sums(edge_density, edge_index, n_nodes)
         message = convolve(block, node_feats, edge_attrs, tp_weights, edge_index)
-        message = divide_rows(block.linear_1(message), density * block.beta + block.alpha)
-        message = message + node_feats_res
-        message = block.equivariant_nonlin(message)
+        message = gated(block.equivariant_nonlin, block.linear_1(message),
+                        density * block.beta + block.alpha, node_feats_res)
         message = block.linear_2(message)
         return block.reshape(message), sc
 

@@ -91,3 +91,53 @@ def test_the_non_linear_blocks_gates_take_it_are_reported_fused_and_reverted():
     assert "GatedEquivariantBlock" not in {m.block for m in report.mace_built}
     mace_accel.revert(model)
     assert all("forward" not in g.__dict__ for g in gates)
+
+
+def test_kernel_spec_matches_the_gate_and_its_reference_is_maces():
+    """The kernels' layout of a gate (scalars, gates, gated groups in input order, each group's
+    gates where mace reads them) and their torch reference: ``gate(x / d + res)`` as mace
+    computes it, to rounding, for gated groups whose gates come in another order."""
+    from mace_accel.ops import gate as gate_ops
+
+    for gated in ("8x1o+4x2e+8x3o", "8x2e+8x1o"):
+        module = _gate(gated=gated, gate_act=torch.sigmoid)
+        spec = split_gate.kernel_spec(module, split_gate.layout_of(module))
+        assert spec is not None and spec.d_in == module.irreps_in.dim
+        assert (spec.act_scalar, spec.act_gate) == ("silu", "sigmoid")
+        gen = torch.Generator().manual_seed(1)
+        x, res = (torch.randn(6, spec.d_in, generator=gen, dtype=F64) for _ in range(2))
+        d = torch.rand(6, 1, generator=gen, dtype=F64) + 0.5
+        want = module(x / d + res)
+        assert want.shape == (6, spec.d_out)
+        assert torch.allclose(gate_ops.reference(spec, x, d, res), want, rtol=1e-14,
+                              atol=1e-14)
+        # on the CPU the kernels' entry point is the reference
+        assert torch.equal(gate_ops.gate_residual(spec, x, d, res),
+                           gate_ops.reference(spec, x, d, res))
+
+
+def test_kernel_spec_refuses_activations_the_kernels_lack():
+    from mace_accel.ops import gate as gate_ops
+
+    module = _gate(act=torch.tanh)
+    assert split_gate.kernel_spec(module, split_gate.layout_of(module)) is None
+    split_gate.install(module)
+    assert split_gate.spec_of(module) is None and split_gate.spec_of(None) is None
+    with pytest.raises(ValueError, match="tile"):
+        gate_ops.GateSpec(4, 24, (gate_ops.GatedGroup(8, 4, 3, 4, 4),), "silu", 1.0,
+                          "sigmoid", 1.0)
+    with pytest.raises(ValueError, match="activations"):
+        gate_ops.GateSpec(4, 4, (), "tanh", 1.0, "none", 1.0)
+
+
+def test_mh1_gate_catalog_renders_its_layout():
+    from mace_accel.ops import gate as gate_ops
+
+    spec = gate_ops.MH1_GATE
+    assert (spec.d_in, spec.d_out) == (9728, 8192)
+    sources = dict(gate_ops.catalog_sources(None))
+    assert sorted(sources) == ["glue/gate_mh1_float32", "glue/gate_mh1_float64"]
+    src = sources["glue/gate_mh1_float32"]
+    for name in gate_ops.kernel_names(spec, "float32"):
+        assert name in src
+    assert "expf" in src and "512 x 7 from column 6144, gates from 1536" in src

@@ -30,7 +30,7 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     from mace_accel.ops.conv_tp import staged as conv_tp_staged
     from mace_accel.ops.edge_features import codegen as edge_features_codegen
     from mace_accel.ops.edge_vectors import codegen as edge_vectors
-    from mace_accel.ops import glue
+    from mace_accel.ops import gate, glue
     from mace_accel.ops.irreps_linear import catalog as irreps_linear
     from mace_accel.ops.pair_repulsion import codegen as pair_repulsion
     from mace_accel.ops.radial.table import codegen as radial_table
@@ -44,6 +44,7 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     yield from edge_features_codegen.catalog_sources(limits)
     yield from edge_vectors.catalog_sources(limits)
     yield from glue.catalog_sources(limits)
+    yield from gate.catalog_sources(limits)
     yield from irreps_linear.catalog_sources(limits)
     yield from pair_repulsion.catalog_sources(limits)
     yield from radial_table.catalog_sources(limits)
