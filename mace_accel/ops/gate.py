@@ -19,7 +19,8 @@ from typing import Iterator, Tuple
 
 import torch
 
-from mace_accel.ops import registry
+from mace_accel.ops import glue, registry
+from mace_accel.ops.limits import resident_blocks
 from mace_accel.ops.runtime import Kernel, check_tensor, device_limits, i32, kernel_device, ptr
 from mace_accel.ops.templates import literal, render
 from mace_accel.options import dtype_name
@@ -128,7 +129,7 @@ class CudaGate:
         check_tensor(name, t, shape, self.dtype, self.device, f"gate ({self.spec.describe()})")
 
     def _blocks(self, n: int) -> int:
-        return max(1, min(n, 16 * self.sms))
+        return resident_blocks(n, self.sms)
 
     def forward(self, x: Tensor, d: Tensor, res: Tensor) -> Tuple[Tensor, Tensor]:
         """``(y [N, d_out], q = x / d [N, d_in])``."""
@@ -188,11 +189,11 @@ class _GateResidual(torch.autograd.Function):
 
 
 def runs_on(x: Tensor, d: Tensor, res: Tensor) -> bool:
-    """Whether the kernels take these: float32 or float64 CUDA tensors of one dtype, ``x`` and
-    ``res`` of one shape, ``d`` one value per row, outside a ``torch.compile`` trace."""
-    return x.is_cuda and x.dtype in (torch.float32, torch.float64) \
-        and d.dtype == res.dtype == x.dtype and x.dim() == 2 and res.shape == x.shape \
-        and tuple(d.shape) == (x.shape[0], 1) and not torch.compiler.is_compiling()
+    """Whether the kernels take these: what the glue kernels take (:func:`~mace_accel.ops.glue.
+    runs_on`: float32 or float64 on CUDA, outside a ``torch.compile`` trace), of one dtype,
+    ``x`` and ``res`` of one shape, ``d`` one value per row."""
+    return glue.runs_on(x) and d.dtype == res.dtype == x.dtype and x.dim() == 2 \
+        and res.shape == x.shape and tuple(d.shape) == (x.shape[0], 1)
 
 
 def gate_residual(spec: GateSpec, x: Tensor, d: Tensor, res: Tensor) -> Tensor:

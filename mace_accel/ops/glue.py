@@ -19,7 +19,7 @@ import torch
 
 from mace_accel.errors import KernelSizeError
 from mace_accel.ops import registry
-from mace_accel.ops.limits import DeviceLimits
+from mace_accel.ops.limits import DeviceLimits, resident_blocks
 from mace_accel.ops.runtime import INT32_MAX, Kernel, check_tensor, compile_soon, \
     device_limits, i32, kernel_device, ptr
 from mace_accel.ops.templates import render
@@ -68,7 +68,7 @@ class CudaGlue:
         return self._blocks(-(-threads // THREADS))
 
     def _blocks(self, blocks: int) -> int:
-        return max(1, min(blocks, self.sms * 16))
+        return resident_blocks(blocks, self.sms)
 
     def _check(self, name: str, t: Tensor, shape: Tuple[int, ...],
                dtype: Optional[torch.dtype] = None) -> None:

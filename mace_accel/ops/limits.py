@@ -37,6 +37,12 @@ MAX_THREAD_REGISTERS = 255  # the most registers a thread may have
 LARGE_GRAPH_EDGES = 65536
 
 
+def resident_blocks(blocks: int, sms: int) -> int:
+    """A grid-stride launch's blocks: ``blocks``, at most :data:`BLOCKS_PER_SM` a
+    multiprocessor of ``sms``, at least one."""
+    return max(1, min(blocks, sms * BLOCKS_PER_SM))
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceLimits:
     """What the schedule needs to know about the target GPU (defaults: sm_90, H100/H200)."""

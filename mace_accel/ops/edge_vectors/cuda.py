@@ -11,6 +11,7 @@ import torch
 from mace_accel.errors import KernelSizeError
 from mace_accel.ops.edge_vectors.codegen import THREADS, kernel_name, render_kernels
 from mace_accel.ops.graph import KernelGraph
+from mace_accel.ops.limits import resident_blocks
 from mace_accel.ops.runtime import INT32_MAX, Kernel, check_tensor, compile_soon, device_limits, \
     i32, kernel_device, ptr
 from mace_accel.options import dtype_name
@@ -42,7 +43,7 @@ class CudaEdgeVectors:
         return self._kernels[which]
 
     def _grid(self, rows: int, per_block: int) -> int:
-        return max(1, min(-(-rows // per_block), self.sms * 16))
+        return resident_blocks(-(-rows // per_block), self.sms)
 
     def _check(self, name: str, t: Tensor, shape, dtype: torch.dtype) -> None:
         check_tensor(name, t, shape, dtype, self.device, "edge vectors")

@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from mace_accel.ops.limits import resident_blocks
 from mace_accel.ops.pair_repulsion import reference
 from mace_accel.ops.pair_repulsion.codegen import THREADS, kernel_name, render_kernel
 from mace_accel.ops.pair_repulsion.spec import ZBLSpec
@@ -62,7 +63,7 @@ class CudaZBL:
         energy = torch.empty((n,), dtype=self.dtype, device=self.device)
         slope = torch.empty((e,), dtype=self.dtype, device=self.device)
         if n:
-            grid = max(1, min(-(-n // (THREADS // 32)), self.sms * 16))  # a warp per atom
+            grid = resident_blocks(-(-n // (THREADS // 32)), self.sms)  # a warp per atom
             self.kernel.launch(grid, THREADS, (
                 ptr(lengths), ptr(elements), ptr(sender), ptr(recv_ptr), ptr(recv_perm),
                 ptr(self.zpow), ptr(self.radii), ptr(self._coulomb_factors()), ptr(energy),

@@ -8,7 +8,8 @@ rest, ``s`` a power of two that puts the largest magnitude of its group in [2^14
 3xTF32 (22 of float32's 24 bits per operand; what is dropped, ``lo lo``, is 2^-22 of the
 product) at twice the tensor cores' rate per instruction. The weights are split once, on the
 host (:func:`split_weights`, one scale per block); the inputs as the kernel loads them, one
-scale per 16 rows and K slice of 32, each slice's sum rescaled as it is added in float32.
+scale per group of 8 rows (:data:`TILES`; 16 in a variant) and K slice of 32, each slice's sum
+rescaled as it is added in float32.
 Values far below their group's largest (2^-17 of it and less) keep an absolute error of 2^-39
 of it, not a relative one.
 
@@ -92,7 +93,8 @@ def plan_fp16x3(spec: GroupedSpec, arch: str = "sm_90",
 
     Raises:
         ValueError: a spec the kernel cannot take, or a geometry that does not tile (warp tiles
-            of 16 x 16 outputs, loads of 16-row groups) or fit the static shared memory.
+            of 16 x 16 outputs, slices dividing every k, chunks of whole pairs of n8 tiles) or
+            does not fit the shared memory a block can opt in to.
     """
     why = misfit(spec)
     if why is not None:

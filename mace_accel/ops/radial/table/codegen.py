@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Tuple, Union
 
-from mace_accel.ops.limits import DeviceLimits
+from mace_accel.ops.limits import DeviceLimits, resident_blocks
 from mace_accel.ops.templates import RealType, render
 
 # the forward and the sorted backward: blocks take this many consecutive positions of the
@@ -133,13 +133,13 @@ def render_kernel(plan: TablePlan) -> str:
 def grid(plan: TablePlan, edges: int, sms: int) -> Union[int, Tuple[int, int]]:
     """The launch grid of ``plan`` over ``edges`` edges on a device of ``sms`` SMs: the
     forward's (position blocks, row chunks); the sorted backward's position blocks; the
-    backward in any order, a grid-stride loop of at most 16 blocks an SM."""
+    backward in any order, a grid-stride loop (:func:`~mace_accel.ops.limits.resident_blocks`)."""
     blocks = -(-edges // plan.edges)
     if plan.direction == "forward":
         return (blocks, plan.chunks)
     if plan.direction == "sorted_backward":
         return blocks
-    return max(1, min(blocks, sms * 16))
+    return resident_blocks(blocks, sms)
 
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
