@@ -874,30 +874,42 @@ def tf32x3_gemm(args) -> None:
         opt("--fp16x3-variants", type=names,
             default="64:64:2:2:32:1:3:8:4,128:128:4:4:32:1:1:8:4,64:128:2:4:32:1:2:16:4",
             help="other 3xFP16 tile geometries bm:bn:warps_m:warps_n:bk:prefetch:min_blocks:"
-                 "group_rows:chunk"))
+                 "group_rows:chunk"),
+        opt("--wgmma-variants", type=names, default="32:4:1,64:2:1",
+            help="other 3xFP16 wgmma geometries bk:stages:ahead (Hopper)"))
 def grouped_linear(args) -> None:
-    """MACE-MH-1's 512-channel equivariant linears on the grouped 3xFP16 and 3xTF32 kernels.
+    """MACE-MH-1's 512-channel equivariant linears on the grouped 3xFP16 (``mma.sync`` and, on
+    Hopper, ``wgmma``) and 3xTF32 kernels.
 
     linear_2 (512x(0e+1o+2e+3o) to itself), linear_1 (the convolution's 128-channel paths,
-    256x0e+384x1o+384x2e+256x3o, to 2048x0e+512x(1o+2e+3o)), its transpose (the backward) and
-    the product's linear
-    (512x(0e+1o)), float32, each map's blocks in one launch on the default tiles and the
-    variants, against cuBLAS's float32 (FMA units), TF32, FP16 and BF16 (one pass each, not
-    float32-accurate) GEMMs of the same FLOPs on row-major copies.
+    256x0e+384x1o+384x2e+256x3o, to 2048x0e+512x(1o+2e+3o)), its transpose (the backward),
+    the product's linear (512x(0e+1o)) and the second block's linear_up (512x(0e+1o) to
+    128x(0e+1o), under the GEMM path's weight threshold) and its transpose, float32, each map's
+    blocks in one launch on the default tiles and the variants, against the generated kernel
+    (FMA units; what maps under the threshold run on) and cuBLAS's float32 (FMA units), TF32,
+    FP16 and BF16 (one pass each, not float32-accurate) GEMMs of the same FLOPs on row-major
+    copies.
     """
     from mace_accel._e3nn_compat import o3
+    from mace_accel.ops.irreps_linear import autograd as linear_autograd
     from mace_accel.ops.irreps_linear import gemm
+    from mace_accel.ops.irreps_linear.cuda import CudaIrrepsLinear
     from mace_accel.ops.irreps_linear.spec import effective_weights, linear_scales, linear_spec
     from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
+    from mace_accel.ops.tf32x3_gemm import fp16x3_wgmma
 
     mid = "128x0e+128x0e+128x1o+128x1o+128x1o+128x2e+128x2e+128x2e+128x3o+128x3o"
     nonlin = "2048x0e+512x1o+512x2e+512x3o"
     maps = {"linear_2": ("512x0e+512x1o+512x2e+512x3o",) * 2,
             "linear_1": (mid, nonlin), "linear_1^T": (nonlin, mid),
-            "product": ("512x0e+512x1o",) * 2}
+            "product": ("512x0e+512x1o",) * 2,
+            "linear_up": ("512x0e+512x1o", "128x0e+128x1o"),
+            "linear_up^T": ("128x0e+128x1o", "512x0e+512x1o")}
     geometries = [None] + [tuple(int(v) for v in s.split(":")) for s in args.variants]
     fp16x3_geometries = [None] + [tuple(int(v) for v in s.split(":"))
                                   for s in args.fp16x3_variants]
+    wgmma_geometries = [None] + [tuple(int(v) for v in s.split(":"))
+                                 for s in args.wgmma_variants]
     for name, (irreps_in, irreps_out) in maps.items():
         lin = o3().Linear(irreps_in, irreps_out).cuda()
         spec = linear_spec(lin)
@@ -905,10 +917,19 @@ def grouped_linear(args) -> None:
         prepared = gemm._prepared(spec, w)
         grouped, buffer = prepared.grouped
         flops = sum(2 * b.k * b.n * b.d for b in grouped.blocks)  # a node's
+        linear_autograd.register_spec(spec)
+        generated = CudaIrrepsLinear(spec, torch.float32, torch.device("cuda"))
+        generated.gemm_min_nodes = 2 ** 62  # the generated kernel at every size
         for nodes in args.nodes:
             x = torch.randn(nodes, spec.dim_in, device="cuda")
             exact = gemm.apply(spec, x.double(), w.double())
             out = torch.zeros(nodes, spec.dim_out, device="cuda")
+            elem = torch.zeros(nodes, dtype=torch.int32, device="cuda")
+            if not generated.runs_gemm(nodes):
+                ms = graph_ms(partial(generated.apply, x, w, elem), args.repeats)
+                say(f"{name:8s} {nodes:5d} nodes generated kernel (FMA units)   "
+                    f"{rates(ms, flops * nodes)} err "
+                    f"{rel_err(generated.apply(x, w, elem), exact):.1e}")
             for geometry in geometries:
                 try:
                     tf32x3.mm_grouped(grouped, x, buffer, out, geometry)
@@ -928,6 +949,19 @@ def grouped_linear(args) -> None:
                 ms = graph_ms(partial(tf32x3.mm_grouped_fp16x3, grouped, x, prepared.split, out,
                                       geometry), args.repeats)
                 say(f"{name:8s} {nodes:5d} nodes 3xfp16 {str(geometry or 'default'):26s} "
+                    f"{rates(ms, flops * nodes)} err {rel_err(out, exact):.1e}")
+            on_hopper = fp16x3_wgmma.runs_on(grouped, x.device)
+            for geometry in wgmma_geometries if on_hopper else ():
+                try:
+                    packed = fp16x3_wgmma.pack_weights(
+                        fp16x3_wgmma.plan_wgmma(grouped, geometry), prepared.split)
+                except ValueError as exc:
+                    say(f"  skip {geometry}: {exc}")
+                    continue
+                run = partial(tf32x3.mm_grouped_fp16x3_wgmma, grouped, x, packed, out, geometry)
+                run()
+                ms = graph_ms(run, args.repeats)
+                say(f"{name:8s} {nodes:5d} nodes 3xfp16 wgmma {str(geometry or 'default'):20s} "
                     f"{rates(ms, flops * nodes)} err {rel_err(out, exact):.1e}")
             pairs = [(torch.randn(nodes * b.d, b.k, device="cuda"),
                       torch.randn(b.k, b.n, device="cuda")) for b in grouped.blocks]

@@ -56,30 +56,34 @@ SIDE_BY_SIDE = LinearSpec(
      LinearInstruction(4, 2, 262144), LinearInstruction(5, 3, 266240)))
 
 
-@pytest.mark.parametrize("fp16x3", [True, False])
+@pytest.mark.parametrize("fp16x3", ["wgmma", "mma", "off"])
 @pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("name", ["side_by_side", "message"])
 def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(name, grouped, fp16x3,
                                                                   monkeypatch):
     """At 2,500 nodes in float32 a map with many weights runs on the 3xTF32 kernels: blocks
     that lie side by side are read and written in place (no copies; all in one launch, on
-    the 3xFP16 or the 3xTF32 kernel, or with the grouping off one launch each), the others
-    (the message map's two scalar inputs are apart) through stacked copies; both equal the
-    reference, and so does the backward (the transposed map)."""
+    the 3xFP16 kernel (its wgmma form on Hopper) or the 3xTF32 kernel, or with the grouping
+    off one launch each), the others (the message map's two scalar inputs are apart) through
+    stacked copies; both equal the reference, and so does the backward (the transposed
+    map)."""
     from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
+    from mace_accel.ops.tf32x3_gemm import fp16x3_wgmma
 
     spec = SIDE_BY_SIDE if name == "side_by_side" else CATALOG[name]
     in_place, launches, kernels = [], [], []
     real = tf32x3.mm_e3nn
     monkeypatch.setattr(tf32x3, "mm_e3nn", lambda *a: in_place.append(a[-1]) or real(*a))
-    for grouped_kernel in ("mm_grouped", "mm_grouped_fp16x3"):  # 3xTF32 or 3xFP16
+    # 3xTF32, 3xFP16 or 3xFP16 on wgmma
+    for grouped_kernel in ("mm_grouped", "mm_grouped_fp16x3", "mm_grouped_fp16x3_wgmma"):
         real_grouped = getattr(tf32x3, grouped_kernel)
         monkeypatch.setattr(tf32x3, grouped_kernel, lambda s, *a, real_grouped=real_grouped,
                             kernel=grouped_kernel: (kernels.append(kernel) or launches.append(
                                 [b.d for b in s.blocks]) or real_grouped(s, *a)))
     monkeypatch.setattr(gemm, "MIN_WEIGHTS_FLOAT32", 1)
     monkeypatch.setattr(gemm, "_GROUPED", grouped)
-    monkeypatch.setattr(gemm, "_FP16X3", fp16x3)
+    monkeypatch.setattr(gemm, "_FP16X3", fp16x3 != "off")
+    monkeypatch.setattr(gemm, "_WGMMA", fp16x3 == "wgmma")
     gen = torch.Generator().manual_seed(4)
     n = 2500
     x = torch.randn(n, spec.dim_in, generator=gen, dtype=torch.float64)
@@ -105,4 +109,8 @@ def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(name, grouped, 
     forward = 4 if name == "side_by_side" else 3
     assert in_place == [] and launches == [sorted(want_dims[:forward], reverse=True),
                                            sorted(want_dims[forward:], reverse=True)]
-    assert kernels == ["mm_grouped_fp16x3" if fp16x3 else "mm_grouped"] * 2
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    want_kernel = {"wgmma": "mm_grouped_fp16x3_wgmma" if hopper else "mm_grouped_fp16x3",
+                   "mma": "mm_grouped_fp16x3", "off": "mm_grouped"}[fp16x3]
+    assert kernels == [want_kernel] * 2
+    assert fp16x3_wgmma.DEVICE_ARCH == "sm_90"

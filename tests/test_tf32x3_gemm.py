@@ -113,6 +113,96 @@ def test_fp16x3_plan_source_and_refusals():
         fp16x3.plan_fp16x3(spec, geometry=(512, 512, 8, 4, 64, 1, 1, 8, 2))
 
 
+def test_fp16x3_wgmma_plan_source_and_refusals():
+    """The grouped 3xFP16 wgmma kernel: one warpgroup of 64 x 128 outputs a block, its grid
+    (a block's column tiles padded to whole tiles of 128), shared memory (four stages of the
+    weights' hi and lo slices), every block's tile function at its packed weights' offset,
+    sm_90a's wgmma in the source, and specs or geometries it cannot take refused."""
+    from mace_accel.ops.tf32x3_gemm import fp16x3_wgmma as wg
+
+    spec = codegen.GROUPED_CATALOG["e3nn_grouped_ragged"]  # n = 512, 512, 32
+    plan = wg.plan_wgmma(spec)
+    assert (plan.bm, plan.bn, plan.threads, plan.bk, plan.arch) == (64, 128, 128, 32, "sm_90a")
+    assert plan.packed_offsets == (0, 512 * 512, 2 * 512 * 512)
+    assert plan.packed_numel == 2 * 512 * 512 + 128 * 64  # the 32 columns padded to 128
+    assert plan.grid(100) == (5 * 4 + 2 * 4 + 8 * 1, 1)  # ceil(100 d / 64) x ceil(n / 128)
+    assert plan.shared_bytes == 4 * 2 * 128 * 32 * 2
+    src = wg.render_kernel(plan)
+    assert wg.kernel_name(plan) in src and "wgmma.mma_async.sync.aligned.m64n128k16" in src
+    for i, (b, at) in enumerate(zip(spec.blocks, plan.packed_offsets)):
+        assert f"tile<{b.k}, {b.n}, {b.d}>(X + {b.x_col}, WHI + {at}," in src
+    odd = GroupedSpec((E3nnBlock(3, 48, 64, 0, 0, 0),), 144, 192)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        wg.plan_wgmma(odd)
+    assert not wg.runs_on(odd, torch.device("cpu"))
+    assert not wg.runs_on(spec, torch.device("cpu"))
+    with pytest.raises(ValueError, match="tile geometry"):
+        wg.plan_wgmma(spec, geometry=(48, 4, 2))
+    with pytest.raises(ValueError, match="tile geometry"):
+        wg.plan_wgmma(spec, geometry=(32, 4, 3))
+    with pytest.raises(ValueError, match="shared memory"):
+        wg.plan_wgmma(spec, geometry=(64, 8, 2))
+
+
+def test_fp16x3_wgmma_packing_is_canonical_tiles_of_the_split():
+    """The packed weights are the split weights, each block zero-padded to whole tiles of
+    128 rows and laid out per (column tile, K slice) in wgmma's canonical K-major layout:
+    element (r, c) of a [128, bk] slice at ((r / 8) (bk / 8) + c / 8) 64 + (r % 8) 8 + c % 8;
+    the inverse scales pass through."""
+    from mace_accel.ops.tf32x3_gemm import fp16x3, fp16x3_wgmma as wg
+
+    spec = codegen.GROUPED_CATALOG["e3nn_grouped_ragged"]
+    w = torch.randn(spec.weight_numel, generator=torch.Generator().manual_seed(5))
+    split = fp16x3.split_weights(spec, w)
+    for bk in (32, 64):
+        plan = wg.plan_wgmma(spec, geometry=(bk, 2, 1))
+        packed = wg.pack_weights(plan, split)
+        assert isinstance(packed, wg.Packed) and packed.inv is split[2]
+        for part, whole in ((packed.hi, split[0]), (packed.lo, split[1])):
+            assert part.dtype == torch.float16 and part.shape == (plan.packed_numel,)
+            for b, at in zip(spec.blocks, plan.packed_offsets):
+                m = whole[b.w_offset:b.w_offset + b.n * b.k].view(b.n, b.k)
+                kt = b.k // bk
+                for r, c in ((0, 0), (b.n - 1, b.k - 1), (b.n // 3, b.k // 2 + 3), (9, 17)):
+                    tile, row = divmod(r, 128)
+                    sl, col = divmod(c, bk)
+                    i = at + (tile * kt + sl) * 128 * bk + ((row // 8) * (bk // 8) + col // 8) \
+                        * 64 + (row % 8) * 8 + col % 8
+                    assert part[i] == m[r, c]
+                if b.n % 128:  # the last tile holds the remaining rows and zeros
+                    pad = at + (b.n // 128) * kt * 128 * bk
+                    assert part[pad:pad + 128 * b.k].double().abs().sum() == \
+                        m[b.n // 128 * 128:].double().abs().sum()
+
+
+def test_fp16x3_kernels_check_their_inputs_before_launch():
+    """Both grouped 3xFP16 kernels refuse wrong shapes and dtypes before any launch, the wgmma
+    one also weights not packed for it (the split weights have the same size in another
+    layout); no rows is no launch."""
+    from mace_accel.errors import KernelError
+    from mace_accel.ops.tf32x3_gemm import fp16x3, fp16x3_wgmma as wg
+
+    spec = codegen.GROUPED_CATALOG["e3nn_grouped"]
+    split = fp16x3.split_weights(spec, torch.randn(spec.weight_numel))
+    mma = object.__new__(fp16x3.CudaFp16x3)
+    mma.plan = fp16x3.plan_fp16x3(spec)
+    wgmma = object.__new__(wg.CudaFp16x3Wgmma)
+    wgmma.plan = wg.plan_wgmma(spec)
+    for kernel, weights in ((mma, split), (wgmma, wg.pack_weights(wgmma.plan, split))):
+        kernel.spec, kernel.device, kernel._kernel = spec, torch.device("cpu"), None
+        x, out = torch.zeros(3, spec.lda), torch.zeros(3, spec.ldc)
+        with pytest.raises(KernelError, match="shape"):
+            kernel.apply(x[:, 4:].contiguous(), weights, out)
+        as_float = weights[0].float()
+        with pytest.raises(KernelError, match="float16"):
+            kernel.apply(x, weights._replace(hi=as_float) if kernel is wgmma
+                         else (as_float,) + weights[1:], out)
+        kernel.apply(x[:0], weights, out[:0])  # nothing to do
+        assert kernel._kernel is None
+    with pytest.raises(KernelError, match="pack_weights"):
+        wgmma.apply(x, split, out)
+
+
 def test_fp16x3_weight_split_keeps_float32_accuracy():
     """Each block's weights come back from their FP16 hi and lo parts and inverse scale to
     2^-22 of the block's largest (a zero block, a tiny one and a huge one included), and

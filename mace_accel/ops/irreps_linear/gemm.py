@@ -3,7 +3,8 @@ kernel runs its multiply-adds on the FMA units. float64 runs cuBLAS's GEMMs (DMM
 FMA units' peak on an H100); float32 maps with many weights (MACE-MH-1's 512-channel linears)
 run the 3xTF32 kernels of :mod:`mace_accel.ops.tf32x3_gemm` (float32's accuracy on the TF32
 tensor cores), or, where a map's blocks go in one launch, its 3xFP16 kernel
-(:mod:`~mace_accel.ops.tf32x3_gemm.fp16x3`: the same accuracy on the FP16 tensor cores).
+(:mod:`~mace_accel.ops.tf32x3_gemm.fp16x3`: the same accuracy on the FP16 tensor cores; on
+Hopper its ``wgmma`` form, :mod:`~mace_accel.ops.tf32x3_gemm.fp16x3_wgmma`).
 
 Per output block, the input blocks that feed it (all of one irrep dimension ``d``) are multiplied
 by their stacked weights ``[U, V]`` in one GEMM. On the 3xTF32 kernels, where those blocks lie
@@ -28,7 +29,7 @@ import torch
 from mace_accel.ops.irreps_linear.spec import LinearInstruction, LinearSpec, weight_block
 from mace_accel.ops.runtime import is_aligned16
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
-from mace_accel.ops.tf32x3_gemm import fp16x3
+from mace_accel.ops.tf32x3_gemm import fp16x3, fp16x3_wgmma
 from mace_accel.ops.tf32x3_gemm.spec import (IRREP_DIMS, E3nnBlock, GroupedSpec, e3nn_misfit,
                                              layout_misfit)
 
@@ -57,6 +58,9 @@ _GROUPED = True
 # MH-1's linear_2 at 6,912 nodes in 0.50x the 3xTF32 kernel's time (see fp16x3.TILES), as
 # accurate (a test hook: off, the 3xTF32 kernel, for A/B timings)
 _FP16X3 = True
+# ... and there on Hopper's wgmma (sm_90): MH-1's maps in 0.44-0.60x the mma.sync kernel's time
+# at 256 to 6,912 nodes (see fp16x3_wgmma; a test hook: off, the mma.sync kernel)
+_WGMMA = True
 
 
 def runs_on(spec: LinearSpec) -> bool:
@@ -86,13 +90,14 @@ class Prepared(NamedTuple):
     """A map's GEMMs for one weights tensor: ``blocks`` (:data:`Blocks`), and the blocks the
     grouped kernel can take in one launch: its spec and weights (``[n, k]`` matrices one
     after another; each block's own weights are views of them), the output blocks' indices
-    (None, empty: no such blocks) and those weights split for the 3xFP16 kernel (None: it
-    cannot take the spec)."""
+    (None, empty: no such blocks), those weights split for the 3xFP16 kernel (None: it
+    cannot take the spec) and packed for its wgmma form (None: not on this device)."""
 
     blocks: Blocks
     grouped: Optional[Tuple[GroupedSpec, Tensor]]
     in_group: FrozenSet[int]
     split: Optional[Tuple[Tensor, Tensor, Tensor]] = None
+    packed: Optional[Tuple[Tensor, Tensor, Tensor]] = None
 
 
 def _prepared(spec: LinearSpec, w: Tensor) -> Prepared:
@@ -150,8 +155,12 @@ def _group(spec: LinearSpec, blocks: Blocks) -> Prepared:
         view = buffer[block.w_offset:block.w_offset + block.n * block.k].view(block.n, block.k)
         blocks[i] = (group, (True, view), x_col)
     grouped = GroupedSpec(tuple(chosen), spec.dim_in, spec.dim_out)
-    split = fp16x3.split_weights(grouped, buffer) if fp16x3.misfit(grouped) is None else None
-    return Prepared(blocks, (grouped, buffer), frozenset(members), split)
+    split = packed = None
+    if fp16x3.misfit(grouped) is None:
+        split = fp16x3.split_weights(grouped, buffer)
+        if fp16x3_wgmma.runs_on(grouped, buffer.device):
+            packed = fp16x3_wgmma.pack_weights(fp16x3_wgmma.plan_wgmma(grouped), split)
+    return Prepared(blocks, (grouped, buffer), frozenset(members), split, packed)
 
 
 def _side_by_side(spec: LinearSpec, group: List[LinearInstruction]) -> Optional[int]:
@@ -210,7 +219,9 @@ def apply(spec: LinearSpec, x: Tensor, w: Tensor) -> Tensor:
     done: FrozenSet[int] = frozenset()
     if prepared.grouped is not None and _IN_PLACE and _GROUPED and _fits_grouped(x, out):
         grouped, buffer = prepared.grouped
-        if prepared.split is not None and _FP16X3:
+        if prepared.packed is not None and _FP16X3 and _WGMMA:
+            tf32x3.mm_grouped_fp16x3_wgmma(grouped, x, prepared.packed, out)
+        elif prepared.split is not None and _FP16X3:
             tf32x3.mm_grouped_fp16x3(grouped, x, prepared.split, out)
         else:
             tf32x3.mm_grouped(grouped, x, buffer, out)

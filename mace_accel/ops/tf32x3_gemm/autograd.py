@@ -23,6 +23,7 @@ from mace_accel.ops.tf32x3_gemm.spec import GemmSpec, GroupedSpec, unsupported_r
 
 if TYPE_CHECKING:
     from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
+    from mace_accel.ops.tf32x3_gemm.fp16x3_wgmma import Packed
 
 FAMILY = "tf32x3_gemm"
 Tensor = torch.Tensor
@@ -130,6 +131,18 @@ def mm_grouped_fp16x3(spec: GroupedSpec, x: Tensor, split: Tuple[Tensor, Tensor,
     kernel = registry.cached((FAMILY, "fp16x3", spec, geometry, x.device),
                              lambda: CudaFp16x3(spec, x.device, geometry))
     kernel.apply(x, split, out)
+
+
+def mm_grouped_fp16x3_wgmma(spec: GroupedSpec, x: Tensor, packed: Packed, out: Tensor,
+                            geometry: Optional[Tuple[int, ...]] = None) -> None:
+    """:func:`mm_grouped_fp16x3` on Hopper's wgmma (:mod:`.fp16x3_wgmma`), the weights
+    ``packed`` by :func:`~.fp16x3_wgmma.pack_weights` for the plan of ``geometry`` (None:
+    :data:`~.fp16x3_wgmma.TILES`)."""
+    from mace_accel.ops.tf32x3_gemm.fp16x3_wgmma import CudaFp16x3Wgmma
+
+    kernel = registry.cached((FAMILY, "fp16x3_wgmma", spec, geometry, x.device),
+                             lambda: CudaFp16x3Wgmma(spec, x.device, geometry))
+    kernel.apply(x, packed, out)
 
 
 def mm_t(g: Tensor, w: Tensor) -> Tensor:

@@ -165,11 +165,15 @@ GROUPED_CATALOG = {
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
     """``(name, source)`` of every catalog GEMM (float32 only: float64 stays with cuBLAS,
-    which runs it on the FP64 tensor cores), and of the grouped ones on the 3xFP16 kernel."""
-    from mace_accel.ops.tf32x3_gemm import fp16x3
+    which runs it on the FP64 tensor cores), and of the grouped ones on the 3xFP16 kernels
+    (``mma.sync``, and ``wgmma`` for sm_90)."""
+    from mace_accel.ops.tf32x3_gemm import fp16x3, fp16x3_wgmma
 
     for name, spec in sorted({**CATALOG, **GROUPED_CATALOG}.items()):
         yield f"tf32x3_gemm/{name}", render_kernel(plan_kernel(spec, limits.arch))
     for name, spec in sorted(GROUPED_CATALOG.items()):
         yield (f"tf32x3_gemm/{name}_fp16x3",
                fp16x3.render_kernel(fp16x3.plan_fp16x3(spec, limits.arch)))
+        if limits.arch == fp16x3_wgmma.DEVICE_ARCH:
+            yield (f"tf32x3_gemm/{name}_fp16x3_wgmma",
+                   fp16x3_wgmma.render_kernel(fp16x3_wgmma.plan_wgmma(spec)))

@@ -150,26 +150,44 @@ def split_weights(spec: GroupedSpec, w: Tensor) -> Tuple[Tensor, Tensor, Tensor]
 
 
 class CudaFp16x3:
-    """The grouped 3xFP16 kernel of one :class:`GroupedSpec` on one device."""
+    """The grouped 3xFP16 kernel of one :class:`GroupedSpec` on one device (``mma.sync``; the
+    checks and launch of its wgmma form too)."""
+
+    label = "3xFP16"
 
     def __init__(self, spec: GroupedSpec, device: torch.device,
                  geometry: Optional[Tuple[int, ...]] = None) -> None:
         self.spec = spec
         self.device = kernel_device(torch.float32, device)
-        self.plan = plan_fp16x3(spec, device_limits(self.device).arch, geometry)
+        self.plan = self._plan(device_limits(self.device).arch, geometry)
         self._kernel: Optional[Kernel] = None
+
+    def _plan(self, arch: str, geometry: Optional[Tuple[int, ...]]) -> Fp16x3Plan:
+        return plan_fp16x3(self.spec, arch, geometry)
+
+    def _source(self) -> Tuple[str, str]:
+        """``(source, kernel name)`` of the plan."""
+        return render_kernel(self.plan), kernel_name(self.plan)
+
+    def _weights_numel(self) -> int:
+        """Halves of each of the weights' hi and lo parts the kernel reads."""
+        return self.spec.weight_numel
 
     def apply(self, x: Tensor, weights: Tuple[Tensor, Tensor, Tensor], out: Tensor) -> None:
         """Writes every block into ``out [N, ldc]`` from ``x [N, lda]`` and the split weights
         of :func:`split_weights`; the other columns of ``out`` are left alone. ``x`` and
-        ``out`` contiguous float32, 16-byte aligned."""
-        s, what = self.spec, f"{self.spec.describe()} (3xFP16)"
+        ``out`` contiguous float32, 16-byte aligned.
+
+        Raises:
+            KernelError: a tensor of the wrong shape, dtype, device or alignment.
+        """
+        s, what = self.spec, f"{self.spec.describe()} ({self.label})"
         hi, lo, inv = weights
         nodes = int(x.shape[0]) if x.dim() == 2 else -1
         check_tensor("x", x, (nodes, s.lda), torch.float32, self.device, what)
         check_tensor("out", out, (nodes, s.ldc), torch.float32, self.device, what)
         for name, t in (("hi", hi), ("lo", lo)):
-            check_tensor(name, t, (s.weight_numel,), torch.float16, self.device, what)
+            check_tensor(name, t, (self._weights_numel(),), torch.float16, self.device, what)
             check_aligned(name, t, what)
         check_tensor("inv", inv, (len(s.blocks),), torch.float32, self.device, what)
         for name, t in (("x", x), ("out", out)):
@@ -178,8 +196,8 @@ class CudaFp16x3:
         if nodes == 0:
             return
         if self._kernel is None:
-            self._kernel = Kernel(render_kernel(self.plan), kernel_name(self.plan), self.device,
-                                  self.plan.arch, self.plan.shared_bytes)
+            source, name = self._source()
+            self._kernel = Kernel(source, name, self.device, self.plan.arch,
+                                  self.plan.shared_bytes)
         self._kernel.launch(self.plan.grid(nodes), self.plan.threads,
                             (ptr(x), ptr(hi), ptr(lo), ptr(inv), ptr(out), i32(nodes)))
-

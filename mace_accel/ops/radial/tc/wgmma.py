@@ -46,6 +46,7 @@ from mace_accel.ops.limits import OPTIN_SHARED, RESERVED_SHARED, SM_SHARED
 from mace_accel.ops.radial.tc.spec import RadialSpec
 from mace_accel.ops.radial.silu_mlp.spec import check_layer_weights, zero_padded
 from mace_accel.ops.templates import render
+from mace_accel.ops.wgmma_asm import wgmma_function
 
 ARCH = "sm_90a"  # wgmma exists only on sm_90a (H100/H200), not on later architectures
 PADW = 8  # input and hidden widths are padded to this (the k8 step and the n8 granule)
@@ -183,26 +184,11 @@ def kernel_name(plan: WgmmaPlan) -> str:
             f"x{plan.splits}")
 
 
-def _wgmma_function(n: int) -> str:
-    """C++ of ``wgmma_n<n>(d, a, b, scale_d)``: ``d [64 x n] (+)= A B^T`` for one k8 step,
-    ``A`` and ``B`` given by shared-memory descriptors; ``scale_d`` 0 overwrites ``d``."""
-    regs = n // 2
-    outs = ", ".join(f"%{r}" for r in range(regs))
-    binds = ", ".join(f'"+f"(d[{r}])' for r in range(regs))
-    return (
-        f"__device__ __forceinline__ void wgmma_n{n}(float (&d)[{regs}], const u64 a, "
-        f"const u64 b, const int scale_d) {{\n"
-        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"\n'
-        f'               "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 "\n'
-        f'               "{{{outs}}}, %{regs}, %{regs + 1}, p, 1, 1;\\n}}\\n"\n'
-        f"               : {binds}\n"
-        f'               : "l"(a), "l"(b), "r"(scale_d));\n'
-        f"}}\n")
-
-
 def render_kernel(plan: WgmmaPlan) -> str:
     return render("radial_tc/wgmma.cu.j2", plan=plan, name=kernel_name(plan),
-                  wgmma_functions="\n".join(_wgmma_function(n) for n in plan.n_sizes))
+                  wgmma_functions="\n".join(
+                      wgmma_function(f"wgmma_n{n}", n, "k8.f32.tf32.tf32", False, "1, 1")
+                      for n in plan.n_sizes))
 
 
 # -- the weights ----------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from mace_accel.ops.radial.tc import wgmma
 from mace_accel.ops.radial.tc.spec import RadialSpec
 from mace_accel.ops.radial.silu_mlp.spec import check_layer_weights, zero_padded
 from mace_accel.ops.templates import render
+from mace_accel.ops.wgmma_asm import wgmma_function
 
 CK = 32  # last-layer rows per chunk: one K slice of 4 k8 steps
 G_PAD = 4  # floats of padding per row of g in shared memory (spreads a warp's reads over banks)
@@ -166,29 +167,11 @@ def kernel_name(plan: BackwardPlan) -> str:
     return f"mace_radial_wgmma_bwd_{plan.spec_key}_w{plan.wg}s{plan.stages}"
 
 
-def _wgmma_rs_function(n: int) -> str:
-    """C++ of ``wgmma_rs_n<n>(d, a, b, scale_d)``: ``d [64 x n] (+)= A B^T`` for one k8 step,
-    ``A`` in registers (its fragment, 4 TF32 values per thread), ``B`` by a shared-memory
-    descriptor; ``scale_d`` 0 overwrites ``d``."""
-    regs = n // 2
-    outs = ", ".join(f"%{r}" for r in range(regs))
-    binds = ", ".join(f'"+f"(d[{r}])' for r in range(regs))
-    a = ", ".join(f"%{regs + i}" for i in range(4))
-    return (
-        f"__device__ __forceinline__ void wgmma_rs_n{n}(float (&d)[{regs}], "
-        f"const unsigned (&a)[4], const u64 b, const int scale_d) {{\n"
-        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"\n'
-        f'               "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 "\n'
-        f'               "{{{outs}}}, {{{a}}}, %{regs + 4}, p, 1, 1;\\n}}\\n"\n'
-        f"               : {binds}\n"
-        f'               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), '
-        f'"r"(scale_d));\n'
-        f"}}\n")
-
-
 def render_backward(plan: BackwardPlan) -> str:
     return render("radial_tc/wgmma_backward.cu.j2", plan=plan, name=kernel_name(plan),
-                  wgmma_functions="\n".join(_wgmma_rs_function(n) for n in plan.n_sizes))
+                  wgmma_functions="\n".join(
+                      wgmma_function(f"wgmma_rs_n{n}", n, "k8.f32.tf32.tf32", True, "1, 1")
+                      for n in plan.n_sizes))
 
 
 def _split_canonical(m: torch.Tensor) -> List[torch.Tensor]:
