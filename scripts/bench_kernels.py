@@ -905,11 +905,12 @@ def grouped_linear(args) -> None:
             "product": ("512x0e+512x1o",) * 2,
             "linear_up": ("512x0e+512x1o", "128x0e+128x1o"),
             "linear_up^T": ("128x0e+128x1o", "512x0e+512x1o")}
-    geometries = [None] + [tuple(int(v) for v in s.split(":")) for s in args.variants]
-    fp16x3_geometries = [None] + [tuple(int(v) for v in s.split(":"))
-                                  for s in args.fp16x3_variants]
-    wgmma_geometries = [None] + [tuple(int(v) for v in s.split(":"))
-                                 for s in args.wgmma_variants]
+
+    def with_default(variants):  # None (the default tiles), then the "a:b:c" variants
+        return [None] + [tuple(int(v) for v in s.split(":")) for s in variants]
+
+    geometries, fp16x3_geometries, wgmma_geometries = (
+        with_default(v) for v in (args.variants, args.fp16x3_variants, args.wgmma_variants))
     for name, (irreps_in, irreps_out) in maps.items():
         lin = o3().Linear(irreps_in, irreps_out).cuda()
         spec = linear_spec(lin)
@@ -920,6 +921,13 @@ def grouped_linear(args) -> None:
         linear_autograd.register_spec(spec)
         generated = CudaIrrepsLinear(spec, torch.float32, torch.device("cuda"))
         generated.gemm_min_nodes = 2 ** 62  # the generated kernel at every size
+        packed = {}  # wgmma geometry -> the weights packed for its plan (Hopper)
+        for geometry in wgmma_geometries if fp16x3_wgmma.runs_on(grouped, w.device) else ():
+            try:
+                packed[geometry] = fp16x3_wgmma.pack_weights(
+                    fp16x3_wgmma.plan_wgmma(grouped, geometry), prepared.split)
+            except ValueError as exc:
+                say(f"  skip wgmma {geometry}: {exc}")
         for nodes in args.nodes:
             x = torch.randn(nodes, spec.dim_in, device="cuda")
             exact = gemm.apply(spec, x.double(), w.double())
@@ -950,15 +958,8 @@ def grouped_linear(args) -> None:
                                       geometry), args.repeats)
                 say(f"{name:8s} {nodes:5d} nodes 3xfp16 {str(geometry or 'default'):26s} "
                     f"{rates(ms, flops * nodes)} err {rel_err(out, exact):.1e}")
-            on_hopper = fp16x3_wgmma.runs_on(grouped, x.device)
-            for geometry in wgmma_geometries if on_hopper else ():
-                try:
-                    packed = fp16x3_wgmma.pack_weights(
-                        fp16x3_wgmma.plan_wgmma(grouped, geometry), prepared.split)
-                except ValueError as exc:
-                    say(f"  skip {geometry}: {exc}")
-                    continue
-                run = partial(tf32x3.mm_grouped_fp16x3_wgmma, grouped, x, packed, out, geometry)
+            for geometry, weights in packed.items():
+                run = partial(tf32x3.mm_grouped_fp16x3_wgmma, grouped, x, weights, out, geometry)
                 run()
                 ms = graph_ms(run, args.repeats)
                 say(f"{name:8s} {nodes:5d} nodes 3xfp16 wgmma {str(geometry or 'default'):20s} "

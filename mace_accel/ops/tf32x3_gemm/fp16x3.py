@@ -20,7 +20,7 @@ written in place); every block's ``k`` a multiple of 32 (:func:`misfit`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Optional, Tuple, TypeVar
 
 import torch
 
@@ -32,6 +32,7 @@ from mace_accel.ops.tf32x3_gemm.spec import GroupedSpec
 from mace_accel.ops.templates import render
 
 Tensor = torch.Tensor
+PlanT = TypeVar("PlanT")  # a grouped 3xFP16 kernel's plan (mma.sync or wgmma)
 K_ALIGN = 32  # every block's k is a multiple of the K slices (two or four k16 steps)
 # (bm, bn, warps_m, warps_n, bk, prefetch, min_blocks, group_rows, chunk): 64 x 128 tiles of
 # eight warps of 32 x 32, K in slices of 32, A's loaded one slice ahead, two blocks an SM (128
@@ -107,10 +108,20 @@ def plan_fp16x3(spec: GroupedSpec, arch: str = "sm_90",
         raise ValueError(f"tile geometry {geo} does not split into warps of 16 x 16 outputs, "
                          "slices of 32 or 64 dividing every k, a prefetch of 1 or 2, groups "
                          "of 8 or 16 rows and chunks of an even number of n8 tiles")
-    plan = Fp16x3Plan(spec.key(), arch, bm, bn, wm, wn, bk, prefetch, min_blocks, group_rows,
-                      chunk, spec.blocks, spec.lda, spec.ldc)
+    return within_optin_shared(Fp16x3Plan(
+        spec.key(), arch, bm, bn, wm, wn, bk, prefetch, min_blocks, group_rows, chunk,
+        spec.blocks, spec.lda, spec.ldc), geo)
+
+
+def within_optin_shared(plan: PlanT, geometry: Tuple[int, ...]) -> PlanT:
+    """``plan`` (of either grouped 3xFP16 kernel, for ``geometry``), unless its
+    ``shared_bytes`` exceed what a block can opt in to.
+
+    Raises:
+        ValueError: they do.
+    """
     if plan.shared_bytes > OPTIN_SHARED:
-        raise ValueError(f"tile geometry {geo} needs {plan.shared_bytes} bytes of shared "
+        raise ValueError(f"tile geometry {geometry} needs {plan.shared_bytes} bytes of shared "
                          f"memory, over the {OPTIN_SHARED} a block can have")
     return plan
 

@@ -44,7 +44,6 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from mace_accel.errors import KernelError
-from mace_accel.ops.limits import OPTIN_SHARED
 from mace_accel.ops.runtime import device_limits
 from mace_accel.ops.templates import render
 from mace_accel.ops.tf32x3_gemm import fp16x3
@@ -120,12 +119,9 @@ def plan_wgmma(spec: GroupedSpec, geometry: Optional[Tuple[int, ...]] = None
     for b in spec.blocks:
         offsets.append(at)
         at += -(-b.n // BN) * BN * b.k
-    plan = WgmmaFp16x3Plan(spec.key(), ARCH, bk, stages, ahead, spec.blocks, spec.lda,
-                           spec.ldc, tuple(offsets), at)
-    if plan.shared_bytes > OPTIN_SHARED:
-        raise ValueError(f"tile geometry {geo} needs {plan.shared_bytes} bytes of shared "
-                         f"memory, over the {OPTIN_SHARED} a block can have")
-    return plan
+    return fp16x3.within_optin_shared(WgmmaFp16x3Plan(
+        spec.key(), ARCH, bk, stages, ahead, spec.blocks, spec.lda, spec.ldc, tuple(offsets),
+        at), geo)
 
 
 def runs_on(spec: GroupedSpec, device: torch.device) -> bool:
