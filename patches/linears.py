@@ -22,6 +22,7 @@ from mace_accel.ops.irreps_linear.spec import LinearSpec, transpose_weights
 from mace_accel.options import AccelOptions
 from mace_accel.patches.adopt import FusedModule
 from mace_accel.patches.edge_vectors import element_index
+from mace_accel.profiling import part_range
 
 
 def check_one_hot(y: torch.Tensor, who: str) -> None:
@@ -48,7 +49,7 @@ class _FusedLinearBase(FusedModule):
     def describe(self) -> str:
         if not gemm.runs_on(self.spec):
             return self.spec.describe()
-        float32 = (f", float32 as 3xTF32 GEMMs from {gemm.MIN_NODES_FLOAT32} nodes"
+        float32 = (f", float32 as 3xFP16 or 3xTF32 GEMMs from {gemm.MIN_NODES_FLOAT32} nodes"
                    if self.spec.weight_numel >= gemm.MIN_WEIGHTS_FLOAT32 else "")
         return (f"{self.spec.describe()}; on the tensor cores: float64 from "
                 f"{gemm.MIN_NODES_FLOAT64} nodes as cuBLAS GEMMs{float32}")
@@ -66,12 +67,14 @@ class _FusedLinearBase(FusedModule):
     def start_compiles(self, dtype: torch.dtype, device: torch.device) -> None:
         autograd.start_compiles(self._key, dtype, device)
 
-    def _apply_map(self, x: torch.Tensor, elem: torch.Tensor) -> torch.Tensor:
+    def _apply_map(self, x: torch.Tensor, elem: torch.Tensor,
+                   key: Optional[str] = None) -> torch.Tensor:
+        """The map of spec ``key`` (default: this module's) on ``x [N, dim_in]``."""
         if x.dim() != 2 or x.shape[1] != self.spec.dim_in:
             raise InputError(f"node features must have shape [n_nodes, {self.spec.dim_in}] for "
                              f"{self.describe()}, got {tuple(x.shape)}")
         w, wt = self._weights(x.dtype)
-        return autograd.irreps_linear(self._key, x, w, wt, elem, self.backend)
+        return autograd.irreps_linear(key or self._key, x, w, wt, elem, self.backend)
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
@@ -84,9 +87,26 @@ class FusedLinear(_FusedLinearBase):
     def __init__(self, original: torch.nn.Module, options: AccelOptions) -> None:
         super().__init__(original, linear_spec.linear_spec(original),
                          linear_spec.linear_scales(original), False, options)
+        self._fed_key = self._register_fed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._apply_map(x, x.new_empty((0,), dtype=torch.int32))
+
+    def fed_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, r]``: the leading ``r`` columns of ``forward(x)``, those its instructions
+        feed; the trailing blocks that none feeds (zero) are neither written nor differentiated
+        (``r = dim_out`` where every block is fed). For a caller that reads the rest as zero;
+        its kernels compile at its first call (most models never make one)."""
+        with part_range(self.part):  # called by a fused block, not through forward's hooks
+            return self._apply_map(x, x.new_empty((0,), dtype=torch.int32), self._fed_key)
+
+    def _register_fed(self) -> Optional[str]:
+        fed = self.spec.fed_prefix()
+        return None if fed is None else autograd.register_spec(fed)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._fed_key = self._register_fed()
 
 
 class FusedSkip(_FusedLinearBase):

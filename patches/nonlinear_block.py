@@ -290,13 +290,22 @@ def divide_rows(x: Tensor, d: Tensor) -> Tensor:
 
 
 def gated(gate: torch.nn.Module, x: Tensor, d: Tensor, res: Tensor) -> Tensor:
-    """``gate(x / d + res)``: a block's messages over its density term, plus the residual,
+    """``gate(x / d + res)``: a block's messages ``x [N, D]`` over its density term ``d
+    [N, 1]``, plus the residual ``res [N, r]`` (its leading ``r <= D`` columns, the rest zero),
     through its gated non-linearity; one kernel each way on a GPU where the gate's layout and
     activations allow (:func:`mace_accel.ops.gate.gate_residual`), else mace's steps."""
     spec = split_gate.spec_of(gate) if _FUSED_GATE else None
     if spec is not None and gate_ops.runs_on(x, d, res) and x.shape[1] == spec.d_in:
         return gate_ops.gate_residual(spec, x, d, res)
-    return gate(divide_rows(x, d) + res)
+    return gate(divide_rows(x, d) + gate_ops.pad_residual(res, int(x.shape[1])))
+
+
+def residual(linear_res: torch.nn.Module, node_feats: Tensor) -> Tensor:
+    """``linear_res(node_feats)``: ``[N, r]``, its leading ``r`` columns, where it is a fused
+    linear whose trailing output blocks no input feeds (they are zero: MH-1's 1o, 2e, 3o in
+    the first block, 2e and 3o in the second), else ``[N, D]`` all of it."""
+    fed = getattr(linear_res, "fed_columns", None)
+    return linear_res(node_feats) if fed is None else fed(node_feats)
 
 
 def convolve(block: torch.nn.Module, node_feats: Tensor, edge_attrs: Tensor,
@@ -345,7 +354,7 @@ class NonLinearForward(BlockForward):
         n_nodes = node_feats.shape[0]
         sc = block.skip_tp(node_feats)
         node_feats = block.linear_up(node_feats)
-        node_feats_res = block.linear_res(node_feats)
+        node_feats_res = residual(block.linear_res, node_feats)
         args = (edge_feats, node_attrs, edge_index, block.source_embedding,
                 block.target_embedding, cutoff)
         tp_weights = block.conv_tp_weights.compute(*args)

@@ -4,6 +4,7 @@ batched MD against torch-sim's own MACE model. Same process, same systems.
 
     python scripts/bench_model.py graphs [--sizes 256,2048] [--md 256,864] [--serial] [--shares]
     python scripts/bench_model.py replay [--models mp0-medium,mpa0-medium,mh1 --sizes 256,864]
+                                         [--linear-thresholds 65536,262144]
     python scripts/bench_model.py accuracy [--models mh1 --size 6912 --backends e3nn,mace-accel]
     python scripts/bench_model.py torchsim [--systems 64 --atoms 108 --steps 100]
     python scripts/bench_model.py radial-routes [--models mpa0-medium,mp0-medium]
@@ -15,7 +16,9 @@ the tables' sorted walk of the edges against the unsorted one.
 
 ``replay``: mace-accel's call replayed as the calculator's CUDA graph (``GraphedCall``) for
 several models in one process, rounds interleaved, each against the first model's time (what
-the MD-sized targets compare: MPA-0's and MH-1's call against MP-0's).
+the MD-sized targets compare: MPA-0's and MH-1's call against MP-0's); with
+``--linear-thresholds``, each model once per weight count from which its float32 linears run
+on the tensor cores (what sets ``gemm.MIN_WEIGHTS_FLOAT32``).
 
 ``accuracy``: each backend's float32 energy and forces against e3nn's float64 on the same
 weights and structure (the bench checks float32 against e3nn's float32, whose own error grows
@@ -215,23 +218,34 @@ def graphs(args) -> None:
 
 
 def replay(args) -> None:
+    from mace_accel.ops.irreps_linear import gemm
+
     models = {}
+    thresholds = args.linear_thresholds or [gemm.MIN_WEIGHTS_FLOAT32]
     for name in args.models:
         source = resolve_model_source(name).load(torch.float32, torch.device("cuda"))
         info = model_info(source)
-        models[name] = (prepare_backend("mace-accel", source, "cuda").model, info)
+        for weights in thresholds:
+            label = name if len(thresholds) == 1 else f"{name} linears>={weights}"
+            model = prepare_backend("mace-accel", copy.deepcopy(source), "cuda").model
+            models[label] = (model, info, weights)
+    default = gemm.MIN_WEIGHTS_FLOAT32
     for size in args.sizes:
         calls = {}
-        for name, (model, info) in models.items():
+        for name, (model, info, weights) in models.items():
             batch = make_batch(build_system(info, size), info, torch.float32, "cuda")[0]
             calls[name] = _accel_graph(model, batch, info.r_max)
-            calls[name]()  # captures
+            gemm.MIN_WEIGHTS_FLOAT32 = weights  # read when the graph is captured
+            try:
+                calls[name]()  # captures
+            finally:
+                gemm.MIN_WEIGHTS_FLOAT32 = default
         times: Dict[str, List[float]] = {name: [] for name in calls}
         for _ in range(args.rounds):
             for name, call in calls.items():
                 times[name] += list(time_calls(call, "cuda", 3, args.repeats).samples_ms)
         medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-        base = medians[args.models[0]]
+        base = medians[next(iter(models))]
         print(json.dumps({"atoms": size, "ms": {n: round(m, 3) for n, m in medians.items()},
                           "ratio": {n: round(m / base, 3) for n, m in medians.items()}}),
               flush=True)
@@ -432,6 +446,9 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", type=csv(int), default="256,864", help="atom counts")
     p.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default: 4)")
     p.add_argument("--repeats", type=int, default=15, help="replays a model per round")
+    p.add_argument("--linear-thresholds", type=csv(int), default="",
+                   help="time each model with its float32 linears on the tensor cores from each "
+                        "of these weight counts (gemm.MIN_WEIGHTS_FLOAT32; default: as set)")
     a = modes.add_parser("accuracy", help="float32 energy and forces against e3nn float64")
     a.add_argument("--models", type=csv(str), default="mh1")
     a.add_argument("--size", type=int, default=6912, help="atoms")

@@ -141,3 +141,38 @@ def test_mh1_gate_catalog_renders_its_layout():
     for name in gate_ops.kernel_names(spec, "float32"):
         assert name in src
     assert "expf" in src and "512 x 7 from column 6144, gates from 1536" in src
+
+
+def test_a_residual_of_leading_columns_reads_the_rest_as_zero():
+    """``res [N, r]`` (the columns MH-1's linear_res feeds) is the whole residual padded with
+    zeros: in the kernels' reference and in mace's steps (``gated`` off the kernels), with the
+    gradient of the leading columns only; the non-linear blocks of a small MH-1-like model
+    take it (their first linear_res feeds only the scalars)."""
+    from mace_accel.models.architectures import build_model
+    from mace_accel.ops import gate as gate_ops
+    from mace_accel.options import AccelOptions
+    from mace_accel.patches import nonlinear_block
+    from mace_accel.patches.linears import FusedLinear
+    from test_coverage import SMALL
+
+    module = _gate(gate_act=torch.sigmoid)
+    spec = split_gate.kernel_spec(module, split_gate.layout_of(module))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, spec.d_in, generator=gen, dtype=F64)
+    d = torch.rand(5, 1, generator=gen, dtype=F64) + 0.5
+    for r in (0, 8, 21, spec.d_in):
+        res = torch.randn(5, r, generator=gen, dtype=F64, requires_grad=True)
+        padded = torch.cat([res, res.new_zeros(5, spec.d_in - r)], dim=1)
+        want = module(x / d + padded)
+        got = gate_ops.reference(spec, x, d, res)
+        assert torch.allclose(got, want, rtol=1e-14, atol=1e-14)
+        assert torch.equal(nonlinear_block.gated(module, x, d, res), module(x / d + padded))
+        g = torch.randn_like(want)
+        (ga,) = torch.autograd.grad(got, res, g)
+        (gw,) = torch.autograd.grad(module(x / d + padded), res, g)
+        assert ga.shape == (5, r) and torch.allclose(ga, gw, rtol=1e-13, atol=1e-14)
+    model = build_model(SMALL["non-linear"], dtype=F64)
+    first = FusedLinear(model.interactions[0].linear_res,
+                        AccelOptions(backend="reference", verify=False))
+    fed = first.spec.fed_prefix()
+    assert fed is not None and fed.dim_out < first.spec.dim_out

@@ -1,7 +1,8 @@
 """The non-linear block's division, residual and gate in one kernel each way
 (mace_accel.ops.gate) on the GPU: against the float64 torch reference forward and backward (all
-three gradients), the double backward through the reference, a repeat in a CUDA graph, checks
-before launch."""
+three gradients), with the residual whole or its leading columns only (MH-1's linear_res feeds
+2,048 and 3,584 of 9,728), the double backward through the reference, a repeat in a CUDA graph,
+checks before launch."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ SMALL = gate_ops.GateSpec(8, 64, (gate_ops.GatedGroup(24, 4, 5, 16, 8),
                           "silu", 1.7, "none", 1.0)
 
 
-def _inputs(spec, n, dtype, seed=0):
+def _inputs(spec, n, dtype, seed=0, res_cols=None):
     gen = torch.Generator().manual_seed(seed)
-    x, res = (torch.randn(n, spec.d_in, generator=gen, dtype=torch.float64) for _ in range(2))
+    x = torch.randn(n, spec.d_in, generator=gen, dtype=torch.float64)
+    res = torch.randn(n, spec.d_in if res_cols is None else res_cols, generator=gen,
+                      dtype=torch.float64)
     d = torch.rand(n, 1, generator=gen, dtype=torch.float64) * 20 + 0.5
     g = torch.randn(n, spec.d_out, generator=gen, dtype=torch.float64)
     return [t.to(dtype).cuda().requires_grad_(i < 3) for i, t in enumerate((x, d, res, g))]
@@ -34,11 +37,18 @@ def _err(a, b):
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
-@pytest.mark.parametrize("spec", [SPEC, SMALL], ids=["mh1", "small"])
+# (spec, residual width): whole; MH-1's fed columns in its two blocks; a width that ends
+# inside a gated group's channels, one that ends after the scalars, none
+WIDTHS = [(SPEC, None), (SPEC, 2048), (SPEC, 3584), (SMALL, None), (SMALL, 30), (SMALL, 8),
+          (SMALL, 0)]
+
+
+@pytest.mark.parametrize("spec,res_cols", WIDTHS,
+                         ids=[f"{'mh1' if s is SPEC else 'small'}-{w}" for s, w in WIDTHS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_forward_and_gradients_match_the_reference(spec, dtype):
+def test_forward_and_gradients_match_the_reference(spec, res_cols, dtype):
     tol = 1e-12 if dtype == torch.float64 else 2e-6
-    x, d, res, g = _inputs(spec, 300, dtype)
+    x, d, res, g = _inputs(spec, 300, dtype, res_cols=res_cols)
     y = gate_ops.gate_residual(spec, x, d, res)
     grads = torch.autograd.grad(y, (x, d, res), g)
     x64, d64, res64 = (t.detach().double().requires_grad_() for t in (x, d, res))
@@ -46,11 +56,12 @@ def test_forward_and_gradients_match_the_reference(spec, dtype):
     want_grads = torch.autograd.grad(want, (x64, d64, res64), g.double())
     assert _err(y, want) < tol
     for got, ref in zip(grads, want_grads):
-        assert _err(got, ref) < tol
+        assert got.shape == ref.shape
+        assert ref.numel() == 0 or _err(got, ref) < tol
 
 
 def test_double_backward_follows_the_reference():
-    x, d, res, g = _inputs(SMALL, 40, torch.float64, seed=2)
+    x, d, res, g = _inputs(SMALL, 40, torch.float64, seed=2, res_cols=30)
     y = gate_ops.gate_residual(SMALL, x, d, res)
     gx, gd, gres = torch.autograd.grad(y, (x, d, res), g, create_graph=True)
     hx = torch.autograd.grad((gx.square().sum() + gd.sum() + gres.sum()), x)[0]
@@ -86,3 +97,7 @@ def test_kernels_refuse_wrong_shapes():
         kernels.forward(x[:, :-1].contiguous(), d, res)
     with pytest.raises(KernelError, match="float32"):
         kernels.forward(x, d.double(), res)
+    with pytest.raises(KernelError, match="r <= 64"):
+        kernels.forward(x, d, torch.cat([res, res[:, :1]], dim=1))
+    with pytest.raises(KernelError, match="shape"):
+        kernels.forward(x, d, res[1:].contiguous())

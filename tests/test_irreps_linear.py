@@ -50,6 +50,39 @@ def test_linear_equals_e3nn_with_gradients():
         assert torch.allclose(a, b, rtol=1e-11, atol=1e-12)
 
 
+def test_fed_columns_are_the_leading_columns_and_their_gradients():
+    """A map whose trailing output blocks no input feeds (MH-1's linear_res: 0e in, 0e/1o/2e/3o
+    out): ``fed_columns`` is the output's leading columns, the rest of which is zero, with the
+    same gradients as the whole output's leading columns; the gemm path takes the same weights
+    for the map and its prefix (one cache entry each)."""
+    from mace_accel.ops.irreps_linear import gemm
+
+    lin = _linear("8x0e+4x1o", "6x0e+8x1o+5x2e+3x3o")
+    fused = FusedLinear(lin, OPTIONS)
+    fed = fused.spec.fed_prefix()
+    assert fed is not None and fed.dim_out == 6 + 8 * 3 and fed.instructions == \
+        fused.spec.instructions
+    x = torch.randn(9, lin.irreps_in.dim, dtype=torch.float64, requires_grad=True)
+    whole, lead = lin(x), fused.fed_columns(x)
+    assert lead.shape == (9, fed.dim_out)
+    assert torch.allclose(lead, whole[:, :fed.dim_out], rtol=1e-12, atol=1e-13)
+    assert torch.equal(whole[:, fed.dim_out:], torch.zeros_like(whole[:, fed.dim_out:]))
+    g = torch.randn_like(lead)
+    for a, b in zip(torch.autograd.grad(lead, [x, lin.weight], g),
+                    torch.autograd.grad(whole[:, :fed.dim_out], [x, lin.weight], g)):
+        assert torch.allclose(a, b, rtol=1e-11, atol=1e-12)
+    w = torch.randn(fed.weight_numel, dtype=torch.float64)
+    xs = x.detach()
+    assert torch.allclose(gemm.apply(fed, xs, w), gemm.apply(fused.spec, xs, w)[:, :fed.dim_out],
+                          rtol=1e-13, atol=1e-13)
+    assert gemm.apply(fed, xs, w).shape == (9, fed.dim_out)
+    # every block fed: no prefix, fed_columns is the whole map
+    full = FusedLinear(_linear("8x0e+4x1o", "6x0e+8x1o"), OPTIONS)
+    assert full.spec.fed_prefix() is None
+    x2 = torch.randn(3, full.spec.dim_in, dtype=torch.float64)
+    assert torch.equal(full.fed_columns(x2), full(x2))
+
+
 def test_skip_equals_e3nn_tensor_product_with_one_hot_attributes():
     skip = _skip()
     fused = FusedSkip(skip, OPTIONS)
@@ -206,6 +239,26 @@ def test_gemm_path_equals_the_reference(name):
     want_t = autograd.reference(spec.transposed(), g, transpose_weights(spec, w), elem)
     got_t = gemm.apply(spec.transposed(), g, transpose_weights(spec, w))
     assert torch.allclose(got_t, want_t, rtol=1e-13, atol=1e-13)
+
+
+def test_prepared_gemms_live_as_long_as_their_weights():
+    """A captured CUDA graph reads a map's prepared (split, packed) weights: they stay while the
+    weights tensor lives, however many maps there are, and go with it."""
+    import gc
+
+    from mace_accel.ops.irreps_linear import gemm
+
+    spec = CATALOG[sorted(CATALOG)[0]]
+    if not gemm.runs_on(spec):
+        spec = next(s for s in CATALOG.values() if gemm.runs_on(s))
+    weights = [torch.randn(spec.weight_numel, dtype=torch.float64) for _ in range(80)]
+    prepared = [gemm._prepared(spec, w) for w in weights]
+    assert all(gemm._prepared(spec, w) is p for w, p in zip(weights, prepared))
+    keys = [(id(w), id(spec)) for w in weights]
+    assert all(k in gemm._PREPARED for k in keys)
+    del weights, prepared
+    gc.collect()
+    assert not any(k in gemm._PREPARED for k in keys)
 
 
 def test_grouped_maps_take_contiguous_16_byte_aligned_tensors_only():

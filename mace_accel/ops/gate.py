@@ -8,7 +8,10 @@ products and ``cat``, their gradients and the division's), each a pass over MACE
 the backward); the backward reads ``g``, ``q`` and ``res`` and writes the three gradients,
 ``<gres, q>`` summed in float64 in a fixed order. With ``create_graph`` (training on forces)
 the backward runs :func:`reference` through autograd instead, so the double backward follows.
-Shapes: ``x``, ``res`` ``[N, d_in]``, ``d`` ``[N, 1]``, ``y`` ``[N, d_out]``.
+Shapes: ``x`` ``[N, d_in]``, ``d`` ``[N, 1]``, ``y`` ``[N, d_out]``, ``res`` ``[N, r]`` with
+``r <= d_in``: the residual's leading columns, the rest zero. MH-1's ``linear_res`` feeds only
+the blocks of its input's irreps (0e in the first block, 0e and 1o in the second), so its other
+blocks are never formed: 5,120-7,680 zero columns a node not written, read or differentiated.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Iterator, Tuple
 
 import torch
 
+from mace_accel.errors import KernelError
 from mace_accel.ops import glue, registry
 from mace_accel.ops.limits import resident_blocks
 from mace_accel.ops.runtime import Kernel, check_tensor, device_limits, i32, kernel_device, ptr
@@ -82,8 +86,9 @@ class GateSpec:
 
 
 def reference(spec: GateSpec, x: Tensor, d: Tensor, res: Tensor) -> Tensor:
-    """``[N, d_out]`` with differentiable torch ops (mace's formulas)."""
-    pre = x / d + res
+    """``[N, d_out]`` with differentiable torch ops (mace's formulas); ``res [N, r]`` is
+    the residual's leading ``r`` columns."""
+    pre = x / d + pad_residual(res, spec.d_in)
 
     def act(p: Tensor, which: str, cst: float) -> Tensor:
         if which == "none":
@@ -136,28 +141,38 @@ class CudaGate:
         n = int(x.shape[0])
         self._check("x", x, (n, self.spec.d_in))
         self._check("d", d, (n, 1))
-        self._check("res", res, (n, self.spec.d_in))
+        r = self._residual_width(res, n)
         q = torch.empty_like(x)
         y = x.new_empty((n, self.spec.d_out))
         if n:
             self.forward_kernel.launch(self._blocks(n), THREADS, (
-                ptr(x), ptr(d), ptr(res), ptr(q), ptr(y), i32(n)))
+                ptr(x), ptr(d), ptr(res), ptr(q), ptr(y), i32(n), i32(r)))
         return y, q
 
     def backward(self, g: Tensor, q: Tensor, res: Tensor, d: Tensor
                  ) -> Tuple[Tensor, Tensor, Tensor]:
-        """``(gx [N, d_in], gd [N, 1], gres [N, d_in])`` from ``g = dL/dy [N, d_out]``."""
+        """``(gx [N, d_in], gd [N, 1], gres [N, r])`` from ``g = dL/dy [N, d_out]``."""
         n = int(q.shape[0])
         self._check("g", g, (n, self.spec.d_out))
         self._check("q", q, (n, self.spec.d_in))
-        self._check("res", res, (n, self.spec.d_in))
+        r = self._residual_width(res, n)
         self._check("d", d, (n, 1))
-        gx, gres = torch.empty_like(q), torch.empty_like(q)
+        gx, gres = torch.empty_like(q), torch.empty_like(res)
         gd = q.new_empty((n, 1))
         if n:
             self.backward_kernel.launch(self._blocks(n), THREADS, (
-                ptr(g), ptr(q), ptr(res), ptr(d), ptr(gx), ptr(gres), ptr(gd), i32(n)))
+                ptr(g), ptr(q), ptr(res), ptr(d), ptr(gx), ptr(gres), ptr(gd), i32(n),
+                i32(r)))
         return gx, gd, gres
+
+    def _residual_width(self, res: Tensor, n: int) -> int:
+        """The residual's width ``r`` after checking ``res [n, r]``, ``r <= d_in``."""
+        r = int(res.shape[1]) if res.dim() == 2 else -1
+        if not 0 <= r <= self.spec.d_in:
+            raise KernelError(f"res: expected shape [{n}, r] with r <= {self.spec.d_in}, got "
+                              f"{tuple(res.shape)} (gate ({self.spec.describe()}))")
+        self._check("res", res, (n, r))
+        return r
 
 
 def kernels(spec: GateSpec, dtype: torch.dtype, device: torch.device) -> CudaGate:
@@ -191,9 +206,17 @@ class _GateResidual(torch.autograd.Function):
 def runs_on(x: Tensor, d: Tensor, res: Tensor) -> bool:
     """Whether the kernels take these: what the glue kernels take (:func:`~mace_accel.ops.glue.
     runs_on`: float32 or float64 on CUDA, outside a ``torch.compile`` trace), of one dtype,
-    ``x`` and ``res`` of one shape, ``d`` one value per row."""
+    ``res`` as many rows as ``x`` and at most its columns, ``d`` one value per row."""
     return glue.runs_on(x) and d.dtype == res.dtype == x.dtype and x.dim() == 2 \
-        and res.shape == x.shape and tuple(d.shape) == (x.shape[0], 1)
+        and res.dim() == 2 and res.shape[0] == x.shape[0] and res.shape[1] <= x.shape[1] \
+        and tuple(d.shape) == (x.shape[0], 1)
+
+
+def pad_residual(res: Tensor, width: int) -> Tensor:
+    """``res [N, r]`` with zero columns after it to ``[N, width]`` (differentiable; ``res``
+    itself where it has them all)."""
+    missing = width - int(res.shape[-1])
+    return res if missing == 0 else torch.nn.functional.pad(res, (0, missing))
 
 
 def gate_residual(spec: GateSpec, x: Tensor, d: Tensor, res: Tensor) -> Tensor:

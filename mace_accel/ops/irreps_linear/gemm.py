@@ -20,7 +20,6 @@ generated kernel keeps.
 
 from __future__ import annotations
 
-import collections
 import weakref
 from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
@@ -41,14 +40,15 @@ Tensor = torch.Tensor
 # takes 3-5 launches per output block, so small cells (the 256-atom graph: 280 nodes) keep the
 # kernel's one.
 MIN_NODES_FLOAT64 = 1024
-# float32 maps run as 3xTF32 GEMMs from this many nodes and weights: a 512-channel map of
-# MACE-MH-1 (2.6e5 to 1e6 weights, 5-8 MFLOP a node) is bound by the FMA units in the kernel;
-# MACE-MP's 128-channel maps (at most 6.6e4 weights) keep it. MH-1's whole call replayed in a
-# CUDA graph, the blocks of each map in one launch: 12% faster than the kernel at 256 atoms,
-# 21% at 864; one launch a block was 14% slower at 256 (docs/performance.md, "MACE-MH-1's
-# linears"; fewer nodes not measured)
+# float32 maps run on the tensor cores (3xFP16 or 3xTF32 GEMMs) from this many nodes and
+# weights: a 512-channel map of MACE-MH-1 (2.6e5 to 1e6 weights, 5-8 MFLOP a node) is bound by
+# the FMA units in the kernel. From 2^16 weights (MH-1's linear_up, MACE-MP's 4-path message
+# map) rather than 2^18: with the wgmma kernel, MH-1's call 5% faster at 256 atoms, 3% at 864
+# (graph replay), 5% at 6,912; MP-0's 8% and 10% faster at 256 and 864 atoms
+# (scripts/bench_model.py replay --linear-thresholds). The one-hot element embeddings
+# (4.6e4 weights) keep the kernel. Fewer than 256 nodes not measured.
 MIN_NODES_FLOAT32 = 256
-MIN_WEIGHTS_FLOAT32 = 1 << 18
+MIN_WEIGHTS_FLOAT32 = 1 << 16
 # blocks that lie side by side are read and written in e3nn's layout by the 3xTF32 kernel (a
 # test hook: off, every block goes through the stacked copies, for A/B timings)
 _IN_PLACE = True
@@ -78,9 +78,12 @@ def takes(spec: LinearSpec, dtype: torch.dtype, n_nodes: int, min_nodes_float64:
         and spec.weight_numel >= MIN_WEIGHTS_FLOAT32
 
 
-# id(weights) -> (a weak reference to them, (spec, version), their Prepared); the last few
-_PREPARED: "collections.OrderedDict[int, Tuple]" = collections.OrderedDict()
-_PREPARED_KEPT = 64
+# (id(weights), id(spec)) -> (a weak reference to them, (spec, version), their Prepared), kept
+# while the weights live: a captured CUDA graph reads the Prepared's split and packed weights,
+# so they must not go while the weights (which the graph's module holds) remain. (A cache of
+# the last 64 freed them under a graph once several MH-1 models were live: a replay then read
+# freed memory.)
+_PREPARED: Dict[Tuple[int, int], Tuple] = {}
 # per output block: the instructions that feed it, their stacked weights as _layout makes them,
 # and the column where the input blocks start if they lie side by side in that order (else None)
 Blocks = List[Tuple[List[LinearInstruction], Optional[Tuple[bool, Tensor]], Optional[int]]]
@@ -104,27 +107,28 @@ def _prepared(spec: LinearSpec, w: Tensor) -> Prepared:
     """The map's GEMMs for the effective weights ``w``: made once per weights tensor and
     version (the module's effective weights, cached while the parameters are unchanged, come
     back as the same tensor)."""
-    hit = _PREPARED.get(id(w))
+    key = (id(w), id(spec))  # one weights tensor serves a map and its fed prefix
+    hit = _PREPARED.get(key)
     if hit is not None and hit[0]() is w and hit[1] == (spec, w._version):
-        _PREPARED.move_to_end(id(w))
         return hit[2]
     feeds: Dict[int, List[LinearInstruction]] = {}
     for ins in spec.instructions:
         feeds.setdefault(ins.i_out, []).append(ins)
     blocks: Blocks = []
+    shared = w.detach()  # views of this share w's memory but do not keep w alive
     with torch.no_grad():
         for i_out in range(len(spec.out_blocks)):
             group = feeds.get(i_out, [])
             if not group:
                 blocks.append((group, None, None))
                 continue
-            weights = [weight_block(spec, ins, w)[0] for ins in group]
+            weights = [weight_block(spec, ins, shared)[0] for ins in group]
             wcat = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0]  # [U, V]
             blocks.append((group, _layout(wcat), _side_by_side(spec, group)))
         out = _group(spec, blocks)
-    _PREPARED[id(w)] = (weakref.ref(w), (spec, w._version), out)
-    while len(_PREPARED) > _PREPARED_KEPT:
-        _PREPARED.popitem(last=False)
+    if hit is None or hit[0]() is not w:  # the entry goes with the weights
+        weakref.finalize(w, _PREPARED.pop, key, None)
+    _PREPARED[key] = (weakref.ref(w), (spec, w._version), out)
     return out
 
 

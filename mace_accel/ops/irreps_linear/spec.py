@@ -98,6 +98,16 @@ class LinearSpec:
                           tuple(LinearInstruction(i.i_out, i.i_in, i.w_offset)
                                 for i in self.instructions), self.num_elements)
 
+    def fed_prefix(self) -> Optional["LinearSpec"]:
+        """This map without the trailing output blocks that no instruction feeds (zero in
+        every output: ``[N, dim_in] -> [N, r]``, its leading ``r`` columns), or None where the
+        last block is fed. The weights and their offsets are these."""
+        last = max((ins.i_out for ins in self.instructions), default=-1)
+        if last == len(self.out_blocks) - 1:
+            return None
+        return LinearSpec(self.in_blocks, self.out_blocks[:last + 1], self.instructions,
+                          self.num_elements)
+
     def describe(self) -> str:
         kind = f"element-indexed ({self.num_elements} weight sets)" if self.indexed else "shared"
         return (f"linear {self.dim_in}->{self.dim_out}, {len(self.instructions)} paths, "
