@@ -49,8 +49,9 @@ class _FusedLinearBase(FusedModule):
     def describe(self) -> str:
         if not gemm.runs_on(self.spec):
             return self.spec.describe()
-        float32 = (f", float32 as 3xFP16 or 3xTF32 GEMMs from {gemm.MIN_NODES_FLOAT32} nodes"
-                   if self.spec.weight_numel >= gemm.MIN_WEIGHTS_FLOAT32 else "")
+        float32 = (f", float32 as grouped 3xFP16 GEMMs from {gemm.MIN_NODES_FLOAT32} nodes"
+                   if self.spec.weight_numel >= gemm.MIN_WEIGHTS_FLOAT32
+                   and gemm.grouped_in_float32(self.spec) else "")
         return (f"{self.spec.describe()}; on the tensor cores: float64 from "
                 f"{gemm.MIN_NODES_FLOAT64} nodes as cuBLAS GEMMs{float32}")
 

@@ -543,26 +543,53 @@ def _column_major(k: int, n: int, dtype=torch.float32) -> torch.Tensor:
     return (torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5).t().contiguous().t()
 
 
+def _mlp_layers(x: torch.Tensor, w64: List[torch.Tensor], g: torch.Tensor
+                ) -> Tuple[Callable, Callable]:
+    """``(forward, d x)`` of the MLP of weights ``w64`` on ``x`` in ``x``'s dtype, as the model
+    runs it without tables (patches/radial/mlp.py, route "layers"): a GEMM per layer with its
+    SiLU, in float32 on the 3xTF32 kernels (the last layer too), in float64 on cuBLAS; the
+    input gradient of ``<g, out>`` from the hidden pre-activations the forward keeps."""
+    from mace_accel.ops.radial import mlp as radial_mlp
+    from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
+
+    fast = x.dtype == torch.float32
+    w = [wi.to(x.dtype).t().contiguous().t() for wi in w64]  # column-major, as the model keeps
+    with torch.no_grad():
+        pre = radial_mlp.pre_activations(x, w[:-1], last_act=True, tf32x3=fast)[0]
+    no_w = [False] * (len(w) - 1)
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            hidden = radial_mlp.radial_mlp(x, w[:-1], last_act=True, tf32x3=fast)
+            return tf32x3.linear(hidden, w[-1]) if fast else torch.mm(hidden, w[-1])
+
+    def grad_x() -> torch.Tensor:
+        with torch.no_grad():
+            g_hidden = tf32x3.mm_t(g, w[-1]) if fast else torch.mm(g, w[-1].t())
+            return radial_mlp.vjp(x, w[:-1], pre, g_hidden, True, True, no_w, tf32x3=fast)[0]
+
+    return forward, grad_x
+
+
 @family("radial-table",
         opt("--edges", type=ints, default="20000,539000", help="comma-separated edge counts"),
         opt("--outs", type=ints, default="512,1280", help="output widths of the MLP"),
         opt("--dtypes", type=dtypes, default="float32",
-            help="float64: the quintic table alone (no float64 MLP kernel to compare)"))
+            help="float64: the quintic table, against the MLP's layers on cuBLAS"))
 def radial_table(args) -> None:
-    """The tabulated radial MLP (ops/radial/table) against the whole-MLP kernels it replaces.
+    """The tabulated radial MLP (ops/radial/table) against the MLP's layers it replaces.
 
     A Bessel x polynomial-cutoff embedding (MACE's: 8 functions, r_max 6 Å) into a random
     SiLU MLP 8-64-64-64-n_out, lengths drawn as in a dense solid (density ~ r^2 from 1.8 Å):
     the table's forward (with and without the sort by length) and backward d r against the
-    wgmma MLP kernels' forward and d x (ops/radial/tc; the mma.sync ones off sm_90), their
-    errors against the float64 MLP, and the bandwidth of the [E, n_out] tensor written or read.
+    MLP's forward and d x as the model runs them without tables (a GEMM per layer, on the
+    3xTF32 kernels in float32, on cuBLAS in float64), their errors against the float64 MLP,
+    and the bandwidth of the [E, n_out] tensor written or read.
     """
     from mace_accel.ops.radial import mlp as radial_mlp
     from mace_accel.ops.radial.table import autograd as table_ops
     from mace_accel.ops.radial.table.order import length_order
     from mace_accel.ops.radial.table.table import SPECS, build_table
-    from mace_accel.ops.radial.tc.cuda import CudaRadialMLP
-    from mace_accel.ops.radial.tc.spec import RadialSpec
 
     for dtype in args.dtypes:
         for n_out in args.outs:
@@ -599,14 +626,9 @@ def radial_table(args) -> None:
                         ("table fwd, unsorted", partial(kernels.forward, r, torch.arange(
                             edges, device="cuda"), coeffs, table.inv_h), None),
                         ("table bwd d r", bwd, dref)]
-                if dtype == torch.float32:
-                    mlp = CudaRadialMLP(RadialSpec(widths), r.device)
-                    packed = mlp.pack([w.float().t().contiguous().t() for w in w64])
-                    x = _embedding(r)
-                    z = mlp.forward(x, packed)[1]
-                    runs.insert(0, ("MLP fwd (wgmma)", lambda: mlp.forward(x, packed)[0], ref))
-                    runs.insert(4, ("MLP bwd d x (wgmma)", partial(mlp.backward, g, z, packed),
-                                    None))
+                mlp_fwd, mlp_bwd = _mlp_layers(_embedding(r), w64, g)
+                runs.insert(0, ("MLP fwd (layers)", mlp_fwd, ref))
+                runs.insert(4, ("MLP bwd d x (layers)", mlp_bwd, None))
                 say(f"n_out {n_out}, {edges} edges: {table.describe(dtype)}; built in "
                     f"{t0.elapsed_time(t1):.0f} ms")
                 base = {}
@@ -616,200 +638,6 @@ def radial_table(args) -> None:
                     say(f"  {name:22s} {rates(ms)} ({ms / base[name.split()[1]]:4.2f}x) "
                         f"{edges * n_out * r.element_size() / ms / 1e6:6.0f} GB/s of w"
                         + ("" if want is None else f"  err {rel_err(fn(), want):.1e}"))
-
-
-def _whole_vs_layers(widths, weights, x, g, repeats: int) -> None:
-    """The whole-net kernel through ``radial_mlp`` against the layer-by-layer 3xTF32 kernels."""
-    from mace_accel.ops.radial import mlp as radial_mlp
-    from mace_accel.ops.radial.tc import apply as radial_tc
-    from mace_accel.ops.radial.tc.spec import RadialSpec
-    from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
-
-    key = radial_tc.register_spec(RadialSpec(tuple(widths)))
-    whole = radial_mlp.WholeNet(key, radial_tc.pack_weights(key, weights))
-    nets = {"whole": lambda t: radial_mlp.radial_mlp(t, weights, tf32x3=True, whole=whole),
-            "layers": lambda t: tf32x3.linear(radial_mlp.radial_mlp(
-                t, weights[:-1], last_act=True, tf32x3=True), weights[-1])}
-    xr, x64 = x.clone().requires_grad_(True), x.double().requires_grad_(True)
-    ref = radial_mlp.reference(x64, [w.double() for w in weights])
-    (gref,) = torch.autograd.grad(ref, x64, g.double())
-    for name, net in nets.items():
-        fwd = partial(net, x)
-        both = lambda net=net: torch.autograd.grad(net(xr), xr, g)[0]  # noqa: E731
-        say(f"{_mlp_label(widths, x.shape[0], name)} fwd {graph_ms(fwd, repeats) * 1e3:8.1f} us"
-            f"  fwd+bwd {graph_ms(both, repeats) * 1e3:8.1f} us  err fwd "
-            f"{rel_err(fwd(), ref):.1e} bwd {rel_err(both(), gref):.1e}")
-
-
-def _mlp_label(widths, edges: int, name: str) -> str:
-    return f"{'->'.join(map(str, widths)):22s} E={edges:7d} {name:12s}"
-
-
-def _mlp_rates(widths, edges: int, ms: float, base: float) -> str:
-    """Time, the TF32 rate (three products a multiply-add), the bandwidth of the [E, n_out]
-    tensor written or read, the ratio to ``base``."""
-    macs = sum(a * b for a, b in zip(widths[:-1], widths[1:]))
-    return f"{rates(ms, 6 * edges * macs, edges * widths[-1] * 4)} ({ms / base:4.2f}x)"
-
-
-def _forward_kernels(widths, weights, x, kernels: List[str], repeats: int) -> None:
-    """The forward kernels on the same inputs (the first is the ratios' base)."""
-    from mace_accel.ops.radial import mlp as radial_mlp
-    from mace_accel.ops.radial.tc.cuda import CudaRadialMLP
-    from mace_accel.ops.radial.tc.spec import RadialSpec
-
-    pre64, ref = radial_mlp.pre_activations(x.double(), [w.double() for w in weights])
-    base = None
-    for name in kernels:
-        layout, _, variant = name.partition(":")
-        kernel = CudaRadialMLP(RadialSpec(tuple(widths)), x.device, layout=layout, variant=tuple(
-            int(v) for v in variant.split("x")) if variant else None)
-        packed = kernel.pack(weights)
-        out, z = kernel.forward(x, packed)
-        bias = float((out.double() - ref).sum() / ref.abs().sum())
-        zerr = max(rel_err(z[i, :, :p.shape[1]], p) for i, p in enumerate(pre64))
-        ms = graph_ms(lambda: kernel.forward(x, packed), repeats)
-        base = base or ms
-        say(f"{_mlp_label(widths, x.shape[0], name)} {_mlp_rates(widths, x.shape[0], ms, base)}"
-            f"  err {rel_err(out, ref):.1e} z {zerr:.1e} bias {bias:+.1e}  {kernel.describe()}")
-        del out, z
-
-
-def _backward_kernels(widths, weights, x, g, variants: List[str], repeats: int) -> None:
-    """``d x`` on the layer kernels, then on the wgmma backward kernel in ``variants``."""
-    from mace_accel.ops.radial import mlp as radial_mlp
-    from mace_accel.ops.radial.tc.cuda import CudaRadialMLP
-    from mace_accel.ops.radial.tc.spec import RadialSpec
-
-    x64 = x.double().requires_grad_(True)
-    (gref,) = torch.autograd.grad(radial_mlp.reference(x64, [w.double() for w in weights]),
-                                  x64, g.double())
-    with torch.no_grad():
-        pre, _ = radial_mlp.pre_activations(x, weights, tf32x3=True)
-    no_w = [False] * len(weights)
-
-    def layers() -> torch.Tensor:
-        with torch.no_grad():
-            return radial_mlp.vjp(x, weights, pre, g, False, True, no_w, tf32x3=True)[0]
-
-    runs = [("layers", layers, "3xTF32 layer kernels")]
-    for variant in variants:
-        kernel = CudaRadialMLP(RadialSpec(tuple(widths)), x.device, layout="wgmma",
-                               backward_variant=tuple(int(v) for v in variant.split("x")))
-        packed = kernel.pack(weights)
-        z = kernel.forward(x, packed)[1]
-        runs.append((f"wgmma:{variant}", partial(kernel.backward, g, z, packed),
-                     f"wgmma backward, {kernel.backward_plan.threads} threads"))
-    base = None
-    for name, fn, what in runs:
-        ms = graph_ms(fn, repeats)
-        base = base or ms
-        say(f"{_mlp_label(widths, x.shape[0], name)} {_mlp_rates(widths, x.shape[0], ms, base)}"
-            f"  err {rel_err(fn(), gref):.1e}  {what}")
-
-
-@family("radial-tc",
-        opt("--edges", type=ints, default="20000,539000", help="comma-separated edge counts"),
-        opt("--hidden", type=ints, default="10,64,64,64", help="widths before the last layer"),
-        opt("--outs", type=ints, default="512,1280", help="output widths"),
-        opt("--kernels", type=names, default="",
-            help="compare these forward kernels instead (e.g. mma,wgmma,wgmma:1x4x32x1)"),
-        opt("--backward", type=names, default="",
-            help="compare the layer kernels' d x with these wgmma backward variants instead "
-                 "(WGxSTAGES, e.g. 1x4,2x4)"))
-def radial_tc(args) -> None:
-    """The whole-radial-MLP kernels (ops/radial/tc) against the layer-by-layer kernels.
-
-    By default the whole-net forward against the 3xTF32 GEMMs with SiLU epilogues it
-    replaces, forward and forward + backward (d x), errors against float64. --kernels: the
-    forward kernels against each other (mma.sync "mma", "wgmma" in the variant that runs or
-    wgmma:WGxSTAGESxBNxSPLITS), each one's error (output, pre-activations, and the signed error
-    summed over all outputs: a bias), bandwidth of the output and TF32 rate (three products a
-    multiply-add). --backward: the input gradient alone, the 3xTF32 layer kernels against the
-    wgmma backward kernel in WGxSTAGES variants, bandwidth of the gradient read.
-    """
-    torch.manual_seed(0)
-    for n_out in args.outs:
-        widths = tuple(args.hidden) + (n_out,)
-        weights = [_column_major(a, b) for a, b in zip(widths[:-1], widths[1:])]
-        for edges in args.edges:
-            x = torch.randn(edges, widths[0], device="cuda")
-            g = torch.randn(edges, n_out, device="cuda")
-            if args.kernels:
-                _forward_kernels(widths, weights, x, args.kernels, args.repeats)
-            elif args.backward:
-                _backward_kernels(widths, weights, x, g, args.backward, args.repeats)
-            else:
-                _whole_vs_layers(widths, weights, x, g, args.repeats)
-
-
-@family("silu-mlp",
-        opt("--edges", type=ints, default="21248,65536,131072,539136",
-            help="comma-separated edge counts (21,248: a 256-atom MP-medium cell; 539,136: "
-                 "6,912 atoms)"),
-        opt("--widths", type=ints, default="8,64,64,64", help="the hidden layers' widths"),
-        opt("--dtypes", type=dtypes, default="float64", help="comma-separated"))
-def silu_mlp(args) -> None:
-    """The radial MLP's float64 hidden layers: the fused SiLU MLP kernels against GEMM + SiLU.
-
-    Forward + d x of the fused kernels (mace_accel.ops.radial.silu_mlp, float64 tensor cores)
-    and of the GEMM + SiLU path (mace_accel.ops.radial.mlp), eager and in CUDA graphs, and each
-    fused kernel alone (the forward with and without keeping the slopes, the backward from
-    them), with the FLOPs and the bytes it moves; also the forward's other geometries, and how
-    far the fused d x is from the GEMM path's.
-    """
-    from mace_accel.bench.timing import graph_replay
-    from mace_accel.ops.radial import mlp as radial_mlp
-    from mace_accel.ops.radial.silu_mlp import autograd
-    from mace_accel.ops.radial.silu_mlp.cuda import CudaSiluMLP
-    from mace_accel.ops.radial.silu_mlp.spec import SiluMLPSpec, pack_weights
-
-    widths = tuple(args.widths)
-    spec = SiluMLPSpec(widths)
-    key = autograd.register_spec(spec)
-    macs = sum(a * b for a, b in zip(widths[:-1], widths[1:]))
-    for dtype in args.dtypes:
-        for edges in args.edges:
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            x = torch.randn(edges, widths[0], device="cuda", dtype=dtype, generator=gen)
-            weights = [torch.randn(a, b, device="cuda", dtype=dtype, generator=gen) / a ** 0.5
-                       for a, b in zip(widths[:-1], widths[1:])]
-            g = torch.randn(edges, widths[-1], device="cuda", dtype=dtype, generator=gen)
-            packed = pack_weights(spec, weights)
-            xr = x.clone().requires_grad_(True)
-
-            def gemm_path():
-                torch.autograd.grad(radial_mlp.radial_mlp(xr, weights, last_act=True), xr, g)
-
-            def fused_path():
-                torch.autograd.grad(autograd.silu_mlp(key, xr, packed, "cuda"), xr, g)
-
-            cuda = autograd._cuda(key, x)
-            slopes = cuda.forward(x, packed, keep_slopes=True)[1]
-            rows = {"GEMM + SiLU, fwd + d x": gemm_path, "fused, fwd + d x": fused_path,
-                    "GEMM + SiLU, in a graph": graph_replay(gemm_path),
-                    "fused, in a graph": graph_replay(fused_path),
-                    "fused forward kernel": partial(cuda.forward, x, packed),
-                    "forward, slopes kept": partial(cuda.forward, x, packed, keep_slopes=True),
-                    "backward from slopes": partial(cuda.backward_kept, slopes, packed, g)}
-            for variant in ({"forward_warps": 12}, {"unroll": 4},
-                            {"forward_warps": 12, "unroll": 4}, {"forward_warps": 4}):
-                other = CudaSiluMLP(spec, dtype, x.device, variant=variant)
-                label = ",".join(f"{k}={v}" for k, v in variant.items())
-                rows[f"{label} fwd"] = partial(other.forward, x, packed, keep_slopes=True)
-            (want_gx,) = torch.autograd.grad(radial_mlp.radial_mlp(xr, weights, last_act=True),
-                                             xr, g)
-            say(f"   fused d x vs the GEMM path's: max |d gx| "
-                f"{(cuda.backward_kept(slopes, packed, g) - want_gx).abs().max():.2e}")
-            for name, fn in rows.items():
-                say(f"{dname(dtype):8s} {edges:7d} edges {name:26s} "
-                    f"{event_ms(fn, args.repeats, warmup=3):7.3f} ms")
-            # x, the output, g and d x, and the slopes written and read again
-            moved = (edges * (2 * widths[0] + 2 * widths[-1])
-                     + 2 * cuda.plan.slopes_numel(edges)) * (torch.finfo(dtype).bits // 8)
-            # the forward and the backward: a product per layer each way, 2 FLOPs a MAC
-            say(f"   fused: {4 * edges * macs / 1e9:.2f} GFLOP, {moved / 1e6:.0f} MB through "
-                f"memory")
 
 
 GEMM_SHAPE = (opt("--hidden", type=int, default=64, help="the narrow side"),
@@ -869,8 +697,6 @@ def tf32x3_gemm(args) -> None:
 
 @family("grouped-linear",
         opt("--nodes", type=ints, default="256,864,6912", help="node counts"),
-        opt("--variants", type=names, default="64:128:16:2:4:3,128:128:16:2:4:2",
-            help="other tile geometries bm:bn:bk:warps_m:warps_n:stages, comma-separated"),
         opt("--fp16x3-variants", type=names,
             default="64:64:2:2:32:1:3:8:4,128:128:4:4:32:1:1:8:4,64:128:2:4:32:1:2:16:4",
             help="other 3xFP16 tile geometries bm:bn:warps_m:warps_n:bk:prefetch:min_blocks:"
@@ -878,15 +704,15 @@ def tf32x3_gemm(args) -> None:
         opt("--wgmma-variants", type=names, default="32:4:1,64:2:1",
             help="other 3xFP16 wgmma geometries bk:stages:ahead (Hopper)"))
 def grouped_linear(args) -> None:
-    """MACE-MH-1's 512-channel equivariant linears on the grouped 3xFP16 (``mma.sync`` and, on
-    Hopper, ``wgmma``) and 3xTF32 kernels.
+    """MACE-MH-1's 512-channel equivariant linears on the grouped 3xFP16 kernels (``mma.sync``
+    and, on Hopper, ``wgmma``).
 
     linear_2 (512x(0e+1o+2e+3o) to itself), linear_1 (the convolution's 128-channel paths,
     256x0e+384x1o+384x2e+256x3o, to 2048x0e+512x(1o+2e+3o)), its transpose (the backward),
     the product's linear (512x(0e+1o)) and the second block's linear_up (512x(0e+1o) to
-    128x(0e+1o), under the GEMM path's weight threshold) and its transpose, float32, each map's
-    blocks in one launch on the default tiles and the variants, against the generated kernel
-    (FMA units; what maps under the threshold run on) and cuBLAS's float32 (FMA units), TF32,
+    128x(0e+1o)) and its transpose, float32, each map's blocks in one launch on the default
+    tiles and the variants, against the generated kernel (FMA units; what maps under the GEMM
+    path's thresholds run on) and cuBLAS's float32 (FMA units), TF32,
     FP16 and BF16 (one pass each, not float32-accurate) GEMMs of the same FLOPs on row-major
     copies.
     """
@@ -897,6 +723,15 @@ def grouped_linear(args) -> None:
     from mace_accel.ops.irreps_linear.spec import effective_weights, linear_scales, linear_spec
     from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
     from mace_accel.ops.tf32x3_gemm import fp16x3_wgmma
+
+    def on_the_generated_kernel(fn):  # the choice is made when the graph is captured
+        def call():
+            threshold, gemm.MIN_WEIGHTS_FLOAT32 = gemm.MIN_WEIGHTS_FLOAT32, 2 ** 62
+            try:
+                return fn()
+            finally:
+                gemm.MIN_WEIGHTS_FLOAT32 = threshold
+        return call
 
     mid = "128x0e+128x0e+128x1o+128x1o+128x1o+128x2e+128x2e+128x2e+128x3o+128x3o"
     nonlin = "2048x0e+512x1o+512x2e+512x3o"
@@ -909,18 +744,17 @@ def grouped_linear(args) -> None:
     def with_default(variants):  # None (the default tiles), then the "a:b:c" variants
         return [None] + [tuple(int(v) for v in s.split(":")) for s in variants]
 
-    geometries, fp16x3_geometries, wgmma_geometries = (
-        with_default(v) for v in (args.variants, args.fp16x3_variants, args.wgmma_variants))
+    fp16x3_geometries, wgmma_geometries = (
+        with_default(v) for v in (args.fp16x3_variants, args.wgmma_variants))
     for name, (irreps_in, irreps_out) in maps.items():
         lin = o3().Linear(irreps_in, irreps_out).cuda()
         spec = linear_spec(lin)
         w = effective_weights(spec, lin.weight.detach(), linear_scales(lin)).contiguous()
         prepared = gemm._prepared(spec, w)
-        grouped, buffer = prepared.grouped
+        grouped = prepared.grouped
         flops = sum(2 * b.k * b.n * b.d for b in grouped.blocks)  # a node's
         linear_autograd.register_spec(spec)
         generated = CudaIrrepsLinear(spec, torch.float32, torch.device("cuda"))
-        generated.gemm_min_nodes = 2 ** 62  # the generated kernel at every size
         packed = {}  # wgmma geometry -> the weights packed for its plan (Hopper)
         for geometry in wgmma_geometries if fp16x3_wgmma.runs_on(grouped, w.device) else ():
             try:
@@ -933,21 +767,10 @@ def grouped_linear(args) -> None:
             exact = gemm.apply(spec, x.double(), w.double())
             out = torch.zeros(nodes, spec.dim_out, device="cuda")
             elem = torch.zeros(nodes, dtype=torch.int32, device="cuda")
-            if not generated.runs_gemm(nodes):
-                ms = graph_ms(partial(generated.apply, x, w, elem), args.repeats)
-                say(f"{name:8s} {nodes:5d} nodes generated kernel (FMA units)   "
-                    f"{rates(ms, flops * nodes)} err "
-                    f"{rel_err(generated.apply(x, w, elem), exact):.1e}")
-            for geometry in geometries:
-                try:
-                    tf32x3.mm_grouped(grouped, x, buffer, out, geometry)
-                except ValueError as exc:  # a geometry the shared memory cannot hold
-                    say(f"  skip {geometry}: {exc}")
-                    continue
-                ms = graph_ms(partial(tf32x3.mm_grouped, grouped, x, buffer, out, geometry),
-                              args.repeats)
-                say(f"{name:8s} {nodes:5d} nodes 3xtf32 {str(geometry or 'default'):26s} "
-                    f"{rates(ms, flops * nodes)} err {rel_err(out, exact):.1e}")
+            kernel = on_the_generated_kernel(partial(generated.apply, x, w, elem))
+            ms = graph_ms(kernel, args.repeats)
+            say(f"{name:8s} {nodes:5d} nodes generated kernel (FMA units)   "
+                f"{rates(ms, flops * nodes)} err {rel_err(kernel(), exact):.1e}")
             for geometry in fp16x3_geometries if prepared.split is not None else ():
                 try:
                     tf32x3.mm_grouped_fp16x3(grouped, x, prepared.split, out, geometry)

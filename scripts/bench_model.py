@@ -2,17 +2,16 @@
 replayed as a CUDA graph against cuEquivariance and e3nn captured the same way, and torch-sim's
 batched MD against torch-sim's own MACE model. Same process, same systems.
 
-    python scripts/bench_model.py graphs [--sizes 256,2048] [--md 256,864] [--serial] [--shares]
+    python scripts/bench_model.py graphs [--sizes 256,2048] [--md 256,864] [--serial]
     python scripts/bench_model.py replay [--models mp0-medium,mpa0-medium,mh1 --sizes 256,864]
                                          [--linear-thresholds 65536,262144]
     python scripts/bench_model.py accuracy [--models mh1 --size 6912 --backends e3nn,mace-accel]
     python scripts/bench_model.py torchsim [--systems 64 --atoms 108 --steps 100]
-    python scripts/bench_model.py radial-routes [--models mpa0-medium,mp0-medium]
+    python scripts/bench_model.py table-walks [--models mpa0-medium,mp0-medium]
 
-``radial-routes``: one eager forces call with the radial tables off, each radial-MLP route
-against the simpler ones (the faster routes switched off in turn), rounds interleaved: the
-numbers that keep or remove a radial kernel variant (docs/performance.md); with ``--tables``,
-the tables' sorted walk of the edges against the unsorted one.
+``table-walks``: one eager forces call with the radial tables on, their lookups walking the
+edges sorted by length where ``patches.radial.table.walks_sorted`` says so (the default) against
+walking them as they come, rounds interleaved.
 
 ``replay``: mace-accel's call replayed as the calculator's CUDA graph (``GraphedCall``) for
 several models in one process, rounds interleaved, each against the first model's time (what
@@ -31,7 +30,7 @@ import argparse
 import copy
 import json
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List
 
 import torch
 
@@ -85,31 +84,6 @@ def _serial_copy(model: torch.nn.Module) -> torch.nn.Module:
     return serial
 
 
-def _share_rows(model, batch, r_max: float, shares: Sequence[str],
-                repeats: int) -> Dict[str, float]:
-    """mace-accel's graph captured again with each share of the GPU the later blocks' forked
-    radial MLPs may hold (``patches.radial.overlap.LATER_SM_SHARE``; ``"F/B"`` also sets their
-    backward's, ``LATER_BACKWARD_SM_SHARE``, else the same; 1: all), at any edge count (the
-    model applies them only up to ``SHARE_MAX_EDGES``): ms per replay."""
-    from mace_accel.patches.radial import overlap as radial_overlap
-
-    keep = (radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE,
-            radial_overlap.SHARE_MAX_EDGES)
-    out = {}
-    try:
-        radial_overlap.SHARE_MAX_EDGES = 2**62  # the share asked for at every size
-        for share in shares:
-            forward, _, backward = share.partition("/")
-            values = [None if float(v) >= 1 else float(v) for v in (forward, backward or forward)]
-            radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE = values
-            out[f"share {share}"] = time_calls(_accel_graph(model, batch, r_max), "cuda", 3,
-                                               repeats).median_ms
-    finally:
-        (radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE,
-         radial_overlap.SHARE_MAX_EDGES) = keep
-    return out
-
-
 def _graph_line(row: dict) -> str:
     parts = [f"graph {row['model']} {row['dtype']} {row['atoms']} atoms {row['edges']} edges:"]
     for backend in ("e3nn", "cueq", "mace-accel", SERIAL):
@@ -125,8 +99,6 @@ def _graph_line(row: dict) -> str:
     if "overlap_over_serial_graph" in row:
         parts.append(f"; with/without the radial overlap = "
                      f"{row['overlap_over_serial_graph']:.3f}")
-    for name, ms in row.get("shares_graph_ms", {}).items():
-        parts.append(f"; later radial MLPs' {name}: graph {ms:.3f} ms")
     return " ".join(parts)
 
 
@@ -138,7 +110,7 @@ def _ratio(row: dict, over: str, under: str) -> float | None:
 
 
 def graph_rows(model_name: str, sizes: List[int], dtypes: List[str], repeats: int,
-               serial: bool = False, shares: Sequence[str] = ()) -> List[dict]:
+               serial: bool = False) -> List[dict]:
     """Per (dtype, size): eager and graph-replay ms of each backend, the forces' difference to
     e3nn, mace-accel's ratio to cuEquivariance (and to itself without the radial overlap)."""
     source = resolve_model_source(model_name)
@@ -174,9 +146,6 @@ def graph_rows(model_name: str, sizes: List[int], dtypes: List[str], repeats: in
                     graph_ms, err = None, f"{type(exc).__name__}: {exc}"[:120]
                 row[backend] = {"eager_ms": eager, "graph_ms": graph_ms, "forces_err": err}
                 torch.cuda.synchronize()
-            if shares and not isinstance(models["mace-accel"], str):
-                row["shares_graph_ms"] = _share_rows(models["mace-accel"], batch, info.r_max,
-                                                     shares, repeats)
             for key, over, under in (("accel_over_cueq_graph", "mace-accel", "cueq"),
                                      ("overlap_over_serial_graph", "mace-accel", SERIAL)):
                 if _ratio(row, over, under) is not None:
@@ -208,8 +177,8 @@ def md_rows(model_name: str, sizes: List[int], steps: int) -> List[dict]:
 
 
 def graphs(args) -> None:
-    out = {"graphs": graph_rows(args.model, args.sizes, args.dtypes, args.repeats, args.serial,
-                                args.shares) if args.sizes else []}
+    out = {"graphs": graph_rows(args.model, args.sizes, args.dtypes, args.repeats, args.serial)
+           if args.sizes else []}
     if args.md:
         out["md"] = md_rows(args.model, args.md, args.md_steps)
     if args.json:
@@ -329,78 +298,59 @@ def torchsim(args) -> None:
                 torch.cuda.empty_cache()
 
 
-# the routes of FusedRadialMLP.route each dtype takes, from the default to the simplest: the
-# route-choosing functions switched off for each (see FusedRadialMLP.route; "has_backward" is
-# the whole-MLP input-gradient kernel, without which the backward runs on the 3xTF32 layers)
-ROUTE_SWITCHES = {
-    "float32": {"default": (), "no-backward-kernel": ("has_backward",),
-                "layers": ("_whole_kernels",)},
-    "float64": {"default": (), "no-hidden": ("_fused_hidden",)},
-}
-# with the radial tables on (``--tables``): the lookups walking the edges sorted by length
+# the radial tables' lookups walking the edges sorted by length where walks_sorted says so
 # (patches.radial.table.walks_sorted, one sort a call) against walking them as they come
-TABLE_SWITCHES = {"default": (), "unsorted": ("walks_sorted",)}
+WALKS = ("default", "unsorted")
 
 
-def radial_routes(args) -> None:
+def table_walks(args) -> None:
+    """ms of an eager forces call, each walk of :data:`WALKS` in turn, rounds interleaved; the
+    parameters frozen (the tables run only without weight gradients), default options."""
     from mace_accel.models.architectures import build_architecture
     from mace_accel.models.outputs import evaluate
-    from mace_accel.options import AccelOptions
-    from mace_accel.ops.radial import mlp as radial_mlp
     from mace_accel.patches.radial import table as table_patch
     from mace_accel.patches.radial.mlp import FusedRadialMLP
     from mace_accel.surgery import accelerate
 
-    owners = {"_whole_kernels": FusedRadialMLP, "_fused_hidden": FusedRadialMLP,
-              "has_backward": radial_mlp.radial_tc, "walks_sorted": table_patch}
-    originals = {n: getattr(owner, n) for n, owner in owners.items()}
-
-    def switch_off(names) -> None:
-        for n, f in originals.items():
-            setattr(owners[n], n, (lambda *a: False) if n in names else f)
+    walks_sorted = table_patch.walks_sorted
 
     def route_of(model) -> str:
         route = next(m._kernels["route"] for m in model.modules()
                      if isinstance(m, FusedRadialMLP) and "route" in m._kernels)
         return f"{route.path}/{route.last_gemm}"
 
-    def switches(dtype_name: str) -> Dict[str, tuple]:
-        return TABLE_SWITCHES if args.tables else ROUTE_SWITCHES[dtype_name]
-
     try:
         for name in args.models:
             for dtype_name in args.dtypes:
                 dtype = getattr(torch, dtype_name)
                 model = build_architecture(name, dtype=dtype, device="cuda")
-                options = AccelOptions(radial_table=args.tables,
-                                       recompute_tp_weights=args.recompute)
-                accelerate(model, options=options, verify=False)
-                for p in model.parameters():
+                accelerate(model, verify=False)
+                for p in model.parameters():  # inference: the tables run without weight grads
                     p.requires_grad_(False)
                 info = model_info(model)
                 for size in args.sizes:
                     batch, edges = make_batch(build_system(info, size), info, dtype, "cuda")
-                    routes = switches(dtype_name)
-                    times: Dict[str, List[float]] = {r: [] for r in routes}
+                    times: Dict[str, List[float]] = {w: [] for w in WALKS}
                     taken = {}
                     for rounds in (1, args.rounds):  # the first compiles and warms up
                         for _ in range(rounds):
-                            for label, off in routes.items():
-                                switch_off(off)
+                            for label in WALKS:
+                                table_patch.walks_sorted = ((lambda *a: False)
+                                                            if label == "unsorted"
+                                                            else walks_sorted)
                                 ms = time_calls(lambda: evaluate(model, dict(batch), False),
                                                 "cuda", 1, args.repeats).samples_ms
                                 taken[label] = route_of(model)
                                 if rounds > 1:
                                     times[label] += list(ms)
-                    medians = {r: round(sorted(t)[len(t) // 2], 3) for r, t in times.items()}
+                    medians = {w: round(sorted(t)[len(t) // 2], 3) for w, t in times.items()}
                     print(json.dumps({"model": name, "dtype": dtype_name, "atoms": size,
-                                      "recompute": args.recompute, "tables": args.tables,
                                       "edges": edges, "ms": medians, "routes": taken}),
                           flush=True)
                 model = None
                 torch.cuda.empty_cache()
     finally:
-        switch_off(())
+        table_patch.walks_sorted = walks_sorted
 
 
 def main(argv=None) -> None:
@@ -417,10 +367,6 @@ def main(argv=None) -> None:
     g.add_argument("--md-steps", type=int, default=50)
     g.add_argument("--serial", action="store_true",
                    help="also time mace-accel without the radial MLPs' overlap")
-    g.add_argument("--shares", type=csv(str), default="",
-                   help="also time mace-accel's graph captured with each of these shares of the "
-                        "GPU for the later blocks' radial MLPs (e.g. 1,0.5,0.25; FORWARD/BACKWARD "
-                        "sets the backward kernel's apart, e.g. 0.5/1)")
     g.add_argument("--json", help="also write the rows to this file")
     t = modes.add_parser("torchsim", help="torch-sim batched NVT: AcceleratedMaceModel against "
                                           "torch-sim's MaceModel (e3nn, cuEquivariance)")
@@ -429,18 +375,13 @@ def main(argv=None) -> None:
     t.add_argument("--steps", type=int, default=100)
     t.add_argument("--dtype", default="float32")
     t.add_argument("--device", default="cuda")
-    r = modes.add_parser("radial-routes", help="the radial MLP's routes with the tables off")
+    r = modes.add_parser("table-walks", help="the radial tables' lookups walking the edges "
+                                             "sorted by length against as they come")
     r.add_argument("--models", type=csv(str), default="mpa0-medium,mp0-medium")
     r.add_argument("--dtypes", type=csv(str), default="float32,float64")
     r.add_argument("--sizes", type=csv(int), default="1024,6912", help="atom counts")
     r.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default: 4)")
-    r.add_argument("--repeats", type=int, default=6, help="calls a route per round")
-    r.add_argument("--recompute", default="auto", choices=("auto", "always", "never"),
-                   help="recompute_tp_weights: 'always' times the routes of systems too large "
-                        "to keep the TP weights for the backward (default: auto)")
-    r.add_argument("--tables", action="store_true",
-                   help="radial tables on: time the lookups walking the edges sorted by length "
-                        "against unsorted")
+    r.add_argument("--repeats", type=int, default=6, help="calls a walk per round")
     p = modes.add_parser("replay", help="several models' calls in CUDA graphs, one process")
     p.add_argument("--models", type=csv(str), default="mp0-medium,mpa0-medium,mh1")
     p.add_argument("--sizes", type=csv(int), default="256,864", help="atom counts")
@@ -458,7 +399,7 @@ def main(argv=None) -> None:
         sub.add_argument("--model", default="mp-medium")
     g.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
-    {"graphs": graphs, "torchsim": torchsim, "radial-routes": radial_routes,
+    {"graphs": graphs, "torchsim": torchsim, "table-walks": table_walks,
      "replay": replay, "accuracy": accuracy}[args.mode](args)
 
 

@@ -119,7 +119,7 @@ def md(args) -> None:
 # kernels
 
 FAMILIES: List[Tuple[str, str]] = [
-    (r"^mace_(tf32x3_gemm|radial_tc)", "radial MLP (ours, 3xTF32)"),
+    (r"^mace_tf32x3_gemm", "radial MLP (ours, 3xTF32)"),
     (r"gemm|gemv|cutlass|xmma|sgemm|dgemm", "GEMM (cuBLAS)"),
     (r"^mace_conv", "conv (ours)"),
     (r"^mace_sc|symmetric", "symmetric contraction (ours)"),

@@ -1,9 +1,8 @@
 """Random convolution problems for the GPU tests (never zeros; MACE-like edge order), and the
-skip of tests that need the float64 tensor-core SiLU MLP kernels."""
+comparison of two calls' results bit for bit."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from mace_accel.ops.graph import ConvGraph
@@ -40,13 +39,3 @@ def assert_same_results(got: dict, want: dict, keys, n_atoms: int) -> None:
             assert (got[key] - want[key]).abs().max().item() <= bound, key
         else:
             assert torch.equal(got[key], want[key]), key
-
-
-def skip_without_silu_mlp_kernels() -> None:
-    """Skip the calling test unless the current GPU runs the float64 tensor-core SiLU MLP
-    kernels (:mod:`mace_accel.ops.radial.silu_mlp.dmma`: Hopper)."""
-    from mace_accel.ops.radial.silu_mlp import dmma
-    from mace_accel.ops.runtime import torch_arch
-
-    if torch_arch(torch.device("cuda")) != dmma.ARCH:
-        pytest.skip(f"the float64 tensor-core SiLU MLP kernels are for {dmma.ARCH}")

@@ -21,7 +21,7 @@ SPECS = CATALOG
 @pytest.mark.parametrize("n_nodes", [1, 13, 1000, 2500])
 def test_kernel_equals_reference(name, dtype, n_nodes):
     """(At 2,500 nodes: float64 maps with shared weights as cuBLAS GEMMs, float32 ones with
-    many weights as 3xTF32 GEMMs.)"""
+    many weights whose blocks all go in one launch on the grouped 3xFP16 kernel.)"""
     spec = SPECS[name]
     key = autograd.register_spec(spec)
     gen = torch.Generator().manual_seed(0)
@@ -41,12 +41,14 @@ def test_kernel_equals_reference(name, dtype, n_nodes):
     for a, b in zip(results["cuda"], results["reference"]):
         assert (a - b).norm() <= tol * b.norm()
     cuda = autograd._cuda(key, x.to("cuda", dtype))
-    assert cuda.runs_gemm(n_nodes) == gemm.takes(spec, dtype, n_nodes, gemm.MIN_NODES_FLOAT64)
-    assert not gemm.takes(spec, dtype, n_nodes, gemm.MIN_NODES_FLOAT64) or not spec.indexed
+    takes = gemm.takes(spec, dtype, n_nodes, gemm.MIN_NODES_FLOAT64,
+                       gemm.grouped_in_float32(spec))
+    assert cuda.runs_gemm(n_nodes) == takes
+    assert not takes or not spec.indexed
 
 
 # MACE-MH-1-like: two scalar blocks side by side into 512 scalars, two vector blocks into 512
-# vectors, an l = 2 and an l = 3 block (2.8e5 weights: the 3xTF32 kernels from 256 nodes)
+# vectors, an l = 2 and an l = 3 block (2.8e5 weights)
 SIDE_BY_SIDE = LinearSpec(
     (Block(0, 128, 1), Block(128, 128, 1), Block(256, 128, 3), Block(640, 128, 3),
      Block(1024, 64, 5), Block(1344, 32, 7)),
@@ -56,34 +58,27 @@ SIDE_BY_SIDE = LinearSpec(
      LinearInstruction(4, 2, 262144), LinearInstruction(5, 3, 266240)))
 
 
-@pytest.mark.parametrize("fp16x3", ["wgmma", "mma", "off"])
-@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma"])
 @pytest.mark.parametrize("name", ["side_by_side", "message"])
-def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(name, grouped, fp16x3,
-                                                                  monkeypatch):
-    """At 2,500 nodes in float32 a map with many weights runs on the 3xTF32 kernels: blocks
-    that lie side by side are read and written in place (no copies; all in one launch, on
-    the 3xFP16 kernel (its wgmma form on Hopper) or the 3xTF32 kernel, or with the grouping
-    off one launch each), the others (the message map's two scalar inputs are apart) through
-    stacked copies; both equal the reference, and so does the backward (the transposed
-    map)."""
+def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(name, wgmma, monkeypatch):
+    """At 2,500 nodes in float32 a map with many weights whose blocks lie side by side runs on
+    the grouped 3xFP16 kernel (its wgmma form on Hopper), read and written in place, all blocks
+    in one launch; a map with blocks apart (the message map's two scalar inputs) is not taken
+    (:func:`gemm.takes`), and :func:`gemm.apply` still maps it: the blocks it can group in one
+    launch, the scalars on cuBLAS through stacked copies. Both equal the reference, and so
+    does the backward (the transposed map)."""
     from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
     from mace_accel.ops.tf32x3_gemm import fp16x3_wgmma
 
     spec = SIDE_BY_SIDE if name == "side_by_side" else CATALOG[name]
-    in_place, launches, kernels = [], [], []
-    real = tf32x3.mm_e3nn
-    monkeypatch.setattr(tf32x3, "mm_e3nn", lambda *a: in_place.append(a[-1]) or real(*a))
-    # 3xTF32, 3xFP16 or 3xFP16 on wgmma
-    for grouped_kernel in ("mm_grouped", "mm_grouped_fp16x3", "mm_grouped_fp16x3_wgmma"):
+    launches, kernels = [], []
+    for grouped_kernel in ("mm_grouped_fp16x3", "mm_grouped_fp16x3_wgmma"):
         real_grouped = getattr(tf32x3, grouped_kernel)
         monkeypatch.setattr(tf32x3, grouped_kernel, lambda s, *a, real_grouped=real_grouped,
                             kernel=grouped_kernel: (kernels.append(kernel) or launches.append(
                                 [b.d for b in s.blocks]) or real_grouped(s, *a)))
     monkeypatch.setattr(gemm, "MIN_WEIGHTS_FLOAT32", 1)
-    monkeypatch.setattr(gemm, "_GROUPED", grouped)
-    monkeypatch.setattr(gemm, "_FP16X3", fp16x3 != "off")
-    monkeypatch.setattr(gemm, "_WGMMA", fp16x3 == "wgmma")
+    monkeypatch.setattr(gemm, "_WGMMA", wgmma)
     gen = torch.Generator().manual_seed(4)
     n = 2500
     x = torch.randn(n, spec.dim_in, generator=gen, dtype=torch.float64)
@@ -92,25 +87,19 @@ def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(name, grouped, 
     elem = torch.zeros(n, dtype=torch.int32)
     want = autograd.reference(spec, x, w, elem)
     want_t = autograd.reference(spec.transposed(), g, transpose_weights(spec, w), elem)
-    assert gemm.takes(spec, torch.float32, n, gemm.MIN_NODES_FLOAT64)
+    assert gemm.takes(spec, torch.float32, n, gemm.MIN_NODES_FLOAT64,
+                      gemm.grouped_in_float32(spec)) == (name == "side_by_side")
     got = gemm.apply(spec, x.float().cuda(), w.float().cuda())
     got_t = gemm.apply(spec.transposed(), g.float().cuda(),
                        transpose_weights(spec, w).float().cuda())
     for a, b in ((got, want), (got_t, want_t)):
         assert (a.double().cpu() - b).norm() <= 2e-6 * b.norm()
-    # the irrep dimension of each output block mapped in place, forward then backward: all of
-    # them, but the message map's scalars (fed by two blocks apart) in the forward
-    want_dims = {"side_by_side": [1, 3, 5, 7, 1, 1, 3, 3, 5, 7],
-                 "message": [3, 5, 7, 1, 3, 1, 5, 7]}[name]
-    if not grouped:
-        assert in_place == want_dims and not launches
-        return
-    # grouped: one launch a direction, largest irreps first; the message's scalars still apart
-    forward = 4 if name == "side_by_side" else 3
-    assert in_place == [] and launches == [sorted(want_dims[:forward], reverse=True),
-                                           sorted(want_dims[forward:], reverse=True)]
+    # one launch a direction, largest irreps first; the message's scalars (fed by two blocks
+    # apart) outside it in the forward
+    want_dims = {"side_by_side": [[7, 5, 3, 1], [7, 5, 3, 3, 1, 1]],
+                 "message": [[7, 5, 3], [7, 5, 3, 1, 1]]}[name]
+    assert launches == want_dims
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    want_kernel = {"wgmma": "mm_grouped_fp16x3_wgmma" if hopper else "mm_grouped_fp16x3",
-                   "mma": "mm_grouped_fp16x3", "off": "mm_grouped"}[fp16x3]
+    want_kernel = "mm_grouped_fp16x3_wgmma" if wgmma and hopper else "mm_grouped_fp16x3"
     assert kernels == [want_kernel] * 2
     assert fp16x3_wgmma.DEVICE_ARCH == "sm_90"

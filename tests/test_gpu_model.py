@@ -48,25 +48,6 @@ def test_patched_matches_unpatched(arch, dtype):
     _assert_matches_unpatched(model, dtype)
 
 
-def test_fused_radial_mlp_hidden_layers_match_unpatched(monkeypatch):
-    """The radial MLP's hidden layers in float64 on the tensor-core SiLU MLP kernels (Hopper)."""
-    from gpu_helpers import skip_without_silu_mlp_kernels
-    from mace_accel.ops.radial.silu_mlp import autograd as silu_mlp_autograd
-
-    skip_without_silu_mlp_kernels()
-    calls = []
-    real = silu_mlp_autograd.silu_mlp
-    monkeypatch.setattr(silu_mlp_autograd, "silu_mlp",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
-    model = build_architecture("mp-medium", dtype=torch.float64, device="cuda")
-    for p in model.parameters():  # inference: no weight gradients (training keeps the GEMMs)
-        p.requires_grad_(False)
-    mace_accel.accelerate(model, backend="cuda", verify=False,
-                          options=mace_accel.AccelOptions(radial_table=False))
-    _assert_matches_unpatched(model, torch.float64)
-    assert len(calls) == 2  # both interaction blocks
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_recomputed_tp_weights_in_small_chunks_match_unpatched(dtype, monkeypatch):
     """The radial MLP's last layer folded into the conv, weights recomputed chunk by chunk."""

@@ -59,10 +59,6 @@ _NOT_KIND = {
     "symmetric_contraction": [(r"^.+?-(?=float(32|64)-)", "")],
     "irreps_linear": [(r"^\w+?_(?=(t_)?float(32|64)$)", "")],
     "radial_table": [(r"_n\d+$", "")],
-    # <problem> (mma.sync), <problem>_mace_radial_wgmma[_bwd]_<spec hash>_<geometry>
-    "radial_tc": [(r"^\w+?_mace_radial_(?=wgmma)", ""), (r"_[0-9a-f]{16}", ""),
-                  (r"^(?!wgmma)\w+$", "mma")],
-    "silu_mlp": [(r"^\w+?_(?=(dmma_)?(fwd|bwd))", "")],
     # hidden_*: the hidden layers' SiLU epilogues, a variant rather than a size
     "tf32x3_gemm": [(r"^(?!hidden_)\w+?_(?=(fwd|bwd))", "")],
 }
@@ -85,7 +81,7 @@ def _nvcc(source: str, folder: Path) -> Tuple[int, str]:
     folder.mkdir(parents=True)
     src = folder / "k.cu"
     src.write_text(source)
-    # the wgmma kernels exist only on sm_90a (ops/radial/tc/wgmma.py); the rest on sm_90
+    # the wgmma kernels exist only on sm_90a (ops/tf32x3_gemm/fp16x3_wgmma.py); the rest on sm_90
     arch = "sm_90a" if "wgmma.mma_async" in source else "sm_90"
     proc = subprocess.run(
         [NVCC, f"-arch={arch}", "-std=c++17", "-cubin", "-Xptxas", "-v", "-Werror", "all-warnings",

@@ -110,17 +110,16 @@ def test_bad_input_shape_is_a_clear_error():
 
 
 @pytest.mark.parametrize("fold_last", [False, True])
-def test_the_fused_hidden_layers_run_only_where_the_tp_weights_are_kept(fold_last, monkeypatch):
-    """Where the TP weights are recomputed the hidden layers run one by one: the float64
-    kernels' backward reads the slopes their forward keeps (a recomputing one measured slower
-    than the layers). The kernels are said to take the call here (no GPU needed to route)."""
-    monkeypatch.setattr(FusedRadialMLP, "_fused_hidden", lambda self, x: True)
+def test_without_tables_the_layers_run_and_the_route_tells_the_conv_what_it_gets(fold_last):
+    """Off the tables (here: a CPU input) the layers run one by one; the route says whether
+    the conv recomputes the TP weights and whether it is handed them or, with the last layer
+    folded in, the hidden activations (no GPU needed to route)."""
     x = torch.randn(5, 8, dtype=torch.float64)
     net = _net()
     spec, _ = spec_or_reason(net)
-    for recompute, path in (("never", "hidden"), ("always", "layers")):
+    for recompute in ("never", "always"):
         options = AccelOptions(backend="cuda", verify=False, recompute_tp_weights=recompute)
         with torch.no_grad():
             route = FusedRadialMLP(net, spec, options, fold_last=fold_last).route(x)
-        assert route.path == path and route.recompute == (recompute == "always")
+        assert route.path == "layers" and route.recompute == (recompute == "always")
         assert route.full_output == (not fold_last)

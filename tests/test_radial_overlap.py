@@ -30,7 +30,7 @@ class _Member(torch.nn.Module):
         super().__init__()
         self.scale, self.calls = scale, 0
 
-    def compute(self, x: torch.Tensor, sm_share=None, backward_sm_share=None) -> torch.Tensor:
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return x * self.scale
 
@@ -73,13 +73,6 @@ def test_off_the_gpu_every_block_computes_its_own_in_order():
         assert torch.equal(out, x * (i + 1))
     assert not group._pending
     assert group(_Member(7.0), x).equal(x * 7.0)  # not a member: its own, serially
-
-
-def test_later_blocks_hold_a_share_of_the_gpu_only_on_small_calls():
-    share = (radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE)
-    assert radial_overlap.later_shares(19_968) == share
-    assert radial_overlap.later_shares(radial_overlap.SHARE_MAX_EDGES) == share
-    assert radial_overlap.later_shares(radial_overlap.SHARE_MAX_EDGES + 1) == (None, None)
 
 
 def test_overlap_pickles_without_results():
@@ -164,26 +157,12 @@ def test_the_lean_head_starts_every_block_early_bit_for_bit(monkeypatch):
 
     forked, serial = _patched_pair(torch.float32)
     joined = _count_joins(monkeypatch)
-    shares = []
-    compute = FusedRadialMLP.compute
-
-    def recording(self, x, *args):
-        shares.append(args)
-        return compute(self, x, *args)
-
-    monkeypatch.setattr(FusedRadialMLP, "compute", recording)
     batch = _cu_ni_batch(forked)
     for _ in range(2):
         got = evaluate(forked, dict(batch), compute_stress=False)
-        monkeypatch.setattr(FusedRadialMLP, "compute", compute)  # the serial model's: not asked
         want = serial(dict(batch), training=False, compute_force=True)
-        monkeypatch.setattr(FusedRadialMLP, "compute", recording)
         assert torch.equal(got["forces"], want["forces"])
     assert joined == [True, True] * 2  # both blocks took the early results, in each call
-    # the first block's MLP holds the whole GPU, the later one the shares it is given
-    later = radial_overlap.later_shares(int(batch["edge_index"].shape[1]))
-    assert later == (radial_overlap.LATER_SM_SHARE, radial_overlap.LATER_BACKWARD_SM_SHARE)
-    assert shares == [(), later] * 2
 
 
 @pytest.mark.gpu

@@ -58,28 +58,23 @@ def test_plans_tile_into_warps_and_fit_static_shared_memory(name):
     rows, cols = plan.grid(20001)
     assert (rows - 1) * plan.bm < 20001 <= rows * plan.bm and cols * plan.bn >= spec.n
     src = codegen.render_kernel(plan)
-    assert codegen.kernel_name(plan) in src and f"gemm_tile<{spec.k}, {spec.n}, " in src
+    assert codegen.kernel_name(plan) in src and f"gemm_tile<{spec.k}, {spec.n}>" in src
     assert ("Bs[s][kk + t][c]" in src) == (spec.b_layout == "kn")
     assert ("expf" in src) == (spec.epilogue != "none")
 
 
-def test_grouped_spec_plan_and_source():
-    """A grouped kernel walks its blocks' tiles in one x (largest irreps first as given), each
-    block's tile function with its own widths and irrep dimension; blocks that do not fit the
-    rows, misaligned scalars and misaligned weights are refused."""
+def test_grouped_specs_refuse_blocks_the_kernels_cannot_read():
+    """A grouped map's blocks must fit the rows, scalars start on 16-byte (x) and 8-byte (out)
+    bounds, weights on 16-byte bounds."""
     spec = codegen.GROUPED_CATALOG["e3nn_grouped_ragged"]
-    plan = codegen.plan_kernel(spec)
-    assert plan.bn == 64  # the narrow block sets the tiles
-    assert plan.grid(100) == (2 * 8 + 5 * 8 + 8 * 1, 1)  # ceil(100 d / 64) x ceil(n / 64)
-    src = codegen.render_kernel(plan)
-    for b in spec.blocks:
-        assert f"gemm_tile<{b.k}, {b.n}, {b.d}>(X + {b.x_col}, W + {b.w_offset}," in src
     assert spec.weight_numel == 524288 + 32 * 64 and spec.key() != codegen.GROUPED_CATALOG[
         "e3nn_grouped"].key()
     with pytest.raises(ValueError, match="do not fit"):
         GroupedSpec((E3nnBlock(3, 512, 512, 512, 512, 0),), 1024, 2048)
     with pytest.raises(ValueError, match="aligned"):
         GroupedSpec((E3nnBlock(1, 512, 512, 2, 0, 0),), 1024, 2048)
+    with pytest.raises(ValueError, match="aligned"):
+        GroupedSpec((E3nnBlock(1, 512, 512, 0, 3, 0),), 1024, 2048)
     with pytest.raises(ValueError, match="weights at float 2"):
         GroupedSpec((E3nnBlock(1, 512, 512, 0, 0, 2),), 1024, 2048)
     with pytest.raises(ValueError, match="at least one"):
@@ -307,25 +302,6 @@ def test_opcheck_schema_fake_and_autograd_registration(torch_kernels):
     torch.library.opcheck(autograd.mm_op.op, (g, wt, False))
 
 
-def test_e3nn_layout_specs_and_where_blocks_fit():
-    """``irrep_dim`` names an e3nn-layout kernel (B stored nk, no epilogue); a block fits when
-    it lies inside the rows and, for scalars, starts on 16-byte (x) and 8-byte (out) bounds."""
-    from mace_accel.ops.tf32x3_gemm.spec import e3nn_misfit
-
-    assert GemmSpec(384, 512, "nk", irrep_dim=3).key() == "k384_n512_nk_e3nn3"
-    for bad in (dict(irrep_dim=2), dict(irrep_dim=3, b_layout="kn"),
-                dict(irrep_dim=1, epilogue="silu")):
-        with pytest.raises(ValueError, match="irrep_dim"):
-            GemmSpec(**{"k": 64, "n": 64, "b_layout": "nk", **bad})
-    x, out = torch.zeros(4, 300), torch.zeros(4, 202)
-    assert e3nn_misfit(3, x, 12, 96, out, 10, 64) is None
-    assert "do not fit" in e3nn_misfit(3, x, 13, 96, out, 10, 64)
-    assert "do not fit" in e3nn_misfit(3, x, 12, 96, out, 11, 64)
-    assert e3nn_misfit(1, x, 8, 96, out, 2, 64) is None
-    assert "aligned" in e3nn_misfit(1, x, 6, 96, out, 2, 64)
-    assert "aligned" in e3nn_misfit(1, x, 8, 96, out, 3, 64)
-
-
 def test_linear_blocks_side_by_side_are_found():
     """The input blocks feeding one output block are one e3nn block when each follows the one
     before (in the weights' order)."""
@@ -341,3 +317,42 @@ def test_linear_blocks_side_by_side_are_found():
     apart = LinearInstruction(3, 0, 0)
     assert gemm._side_by_side(spec, [spec.instructions[0], apart]) is None
     assert gemm._side_by_side(spec, [spec.instructions[1], spec.instructions[0]]) is None
+
+
+def test_float32_maps_take_the_gemm_path_only_whole_on_the_grouped_kernel():
+    """A float32 map runs as GEMMs (from enough nodes and weights) only where every fed output
+    block goes in the grouped 3xFP16 launch: inputs side by side, k a multiple of 32; a map
+    with blocks apart or k = 100 keeps the generated kernel. float64 maps take cuBLAS from
+    their node threshold whatever their layout."""
+    from mace_accel.ops.irreps_linear import gemm
+    from mace_accel.ops.irreps_linear.spec import Block, LinearInstruction, LinearSpec
+
+    def spec(mul_in, apart=False):
+        """Two scalar blocks into 256 scalars, one vector block into 256 vectors; ``apart``:
+        the vectors between the two scalar blocks."""
+        if apart:
+            ins = (Block(0, mul_in, 1), Block(mul_in, mul_in, 3), Block(4 * mul_in, mul_in, 1))
+            order = (0, 2, 1)
+        else:
+            ins = (Block(0, mul_in, 1), Block(mul_in, mul_in, 1), Block(2 * mul_in, mul_in, 3))
+            order = (0, 1, 2)
+        return LinearSpec(ins, (Block(0, 256, 1), Block(256, 256, 3)),
+                          (LinearInstruction(order[0], 0, 0),
+                           LinearInstruction(order[1], 0, mul_in * 256),
+                           LinearInstruction(order[2], 1, 2 * mul_in * 256)))
+
+    n = 1000
+    whole, apart, odd = spec(128), spec(128, apart=True), spec(100)
+    grouped, members = gemm.grouping(whole)
+    assert [b.d for b in grouped.blocks] == [3, 1] and members == [1, 0]
+    assert gemm.grouped_in_float32(whole) and gemm.grouped_in_float32(whole.transposed())
+    assert not gemm.grouped_in_float32(apart) and gemm.grouping(apart)[1] == [1]
+    assert not gemm.grouped_in_float32(odd)  # k = 200 and 100: not multiples of 32
+    for s in (whole, apart, odd):
+        fits = gemm.grouped_in_float32(s)
+        assert gemm.takes(s, torch.float32, n, gemm.MIN_NODES_FLOAT64, fits) == fits
+        assert not gemm.takes(s, torch.float32, gemm.MIN_NODES_FLOAT32 - 1,
+                              gemm.MIN_NODES_FLOAT64, fits)
+        assert gemm.takes(s, torch.float64, gemm.MIN_NODES_FLOAT64, gemm.MIN_NODES_FLOAT64,
+                          fits)
+    assert whole.weight_numel >= gemm.MIN_WEIGHTS_FLOAT32

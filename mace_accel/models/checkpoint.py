@@ -35,8 +35,6 @@ def default_model_path() -> Path:
 MOVED_MODULES = {
     "mace_accel.ops.radial_mlp": "mace_accel.ops.radial.mlp",
     "mace_accel.ops.radial_table": "mace_accel.ops.radial.table",
-    "mace_accel.ops.radial_tc": "mace_accel.ops.radial.tc",
-    "mace_accel.ops.silu_mlp": "mace_accel.ops.radial.silu_mlp",
     "mace_accel.patches.radial_mlp": "mace_accel.patches.radial.mlp",
     "mace_accel.patches.radial_table": "mace_accel.patches.radial.table",
     "mace_accel.patches.radial_overlap": "mace_accel.patches.radial.overlap",

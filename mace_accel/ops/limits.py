@@ -28,12 +28,10 @@ SM_REGISTERS = 64 * 1024  # 32-bit registers of one SM (every architecture since
 SM_THREADS = 2048         # resident threads of one SM
 MAX_THREAD_REGISTERS = 255  # the most registers a thread may have
 
-# Graphs from this many edges count as large: the kernels' size-dependent variants switch here.
-# Their extra set-up per block pays off only once the graph gives every SM of an H100/H200
-# several blocks: the staged conv, the fused radial MLP and sorted table lookups were measured
-# no faster on the benchmarks' graphs of 20k-44k edges and faster on those of 87k-539k, and
-# 2**16 is the power of two between 44k and 87k (the opt-in last layer in the conv's kernel
-# follows them). One number, so that one call's kernels switch at one size.
+# Graphs from this many edges count as large: the staged conv (ops/conv_tp/staged.py) switches
+# on here. Its extra set-up per block pays off only once the graph gives every SM of an
+# H100/H200 several blocks: it was measured no faster on the benchmarks' graphs of 20k-44k
+# edges and faster on those of 87k-539k, and 2**16 is the power of two between 44k and 87k.
 LARGE_GRAPH_EDGES = 65536
 
 

@@ -362,13 +362,6 @@ def aligned16(t: torch.Tensor) -> torch.Tensor:
     return t if is_aligned16(t) else t.clone()
 
 
-def torch_arch(device: torch.device) -> str:
-    """``"sm_XY"`` of a CUDA ``device`` from torch's cached properties (no cupy: cheap enough for
-    a per-call pick of kernels)."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
-
-
 def check_rows(n: int, tile: int, what: str) -> None:
     """Raise :class:`KernelError` unless ``n`` rows, rounded up to a tile of ``tile``, index in
     int32: for kernels that take the row index as an ``int`` and every global offset in 64 bits

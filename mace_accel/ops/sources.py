@@ -34,8 +34,6 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     from mace_accel.ops.irreps_linear import catalog as irreps_linear
     from mace_accel.ops.pair_repulsion import codegen as pair_repulsion
     from mace_accel.ops.radial.table import codegen as radial_table
-    from mace_accel.ops.radial.tc import codegen as radial_tc
-    from mace_accel.ops.radial.silu_mlp import dmma as silu_mlp
     from mace_accel.ops.symmetric_contraction import codegen as symmetric_contraction
     from mace_accel.ops.tf32x3_gemm import codegen as tf32x3_gemm
 
@@ -48,8 +46,6 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     yield from irreps_linear.catalog_sources(limits)
     yield from pair_repulsion.catalog_sources(limits)
     yield from radial_table.catalog_sources(limits)
-    yield from radial_tc.catalog_sources(limits)
-    yield from silu_mlp.catalog_sources(limits)
     yield from symmetric_contraction.catalog_sources(limits,
                                                      *(("nvcc",) if compiled_in_ci else ()))
     yield from tf32x3_gemm.catalog_sources(limits)

@@ -15,16 +15,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from mace_accel.errors import InputError
-from mace_accel.ops import registry
 from mace_accel.ops.radial import mlp as radial_mlp
 from mace_accel.ops.conv_tp import folded
-from mace_accel.ops.radial.tc import apply as radial_tc
-from mace_accel.ops.radial.tc.spec import RadialSpec
-from mace_accel.ops.radial.tc.spec import unsupported_reason as whole_unsupported
-from mace_accel.ops.runtime import torch_arch
-from mace_accel.ops.radial.silu_mlp import autograd as silu_mlp_autograd
-from mace_accel.ops.radial.silu_mlp import dmma
-from mace_accel.ops.radial.silu_mlp.spec import MAX_WIDTH, SiluMLPSpec, pack_weights
 from mace_accel.profiling import RADIAL_MLP, part_range
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 from mace_accel.ops.tf32x3_gemm.spec import unsupported_reason as tf32x3_unsupported
@@ -33,11 +25,7 @@ from mace_accel.patches.radial import table as radial_table
 from mace_accel.patches.adopt import FusedModule, grads_wanted
 
 PART = "radial_mlp"
-# float64 runs the hidden layers in the tensor-core kernels of mace_accel.ops.radial.silu_mlp.dmma
-# wherever they take the widths (sm_90, up to 64 wide) and the TP weights are kept: 10-12% faster
-# end to end than cuBLAS's GEMMs with SiLU passes at 6,912 atoms (scripts/bench_model.py
-# radial-routes; docs/performance.md); where the TP weights are recomputed, the GEMMs
-# (FusedRadialMLP.route).
+# float64 runs every layer as a cuBLAS GEMM (with a SiLU pass after each hidden one).
 # The float32 GEMMs run on the 3xTF32 kernels wherever they take the widths (float32's accuracy,
 # faster than cuBLAS's float32 GEMMs). Not an option: tests switch it off to reach the path
 # behind it on a GPU (cuBLAS).
@@ -52,13 +40,8 @@ class RadialMLPSpec:
     scales: Tuple[float, ...]
 
     def describe(self, folded: bool = False) -> str:
-        head = f"MLP {'->'.join(map(str, self.hs))} (SiLU), constants folded; "
-        if len(self.hs) > 2 and max(self.hs[:-1]) <= MAX_WIDTH:
-            tc = dmma.unsupported_reason(SiluMLPSpec(self.hs[:-1]), dmma.ARCH)
-            head += (f"float64 hidden layers in one kernel per pass on the float64 tensor cores "
-                     f"of {dmma.ARCH} GPUs (each layer's silu'(z) kept for the backward), "
-                     "other GPUs, training and TP weights the conv recomputes: GEMMs + SiLU; "
-                     if tc is None else f"float64 hidden layers as GEMMs + SiLU ({tc}); ")
+        head = (f"MLP {'->'.join(map(str, self.hs))} (SiLU), constants folded, a GEMM per "
+                "layer; ")
         if folded:
             return head + (f"last layer folded into the conv (it takes the hidden [E, "
                            f"{self.hs[-2]}]; the TP weights [E, {self.hs[-1]}] are recomputed "
@@ -73,13 +56,12 @@ class RadialRoute:
     (:meth:`FusedRadialMLP.route_for`), which neither decides again nor guesses from widths.
 
     Attributes:
-        path: ``"table"`` (looked up in the radial tables), ``"whole"`` (the whole MLP in one
-            tensor-core kernel per pass), ``"hidden"`` (the hidden layers in one fused kernel
-            per pass, then the last layer's GEMM) or ``"layers"`` (a GEMM and a SiLU per layer).
+        path: ``"table"`` (looked up in the radial tables) or ``"layers"`` (a GEMM and a
+            SiLU per layer).
         full_output: the MLP hands over the TP weights ``[E, h_L]``; else (its last layer
             folded into the conv) the hidden activations ``[E, h_{L-1}]``.
         recompute: the TP weights are recomputed in the backward instead of kept (the folded
-            conv recomputes them; the hidden layers then run one by one, never ``"hidden"``).
+            conv recomputes them).
         last_gemm: what runs the last layer's GEMMs: ``"tf32x3"`` or ``"cublas"``.
         n_edges, dtype, device: the call it was made for.
         tables: ``(found, tables)`` for the ``"table"`` path (what
@@ -99,11 +81,6 @@ class RadialRoute:
         """Whether this route was made for a call on ``t``'s edges, dtype and device."""
         return (int(t.shape[0]) == self.n_edges and t.dtype == self.dtype
                 and t.device == self.device)
-
-
-def _cuda_float32(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a float32 CUDA tensor (what the 3xTF32 kernels take)."""
-    return x.is_cuda and x.dtype == torch.float32
 
 
 def _is_silu(f) -> bool:
@@ -177,7 +154,7 @@ class FusedRadialMLP(FusedModule):
         if self.backend != "cuda":
             return head
         table = radial_table.describe(self, "mlp") or radial_table.describe(self, "density")
-        return (head + self._float32_last() + "; last layer in float64 on cuBLAS"
+        return (head + self._float32_last() + "; in float64 every layer on cuBLAS"
                 + ("" if table is None else f"; at inference: {table}"))
 
     def describe_radial(self) -> str:
@@ -192,18 +169,9 @@ class FusedRadialMLP(FusedModule):
         why = tf32x3_unsupported(k, n)
         if why is not None:
             return f"; last layer in float32 on cuBLAS ({why})"
-        whole = whole_unsupported(self.hs)
-        if whole is None:
-            return ("; in float32 at inference the whole MLP forward in one tensor-core "
-                    "kernel (wgmma on H100/H200, mma.sync on other GPUs; 3xTF32, float32 "
-                    "accuracy; hidden activations on chip, "
-                    "pre-activations written for the backward), and its input gradient "
-                    "in another on H100/H200 (3xTF32 GEMMs with SiLU epilogues "
-                    "elsewhere), unless the conv recomputes the TP weights; "
-                    "training: GEMMs")
-        return (f"; not in one kernel ({whole}); in float32 the last layer, and the hidden "
-                "layers with widths in multiples of 4 (with their SiLU), on the tensor cores "
-                "(3xTF32 kernels, float32 accuracy)")
+        return ("; in float32 the last layer, and the hidden layers with widths in multiples "
+                "of 4 (with their SiLU), on the tensor cores (3xTF32 kernels, float32 "
+                "accuracy)")
 
     def __setstate__(self, state) -> None:
         state.setdefault("fold_last", False)  # saved before the fold existed
@@ -283,11 +251,8 @@ class FusedRadialMLP(FusedModule):
                 return radial_table.lookup(self, found, built)
         return torch.tanh(self(x) ** 2)
 
-    def compute(self, x: torch.Tensor, sm_share: Optional[float] = None,
-                backward_sm_share: Optional[float] = None) -> torch.Tensor:
-        """:meth:`forward` on the current stream, ``x`` checked already; ``sm_share``,
-        ``backward_sm_share``: the share of the GPU's multiprocessors the whole-MLP forward and
-        backward kernels may hold (a launch beside other work; None: all)."""
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` on the current stream, ``x`` checked already."""
         route = self.route(x)
         if not torch.compiler.is_compiling():  # dynamo: the conv routes the call itself
             # for the block's conv (route_for); with the kernels, never pickled or copied; not
@@ -295,17 +260,6 @@ class FusedRadialMLP(FusedModule):
             self._kernels["route"] = dataclasses.replace(route, tables=None)
         if route.path == "table":
             return radial_table.lookup(self, *route.tables)
-        if route.path == "whole":
-            return radial_mlp.radial_mlp(
-                x, self._weights(x.dtype), tf32x3=True,
-                whole=radial_mlp.WholeNet(self._whole_key(), self._packed_whole(x.dtype),
-                                          sm_share, backward_sm_share))
-        if route.path == "hidden":
-            # the float64 kernels keep each layer's silu'(z) for the backward (the route is
-            # "layers" where the TP weights are recomputed to save memory: route)
-            hidden = silu_mlp_autograd.silu_mlp(self._hidden_key(), x, self._packed(x.dtype),
-                                                self.backend)
-            return hidden if self.fold_last else self.last_layer(hidden)
         weights, fast = self._weights(x.dtype), self._tf32x3()
         if self.fold_last:
             return radial_mlp.radial_mlp(x, weights[:-1], last_act=True, tf32x3=fast)
@@ -319,26 +273,16 @@ class FusedRadialMLP(FusedModule):
         are compiled when a call takes them)."""
         radial_table.start_compiles(self, self.hs[-1], dtype, device)
 
-    # -- the whole MLP in one tensor-core kernel per pass (CUDA float32, inference) -------------
     def _no_weight_grads(self) -> bool:
+        """Whether no gradient of the weights is asked for (inference: the tables run only
+        then, :func:`~mace_accel.patches.radial.table.table_input`)."""
         return not grads_wanted(self.raw_weights())
 
-    def _whole_kernels(self, x: torch.Tensor) -> bool:
-        """Whether the :mod:`~mace_accel.ops.radial.tc` kernels can run the whole MLP of
-        ``x [E, h0]``: the 3xTF32 path (CUDA, float32, :meth:`_tf32x3`), widths they take, no
-        weight gradient asked for (training keeps the GEMMs)."""
-        return (self._tf32x3() and _cuda_float32(x) and whole_unsupported(self.hs) is None
-                and self._no_weight_grads())
-
     def route(self, x: torch.Tensor, tables: bool = True) -> RadialRoute:
-        """How the call on ``x [E, h0]`` runs (:class:`RadialRoute`), in order of preference:
-        the radial tables (``tables``, CUDA inference on the linked embedding's last output,
-        built on first use), the whole-MLP kernels, the fused hidden layers, the layers one by
-        one. With ``fold_last`` the first two only where the conv keeps the full TP weights.
-        The fused hidden layers only where the TP weights are kept: where they are recomputed
-        to save memory, the kernels would keep no slopes either and recompute their forward in
-        the backward, which measured 2.3% slower end to end than the layers on cuBLAS
-        (``scripts/bench_model.py radial-routes --recompute always``), so the layers run."""
+        """How the call on ``x [E, h0]`` runs (:class:`RadialRoute`): the radial tables
+        (``tables``, CUDA inference on the linked embedding's last output, built on first use;
+        with ``fold_last`` only where the conv keeps the full TP weights), else the layers one
+        by one."""
         n, dtype, device = int(x.shape[0]), x.dtype, x.device
         recompute = folded.recompute_weights(self.options.recompute_tp_weights, n,
                                              self.hs[-1], dtype, device)
@@ -355,10 +299,7 @@ class FusedRadialMLP(FusedModule):
                                            found.pairs, x)
             if built is not None:
                 return route("table", True, tables=(found, built))
-        if keeps_full and self._whole_kernels(x):
-            return route("whole", True)
-        full = not self.fold_last
-        return route("hidden" if not recompute and self._fused_hidden(x) else "layers", full)
+        return route("layers", not self.fold_last)
 
     def route_for(self, tp_weights: torch.Tensor) -> RadialRoute:
         """The route of the call whose output ``tp_weights [E, ...]`` the block's conv was
@@ -368,43 +309,3 @@ class FusedRadialMLP(FusedModule):
         if torch.compiler.is_compiling() or route is None or not route.fits(tp_weights):
             route = self.route(tp_weights, tables=False)
         return route
-
-    def _whole_key(self) -> str:
-        return self._kernel_cache("whole_key", lambda: radial_tc.register_spec(
-            RadialSpec(tuple(self.hs))))
-
-    def _packed_whole(self, dtype: torch.dtype) -> torch.Tensor:
-        """The folded weights in the kernel's packed layout (float32 on the GPU)."""
-        key = self._whole_key()
-        return self._derived("packed_whole", self.raw_weights(), dtype,
-                             lambda d: radial_tc.pack_weights(key, self._weights(d)))
-
-    # -- the hidden layers in one kernel per pass (CUDA float64, inference) ---------------------
-    def _fused_hidden(self, x: torch.Tensor) -> bool:
-        """The float64 tensor-core kernels of :mod:`mace_accel.ops.radial.silu_mlp` run the
-        hidden layers when the backend is CUDA, the dtype float64, the widths and the GPU ones
-        they take, and no weight gradient is asked for (training keeps the GEMM path, whose
-        weight gradients are GEMMs too). :meth:`route` asks only where the TP weights are kept
-        (their backward reads the slopes their forward keeps; :meth:`route` says why)."""
-        if self.backend != "cuda" or not x.is_cuda or x.dtype != torch.float64 \
-                or len(self.hs) < 3 or max(self.hs[:-1]) > MAX_WIDTH:
-            return False
-        return self._tensor_core_float64(x.device) and self._no_weight_grads()
-
-    def _tensor_core_float64(self, device: torch.device) -> bool:
-        """Whether the float64 tensor-core kernels take the hidden layers on ``device`` (found
-        once per device: it plans the kernels)."""
-        def runs() -> bool:
-            spec = registry.lookup(self._hidden_key())
-            return dmma.unsupported_reason(spec, torch_arch(device)) is None
-
-        return self._kernel_cache(("tensor_core_float64", device), runs)
-
-    def _hidden_key(self) -> str:
-        return self._kernel_cache("hidden_key", lambda: silu_mlp_autograd.register_spec(
-            SiluMLPSpec(tuple(self.hs[:-1]))))
-
-    def _packed(self, dtype: torch.dtype) -> torch.Tensor:
-        spec = registry.lookup(self._hidden_key())
-        return self._derived("packed_hidden", self.raw_weights(), dtype,
-                             lambda d: pack_weights(spec, self._weights(d)[:-1]))

@@ -32,28 +32,10 @@ from mace_accel.options import AccelOptions
 
 Tensor = torch.Tensor
 OVERLAP_MAX_EDGES = 131072
-# the share of the GPU's multiprocessors a later block's MLP may hold while it runs beside the
-# earlier blocks' work (its kernel strides over the rest of the edges): the rest stays free for
-# the critical path (measured: scripts/bench_model.py graphs)
-LATER_SM_SHARE = 0.5
-# the same for their backward kernels (which autograd runs on the side stream too); None: all
-LATER_BACKWARD_SM_SHARE: Optional[float] = 0.5
-# above this many edges the later MLPs hold the whole GPU: the earlier blocks' kernels fill it
-# by themselves. On MP-medium graphs half the GPU wins at ~20k edges and all of it from ~39k
-# (scripts/bench_model.py graphs --shares)
-SHARE_MAX_EDGES = 30_000
 # Not an option (the same results bit for bit, only where it was measured to help, see
 # OVERLAP_MAX_EDGES): tests and ``--serial`` of scripts/bench_model.py graphs and
 # scripts/profile_gpu.py md switch it off to compare with the serial order.
 _OVERLAP = True
-
-
-def later_shares(n_edges: int) -> Tuple[Optional[float], Optional[float]]:
-    """The shares of the GPU (forward, backward) a later block's forked MLP may hold on
-    ``n_edges`` edges (None: all)."""
-    if n_edges > SHARE_MAX_EDGES:
-        return None, None
-    return LATER_SM_SHARE, LATER_BACKWARD_SM_SHARE
 
 
 class RadialOverlap:
@@ -62,9 +44,7 @@ class RadialOverlap:
 
     Args:
         members: the model's fused radial MLP modules in the order the blocks call them; each
-            has a ``compute(x [E, h0], sm_share=None, backward_sm_share=None) -> Tensor``
-            method (its serial forward; the shares of the GPU its forward and backward kernels
-            may hold, :func:`later_shares` when forked beside earlier blocks).
+            has a ``compute(x [E, h0]) -> Tensor`` method (its serial forward).
     """
 
     def __init__(self, members: List[torch.nn.Module]) -> None:
@@ -81,10 +61,8 @@ class RadialOverlap:
         return (f"radial MLPs 2..{len(self.members)} of the model's {len(self.members)} (in the "
                 f"order the blocks call them) start on a side CUDA stream when the first is "
                 f"called (with the lean energy head all of them, right after the edge features), "
-                f"beside the earlier blocks' work, the later ones on at most "
-                f"{LATER_SM_SHARE:.0%} of the GPU where their kernel allows up to "
-                f"{SHARE_MAX_EDGES} edges (calls up to {OVERLAP_MAX_EDGES} edges; same results "
-                "bit for bit)")
+                f"beside the earlier blocks' work (calls up to {OVERLAP_MAX_EDGES} edges; same "
+                "results bit for bit)")
 
     @staticmethod
     def overlaps(x: Tensor) -> bool:
@@ -125,9 +103,8 @@ class RadialOverlap:
         side.wait_stream(main)
         x.record_stream(side)
         with torch.cuda.stream(side):
-            for i in indices:  # the first block's MLP is on the critical path: all the GPU
-                result = (self.members[i].compute(x) if i == 0 else self.members[i].compute(
-                    x, *later_shares(int(x.shape[0]))))
+            for i in indices:
+                result = self.members[i].compute(x)
                 done = torch.cuda.Event()
                 done.record(side)
                 self._pending[i] = (x, x._version, result, done)

@@ -40,7 +40,7 @@ Tensor = torch.Tensor
 # against 88 + 97 us sorted). A table that stays in L2 is walked as the edges come: sorting it
 # gained nothing end to end (MACE-MP-0, float32: 4% slower at 160k edges, 0.5% faster at 539k),
 # while MPA-0's pair tables gained 9-13% (float32) and 31-33% (float64) at 539k edges, lost 3-4%
-# at 160k (scripts/bench_model.py radial-routes --tables), and in CUDA graphs were even at 20k
+# at 160k (scripts/bench_model.py table-walks), and in CUDA graphs were even at 20k
 # edges and 10% faster at 60k (docs/performance.md)
 LARGE_TABLE_BYTES = 32 * 2 ** 20
 SORT_MIN_EDGES = 4096

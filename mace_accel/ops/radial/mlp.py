@@ -16,13 +16,11 @@ Shapes: ``x [E, h0]``, ``weights[i] [h_i, h_{i+1}]``, output ``[E, h_L]``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from mace_accel.ops.radial.tc import apply as radial_tc
 from mace_accel.ops.tf32x3_gemm import autograd as tf32x3_ops
 
 Tensor = torch.Tensor
@@ -58,20 +56,6 @@ def layer_scales(fan_in: Sequence[int], var_in: Sequence[float], var_out: Sequen
             scale = carry / (fan_in[i] * var_in[i] / var_out[i]) ** 0.5
         scales.append(scale)
     return scales
-
-
-@dataclasses.dataclass(frozen=True)
-class WholeNet:
-    """The whole net's forward (and input gradient) in one :mod:`~mace_accel.ops.radial.tc`
-    kernel each: its spec ``key`` and ``packed`` weights
-    (:func:`~mace_accel.ops.radial.tc.apply.pack_weights`); ``sm_share``,
-    ``backward_sm_share``: the share of the GPU's multiprocessors the forward and the backward
-    kernel may hold (None: all)."""
-
-    key: str
-    packed: Tensor
-    sm_share: Optional[float] = None
-    backward_sm_share: Optional[float] = None
 
 
 def _fused(tf32x3: bool, t: Tensor, w: Tensor) -> bool:
@@ -110,37 +94,24 @@ def _silu_grad(g: Tensor, z: Tensor) -> Tensor:
 
 class _RadialMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, last_act: bool, tf32x3: bool, whole: Optional[WholeNet],
-                *weights: Tensor) -> Tensor:
-        if whole is not None:  # the whole net in one kernel, which also writes the z buffer
-            out, z = radial_tc.forward(whole.key, x, whole.packed, whole.sm_share)
-            ctx.save_for_backward(x, *weights, z)
-        else:
-            pre, out = pre_activations(x, weights, last_act, tf32x3)
-            ctx.save_for_backward(x, *weights, *pre)
-        ctx.n_layers, ctx.last_act, ctx.tf32x3, ctx.whole = len(weights), last_act, tf32x3, whole
+    def forward(ctx, x: Tensor, last_act: bool, tf32x3: bool, *weights: Tensor) -> Tensor:
+        pre, out = pre_activations(x, weights, last_act, tf32x3)
+        ctx.save_for_backward(x, *weights, *pre)
+        ctx.n_layers, ctx.last_act, ctx.tf32x3 = len(weights), last_act, tf32x3
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        n, whole = ctx.n_layers, ctx.whole
+        n = ctx.n_layers
         saved = ctx.saved_tensors
         x, weights, pre = saved[0], saved[1:1 + n], list(saved[1 + n:])
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
         tf32x3 = ctx.tf32x3
         if torch.is_grad_enabled():  # create_graph: pre-activations connected to x and W
             pre, _ = pre_activations(x, weights, ctx.last_act)
             tf32x3 = False
-        elif whole is not None:
-            z = pre[0]
-            if need_x and not any(need_w) and radial_tc.has_backward(whole.key, grad.device):
-                # d x in one kernel (forces, stress)
-                grad_x = radial_tc.backward(whole.key, grad, z, whole.packed,
-                                            whole.backward_sm_share)
-                return (grad_x, None, None, None, *([None] * n))
-            pre = radial_tc.pre_views(whole.key, z)
         grad_x, grads_w = vjp(x, weights, pre, grad, ctx.last_act, need_x, need_w, tf32x3)
-        return (grad_x, None, None, None, *grads_w)
+        return (grad_x, None, None, *grads_w)
 
 
 def vjp(x: Tensor, weights: Sequence[Tensor], pre: Sequence[Tensor], grad: Tensor,
@@ -171,18 +142,12 @@ def vjp(x: Tensor, weights: Sequence[Tensor], pre: Sequence[Tensor], grad: Tenso
 
 
 def radial_mlp(x: Tensor, weights: Sequence[Tensor], last_act: bool = False,
-               tf32x3: bool = False, whole: Optional[WholeNet] = None) -> Tensor:
+               tf32x3: bool = False) -> Tensor:
     """``[E, h_L]``: the folded SiLU MLP of ``x [E, h0]`` (see module docstring); with
     ``last_act`` the last layer has a SiLU too (the hidden part of a net whose own last layer
     is folded into the convolution); with ``tf32x3`` (CUDA float32) the hidden layers whose
-    widths are multiples of 4 run as 3xTF32 kernels with their SiLU, forward and backward;
-    ``whole``: a :class:`WholeNet` of :mod:`mace_accel.ops.radial.tc`, whose one kernel then
-    runs the forward (not with ``last_act``), and where the device has one (sm_90) another
-    the input gradient when no weight gradient is asked for (else the backward as with
-    ``tf32x3``)."""
-    if whole is not None and last_act:
-        raise ValueError("the whole-net kernel ends with the linear layer (last_act=False)")
-    return _RadialMLP.apply(x, last_act, tf32x3, whole, *weights)
+    widths are multiples of 4 run as 3xTF32 kernels with their SiLU, forward and backward."""
+    return _RadialMLP.apply(x, last_act, tf32x3, *weights)
 
 
 def reference(x: Tensor, weights: Sequence[Tensor], last_act: bool = False) -> Tensor:

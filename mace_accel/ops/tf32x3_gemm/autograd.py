@@ -29,13 +29,12 @@ FAMILY = "tf32x3_gemm"
 Tensor = torch.Tensor
 
 
-def _kernels(k: int, n: int, layout: str, epilogue: str, device: torch.device,
-             irrep_dim: int = 0) -> "CudaGemm":
+def _kernels(k: int, n: int, layout: str, epilogue: str, device: torch.device) -> "CudaGemm":
     """The compiled kernel of one spec on ``device`` (built once per process)."""
     from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
 
-    return registry.cached((FAMILY, k, n, layout, epilogue, irrep_dim, device),
-                           lambda: CudaGemm(GemmSpec(k, n, layout, epilogue, irrep_dim), device))
+    return registry.cached((FAMILY, k, n, layout, epilogue, device),
+                           lambda: CudaGemm(GemmSpec(k, n, layout, epilogue), device))
 
 
 def _gemm(a: Tensor, b: Tensor, k: int, n: int, layout: str) -> Tensor:
@@ -95,36 +94,11 @@ def mm(a: Tensor, w: Tensor) -> Tensor:
     return _mm(a.contiguous(), w.t().contiguous(), True)
 
 
-def mm_nk(a: Tensor, wt: Tensor) -> Tensor:
-    """``a [M, k] @ wt^T`` (``wt [n, k]`` contiguous) on the kernel, no autograd."""
-    return _mm(a.contiguous(), wt, True)
-
-
-def mm_e3nn(x: Tensor, x_col: int, wt: Tensor, out: Tensor, out_col: int, d: int) -> None:
-    """Writes ``out``'s block of ``n`` channels of irrep dimension ``d`` at column ``out_col``
-    (e3nn's layout, ``[N, n, d]`` flattened) with ``x``'s ``k`` channels at ``x_col`` times
-    ``wt^T`` (``wt [n, k]``), read and written in place (no copies), no autograd; ``x [N, *]``
-    and ``out [N, *]`` contiguous float32 (:func:`~.spec.e3nn_misfit` first)."""
-    n, k = int(wt.shape[0]), int(wt.shape[1])
-    _kernels(k, n, "nk", "none", x.device, d).apply_e3nn(x, x_col, wt, out, out_col)
-
-
-def mm_grouped(spec: GroupedSpec, x: Tensor, w: Tensor, out: Tensor,
-               geometry: Optional[Tuple[int, int, int, int, int, int]] = None) -> None:
-    """Writes the blocks of ``spec`` into ``out [N, ldc]`` from ``x [N, lda]`` and their weights
-    ``w`` one after another, in one launch, in place (no copies), no autograd; ``geometry``:
-    the tiles (:func:`~.codegen.plan_kernel`; None: :data:`~.codegen.GROUPED_TILES`)."""
-    from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
-
-    kernel = registry.cached((FAMILY, spec, geometry, x.device),
-                             lambda: CudaGemm(spec, x.device, geometry))
-    kernel.apply_grouped(x, w, out)
-
-
 def mm_grouped_fp16x3(spec: GroupedSpec, x: Tensor, split: Tuple[Tensor, Tensor, Tensor],
                       out: Tensor, geometry: Optional[Tuple[int, ...]] = None) -> None:
-    """:func:`mm_grouped` on the FP16 tensor cores (3xFP16, :mod:`.fp16x3`), the weights
-    ``split`` by :func:`~.fp16x3.split_weights`; ``geometry``: the tiles
+    """Writes the blocks of ``spec`` into ``out [N, ldc]`` from ``x [N, lda]`` in one launch,
+    in place (no copies), no autograd, on the FP16 tensor cores (3xFP16, :mod:`.fp16x3`), the
+    weights ``split`` by :func:`~.fp16x3.split_weights`; ``geometry``: the tiles
     (:func:`~.fp16x3.plan_fp16x3`; None: :data:`~.fp16x3.TILES`)."""
     from mace_accel.ops.tf32x3_gemm.fp16x3 import CudaFp16x3
 

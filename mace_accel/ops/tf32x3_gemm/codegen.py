@@ -10,14 +10,14 @@ Against torch.mm on cuBLAS's float32 kernels (``scripts/bench_kernels.py tf32x3-
 64 -> 1280 layer): faster on small graphs and in the backward, on par in the large forward.
 Relative L-infinity error against a float64 product: 2-4e-7 (cuBLAS 4e-7 forward, 0.7-1.9e-6
 backward). Tried and slower for these plain GEMMs: 128 x 128 tiles (16 warps), 64 x 64 forward
-tiles, 32 x 128 tiles. The grouped kernels of equivariant linear maps take
-:data:`GROUPED_TILES`.
+tiles, 32 x 128 tiles. The grouped kernels of equivariant linear maps (:data:`GROUPED_CATALOG`)
+are the 3xFP16 ones (:mod:`.fp16x3`, :mod:`.fp16x3_wgmma`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Optional, Tuple, Union
+from typing import Iterator, Optional, Tuple
 
 from mace_accel.ops.limits import STATIC_SHARED, DeviceLimits
 from mace_accel.ops.tf32x3_gemm.spec import E3nnBlock, GemmSpec, GroupedSpec
@@ -26,12 +26,7 @@ from mace_accel.ops.templates import render
 # (bm, bn, bk, warps_m, warps_n, stages)
 WIDE = (64, 128, 16, 2, 4, 3)
 NARROW = (64, 64, 32, 2, 2, 2)
-WIDE_FROM = 128  # output widths from here take the wide tiles (plain GEMMs)
-# a grouped kernel (an equivariant linear map's blocks in one launch) takes the narrow tiles at
-# every size: more blocks of fewer warps per SM hide the strided loads of e3nn's layout better;
-# MH-1's 512-channel maps alone 11-19% faster than on the wide tiles at 6,912 nodes, 8-15% at
-# 864 (scripts/bench_kernels.py grouped-linear)
-GROUPED_TILES = NARROW
+WIDE_FROM = 128  # output widths from here take the wide tiles
 
 
 class WarpTiles:
@@ -67,16 +62,12 @@ class GemmPlan(WarpTiles):
     n: int
     b_layout: str
     epilogue: str
-    irrep_dim: int
     bm: int
     bn: int
     bk: int
     warps_m: int
     warps_n: int
     stages: int
-    groups: Tuple[E3nnBlock, ...] = ()  # a grouped kernel's blocks (k, n, irrep_dim unused)
-    lda: int = 0
-    ldc: int = 0
 
     @property
     def shared_bytes(self) -> int:
@@ -84,38 +75,25 @@ class GemmPlan(WarpTiles):
         return 4 * self.stages * (self.bm * (self.bk + 4) + b)
 
     def grid(self, m: int) -> Tuple[int, int]:
-        """A plain GEMM's blocks over ``m`` rows; a grouped kernel's over ``m`` nodes."""
-        if self.groups:
-            return max(1, sum(-(-m * b.d // self.bm) * -(-b.n // self.bn)
-                              for b in self.groups)), 1
+        """The blocks over ``m`` rows."""
         return max(1, -(-m // self.bm)), -(-self.n // self.bn)
 
 
-def plan_kernel(spec: Union[GemmSpec, GroupedSpec], arch: str = "sm_90",
+def plan_kernel(spec: GemmSpec, arch: str = "sm_90",
                 geometry: Optional[Tuple[int, int, int, int, int, int]] = None) -> GemmPlan:
-    """The plan of ``spec``: :data:`WIDE` or :data:`NARROW` tiles by the output width (a
-    grouped spec: :data:`GROUPED_TILES`), or ``geometry`` ``(bm, bn, bk, warps_m, warps_n, stages)``
-    (benchmarks).
+    """The plan of ``spec``: :data:`WIDE` or :data:`NARROW` tiles by the output width, or
+    ``geometry`` ``(bm, bn, bk, warps_m, warps_n, stages)`` (benchmarks).
 
     Raises:
         ValueError: a geometry that does not tile (warp tiles of whole 16 x 8 mma tiles, ``bk``
             a multiple of 8) or does not fit the static shared memory.
     """
-    if isinstance(spec, GroupedSpec):
-        fields = (spec.key(), arch, 0, min(b.n for b in spec.blocks), "nk", "none", 0)
-        extra = dict(groups=spec.blocks, lda=spec.lda, ldc=spec.ldc)
-        default = GROUPED_TILES
-    else:
-        fields = (spec.key(), arch, spec.k, spec.n, spec.b_layout, spec.epilogue,
-                  spec.irrep_dim)
-        extra = {}
-        default = WIDE if spec.n >= WIDE_FROM else NARROW
-    geo = geometry or default
+    geo = geometry or (WIDE if spec.n >= WIDE_FROM else NARROW)
     bm, bn, bk, wm, wn, stages = geo
     if bm % (16 * wm) or bn % (8 * wn) or bk % 8 or stages < 2 or wm * wn * 32 > 1024:
         raise ValueError(f"tile geometry {geo} does not split into warps of 16x8 mma tiles "
                          "(bm % 16 warps_m, bn % 8 warps_n, bk % 8, stages >= 2)")
-    plan = GemmPlan(*fields, *geo, **extra)
+    plan = GemmPlan(spec.key(), arch, spec.k, spec.n, spec.b_layout, spec.epilogue, *geo)
     if plan.shared_bytes > STATIC_SHARED:
         raise ValueError(f"tile geometry {geo} needs {plan.shared_bytes} bytes of shared "
                          f"memory, over the {STATIC_SHARED} static limit")
@@ -144,16 +122,9 @@ CATALOG = {
     # the radial MLP's hidden layers (64 -> 64 with SiLU) forward and backward
     "hidden_fwd": GemmSpec(64, 64, "nk", "silu"),
     "hidden_bwd": GemmSpec(64, 64, "kn", "silu_grad"),
-    # the last layer's backward with the SiLU of the layer below (after the radial_tc forward)
-    "mp_l1_bwd_silu": GemmSpec(512, 64, "kn", "silu_grad"),
-    "mp_l2_bwd_silu": GemmSpec(1280, 64, "kn", "silu_grad"),
-    # an equivariant linear map's blocks read and written in e3nn's layout (MACE-MH-1's
-    # 512-channel scalars and vectors)
-    "e3nn_scalars": GemmSpec(512, 512, "nk", irrep_dim=1),
-    "e3nn_vectors": GemmSpec(384, 512, "nk", irrep_dim=3),
 }
-# whole maps in one launch: MH-1-like 512-channel scalars and vectors, and the same with a
-# narrow block of 2e (ragged tiles)
+# equivariant linear maps' blocks in one launch of the grouped 3xFP16 kernels: MH-1-like
+# 512-channel scalars and vectors, and the same with a narrow block of 2e (ragged tiles)
 GROUPED_CATALOG = {
     "e3nn_grouped": GroupedSpec((E3nnBlock(3, 512, 512, 512, 512, 0),
                                  E3nnBlock(1, 512, 512, 0, 0, 262144)), 2048, 2048),
@@ -165,11 +136,11 @@ GROUPED_CATALOG = {
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
     """``(name, source)`` of every catalog GEMM (float32 only: float64 stays with cuBLAS,
-    which runs it on the FP64 tensor cores), and of the grouped ones on the 3xFP16 kernels
+    which runs it on the FP64 tensor cores), and of the grouped maps on the 3xFP16 kernels
     (``mma.sync``, and ``wgmma`` for sm_90)."""
     from mace_accel.ops.tf32x3_gemm import fp16x3, fp16x3_wgmma
 
-    for name, spec in sorted({**CATALOG, **GROUPED_CATALOG}.items()):
+    for name, spec in sorted(CATALOG.items()):
         yield f"tf32x3_gemm/{name}", render_kernel(plan_kernel(spec, limits.arch))
     for name, spec in sorted(GROUPED_CATALOG.items()):
         yield (f"tf32x3_gemm/{name}_fp16x3",

@@ -48,7 +48,6 @@ from mace_accel.ops.runtime import device_limits
 from mace_accel.ops.templates import render
 from mace_accel.ops.tf32x3_gemm import fp16x3
 from mace_accel.ops.tf32x3_gemm.spec import GroupedSpec
-from mace_accel.ops.wgmma_asm import wgmma_function
 
 Tensor = torch.Tensor
 ARCH = "sm_90a"  # wgmma exists only on sm_90a (H100/H200), not on later architectures
@@ -131,13 +130,37 @@ def runs_on(spec: GroupedSpec, device: torch.device) -> bool:
         and device_limits(device).arch == DEVICE_ARCH
 
 
+def wgmma_function(name: str, n: int, shape_types: str, immediates: str) -> str:
+    """C++ of ``name(d, a, b, scale_d)``: ``d [64 x n] (+)= A B^T`` for one K step of
+    ``wgmma.mma_async.sync.aligned.m64n<n><shape_types>`` (e.g. ``k16.f32.f16.f16``), ``d``
+    the thread's ``n / 2`` float32 accumulators, ``A`` the thread's fragment (4 32-bit
+    registers), ``B`` a shared-memory descriptor; ``scale_d`` 0 overwrites ``d``;
+    ``immediates``: the instruction's operands after the predicate (the scales of A and B, and
+    the transposes its types allow)."""
+    regs = n // 2
+    outs = ", ".join(f"%{r}" for r in range(regs))
+    binds = ", ".join(f'"+f"(d[{r}])' for r in range(regs))
+    a_operand = "{" + ", ".join(f"%{regs + i}" for i in range(4)) + "}"
+    a_binds = "".join(f'"r"(a[{i}]), ' for i in range(4))
+    b = regs + 4  # the operand after the accumulators and A's four registers
+    return (
+        f"__device__ __forceinline__ void {name}(float (&d)[{regs}], const unsigned (&a)[4], "
+        f"const u64 b, const int scale_d) {{\n"
+        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{b + 1}, 0;\\n"\n'
+        f'               "wgmma.mma_async.sync.aligned.m64n{n}{shape_types} "\n'
+        f'               "{{{outs}}}, {a_operand}, %{b}, p, {immediates};\\n}}\\n"\n'
+        f"               : {binds}\n"
+        f'               : {a_binds}"l"(b), "r"(scale_d));\n'
+        f"}}\n")
+
+
 def kernel_name(plan: WgmmaFp16x3Plan) -> str:
     return f"mace_fp16x3_wgmma_{plan.spec_key}_k{plan.bk}s{plan.stages}a{plan.ahead}"
 
 
 def render_kernel(plan: WgmmaFp16x3Plan) -> str:
     return render("tf32x3_gemm/fp16x3_wgmma.cu.j2", plan=plan, name=kernel_name(plan),
-                  wgmma_function=wgmma_function("wgmma_f16", plan.bn, "k16.f32.f16.f16", True,
+                  wgmma_function=wgmma_function("wgmma_f16", plan.bn, "k16.f32.f16.f16",
                                                 "1, 1, 0"))
 
 

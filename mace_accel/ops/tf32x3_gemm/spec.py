@@ -1,6 +1,7 @@
 """The problem of one 3xTF32 GEMM kernel: ``C [M, n] = A [M, k] . op(B)``, ``M`` given at run
-time (the edges, or nodes times an irrep's dimension), ``k`` and ``n`` fixed by the model (the
-radial MLP's widths, an equivariant linear map's channels)."""
+time (the edges), ``k`` and ``n`` fixed by the model (the radial MLP's widths); and of one
+grouped kernel (the blocks of an equivariant linear map in e3nn's layout, one launch: the
+3xFP16 kernels)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,11 @@ import dataclasses
 import hashlib
 from typing import Optional, Tuple
 
-import torch
 
 B_LAYOUTS = ("kn", "nk")
 EPILOGUES = ("none", "silu", "silu_grad")
 ALIGN = 4  # the kernels copy 16-byte chunks: k and n must be multiples of 4 floats
 IRREP_DIMS = (1, 3, 5, 7, 9, 11, 13, 15)  # 2l + 1 for l = 0 .. 7
-Tensor = torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,18 +22,12 @@ class GemmSpec:
     (row-major ``[k, n]``, ``op(B) = B``) or ``"nk"`` (row-major ``[n, k]``, ``op(B) = B^T``:
     a column-major ``[k, n]`` weight); ``epilogue``: ``"none"``, ``"silu"`` (a hidden layer's
     forward: ``z = A op(B)`` and ``silu(z)``) or ``"silu_grad"`` (its backward: ``A op(B) *
-    silu'(z)``);
-    ``irrep_dim``: 0 for row-major ``A`` and ``C``, else ``d`` = 2l + 1 of e3nn's layout, where
-    a node's ``k`` (``n``) channels of one irrep sit as ``[channel, component]`` in a row of
-    ``lda`` (``ldc``) floats: ``A[m, c] = a[(m // d) * lda + c * d + m % d]`` and the same for
-    ``C`` (an equivariant linear map read and written in place, ``M`` = nodes x ``d``; layout
-    ``"nk"``, no epilogue)."""
+    silu'(z)``)."""
 
     k: int
     n: int
     b_layout: str
     epilogue: str = "none"
-    irrep_dim: int = 0
 
     def __post_init__(self) -> None:
         why = unsupported_reason(self.k, self.n)
@@ -44,22 +37,13 @@ class GemmSpec:
             raise ValueError(f"b_layout must be one of {B_LAYOUTS}, got {self.b_layout!r}")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self.epilogue!r}")
-        if self.irrep_dim and (self.irrep_dim not in IRREP_DIMS or self.b_layout != "nk"
-                               or self.epilogue != "none"):
-            raise ValueError(f"irrep_dim must be 0 or one of {IRREP_DIMS}, with B stored nk and "
-                             f"no epilogue, got {self.irrep_dim}, {self.b_layout!r}, "
-                             f"{self.epilogue!r}")
 
     def key(self) -> str:
         tail = "" if self.epilogue == "none" else f"_{self.epilogue}"
-        if self.irrep_dim:
-            tail += f"_e3nn{self.irrep_dim}"
         return f"k{self.k}_n{self.n}_{self.b_layout}{tail}"
 
     def describe(self) -> str:
         tail = "" if self.epilogue == "none" else f", then {self.epilogue}"
-        if self.irrep_dim:
-            tail += f", A and C in e3nn's layout of irrep dimension {self.irrep_dim}"
         return (f"3xTF32 GEMM [M, {self.k}] x [{self.k}, {self.n}] (B stored "
                 f"{self.b_layout}{tail})")
 
@@ -74,32 +58,21 @@ def unsupported_reason(k: int, n: int) -> Optional[str]:
     return None
 
 
-def layout_misfit(d: int, x_col: int, k: int, lda: int, out_col: int, n: int, ldc: int,
-                  x_base: int = 0, out_base: int = 0) -> Optional[str]:
+def layout_misfit(d: int, x_col: int, k: int, lda: int, out_col: int, n: int,
+                  ldc: int) -> Optional[str]:
     """Why the block of ``k`` channels of irrep dimension ``d`` at column ``x_col`` of rows of
-    ``lda`` floats cannot be mapped by the kernel of e3nn's layout into the ``n`` channels at
-    ``out_col`` of rows of ``ldc`` floats, or None: the blocks must lie inside the rows, and
-    with ``d`` = 1 the kernel copies the input in 16-byte chunks and writes the output in
-    8-byte pairs, so those rows and the blocks' starts (``x_base``, ``out_base``: the rows'
-    start addresses in bytes, aligned where not given) must be aligned to them."""
+    ``lda`` floats cannot be mapped by a grouped kernel of e3nn's layout into the ``n`` channels
+    at ``out_col`` of rows of ``ldc`` floats, or None: the blocks must lie inside the rows, and
+    with ``d`` = 1 the input is copied in 16-byte chunks and the output written in 8-byte
+    pairs, so those rows and the blocks' starts must be aligned to them (the tensors' own
+    starts are checked at launch)."""
     if x_col < 0 or x_col + k * d > lda or out_col < 0 or out_col + n * d > ldc:
         return (f"the blocks [{x_col}, {x_col + k * d}) of x's {lda} columns and "
                 f"[{out_col}, {out_col + n * d}) of out's {ldc} do not fit the rows")
-    if d == 1 and ((x_base + 4 * x_col) % 16 or lda % 4 or (out_base + 4 * out_col) % 8
-                   or ldc % 2):
+    if d == 1 and (x_col % 4 or lda % 4 or out_col % 2 or ldc % 2):
         return ("scalars are copied in 16-byte chunks and written in 8-byte pairs: x's rows "
                 "and block start must be 16-byte aligned, out's 8-byte")
     return None
-
-
-def e3nn_misfit(d: int, x: Tensor, x_col: int, k: int, out: Tensor, out_col: int,
-                n: int) -> Optional[str]:
-    """:func:`layout_misfit` of the block in ``x`` and ``out`` (both ``[N, width]``, which
-    must be contiguous), or None."""
-    if not (x.is_contiguous() and out.is_contiguous()):
-        return "x and out must be contiguous"
-    return layout_misfit(d, x_col, k, int(x.shape[1]), out_col, n, int(out.shape[1]),
-                         x.data_ptr(), out.data_ptr())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +92,8 @@ class E3nnBlock:
 
 @dataclasses.dataclass(frozen=True)
 class GroupedSpec:
-    """The blocks of one equivariant linear map in one launch of the 3xTF32 kernel, each read
-    and written in e3nn's layout where it stands: inputs ``[N, lda]``, outputs ``[N, ldc]``
+    """The blocks of one equivariant linear map in one launch of a grouped kernel (3xFP16), each
+    read and written in e3nn's layout where it stands: inputs ``[N, lda]``, outputs ``[N, ldc]``
     (every other column of the output is left alone). Enough blocks of tiles for the GPU on
     MD-sized systems, where one launch per block left most of it idle."""
 
@@ -151,5 +124,5 @@ class GroupedSpec:
         return f"grouped_{digest}"
 
     def describe(self) -> str:
-        return (f"3xTF32 GEMMs of {len(self.blocks)} blocks of an equivariant linear map "
+        return (f"GEMMs of {len(self.blocks)} blocks of an equivariant linear map "
                 f"({self.lda} -> {self.ldc} columns) in one launch, e3nn's layout in place")
