@@ -718,11 +718,9 @@ def grouped_linear(args) -> None:
     """
     from mace_accel._e3nn_compat import o3
     from mace_accel.ops.irreps_linear import autograd as linear_autograd
-    from mace_accel.ops.irreps_linear import gemm
+    from mace_accel.ops.irreps_linear import fp16x3, fp16x3_wgmma, gemm
     from mace_accel.ops.irreps_linear.cuda import CudaIrrepsLinear
     from mace_accel.ops.irreps_linear.spec import effective_weights, linear_scales, linear_spec
-    from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
-    from mace_accel.ops.tf32x3_gemm import fp16x3_wgmma
 
     def on_the_generated_kernel(fn):  # the choice is made when the graph is captured
         def call():
@@ -773,16 +771,17 @@ def grouped_linear(args) -> None:
                 f"{rates(ms, flops * nodes)} err {rel_err(kernel(), exact):.1e}")
             for geometry in fp16x3_geometries if prepared.split is not None else ():
                 try:
-                    tf32x3.mm_grouped_fp16x3(grouped, x, prepared.split, out, geometry)
+                    fp16x3.mm_grouped_fp16x3(grouped, x, prepared.split, out, geometry)
                 except ValueError as exc:
                     say(f"  skip {geometry}: {exc}")
                     continue
-                ms = graph_ms(partial(tf32x3.mm_grouped_fp16x3, grouped, x, prepared.split, out,
+                ms = graph_ms(partial(fp16x3.mm_grouped_fp16x3, grouped, x, prepared.split, out,
                                       geometry), args.repeats)
                 say(f"{name:8s} {nodes:5d} nodes 3xfp16 {str(geometry or 'default'):26s} "
                     f"{rates(ms, flops * nodes)} err {rel_err(out, exact):.1e}")
             for geometry, weights in packed.items():
-                run = partial(tf32x3.mm_grouped_fp16x3_wgmma, grouped, x, weights, out, geometry)
+                run = partial(fp16x3_wgmma.mm_grouped_fp16x3_wgmma, grouped, x, weights, out,
+                              geometry)
                 run()
                 ms = graph_ms(run, args.repeats)
                 say(f"{name:8s} {nodes:5d} nodes 3xfp16 wgmma {str(geometry or 'default'):20s} "

@@ -67,14 +67,14 @@ def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(name, wgmma, mo
     (:func:`gemm.takes`), and :func:`gemm.apply` still maps it: the blocks it can group in one
     launch, the scalars on cuBLAS through stacked copies. Both equal the reference, and so
     does the backward (the transposed map)."""
-    from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
-    from mace_accel.ops.tf32x3_gemm import fp16x3_wgmma
+    from mace_accel.ops.irreps_linear import fp16x3, fp16x3_wgmma
 
     spec = SIDE_BY_SIDE if name == "side_by_side" else CATALOG[name]
     launches, kernels = [], []
-    for grouped_kernel in ("mm_grouped_fp16x3", "mm_grouped_fp16x3_wgmma"):
-        real_grouped = getattr(tf32x3, grouped_kernel)
-        monkeypatch.setattr(tf32x3, grouped_kernel, lambda s, *a, real_grouped=real_grouped,
+    for module, grouped_kernel in ((fp16x3, "mm_grouped_fp16x3"),
+                                   (fp16x3_wgmma, "mm_grouped_fp16x3_wgmma")):
+        real_grouped = getattr(module, grouped_kernel)
+        monkeypatch.setattr(module, grouped_kernel, lambda s, *a, real_grouped=real_grouped,
                             kernel=grouped_kernel: (kernels.append(kernel) or launches.append(
                                 [b.d for b in s.blocks]) or real_grouped(s, *a)))
     monkeypatch.setattr(gemm, "MIN_WEIGHTS_FLOAT32", 1)

@@ -57,6 +57,7 @@ _NOT_KIND = {
     "conv_tp": [(r"^.+?-(?=float(32|64)-)", ""), (r"-g\d+(?=-)", "")],
     "edge_features": [(r"^.+?-(?=float(32|64)-)", "")],
     "symmetric_contraction": [(r"^.+?-(?=float(32|64)-)", "")],
+    # <map>[_t]_<dtype>; the grouped 3xFP16 maps (<map>_fp16x3[_wgmma]) each a kind of its own
     "irreps_linear": [(r"^\w+?_(?=(t_)?float(32|64)$)", "")],
     "radial_table": [(r"_n\d+$", "")],
     # hidden_*: the hidden layers' SiLU epilogues, a variant rather than a size
@@ -81,7 +82,7 @@ def _nvcc(source: str, folder: Path) -> Tuple[int, str]:
     folder.mkdir(parents=True)
     src = folder / "k.cu"
     src.write_text(source)
-    # the wgmma kernels exist only on sm_90a (ops/tf32x3_gemm/fp16x3_wgmma.py); the rest on sm_90
+    # the wgmma kernels exist only on sm_90a (ops/irreps_linear/fp16x3_wgmma.py); the rest on sm_90
     arch = "sm_90a" if "wgmma.mma_async" in source else "sm_90"
     proc = subprocess.run(
         [NVCC, f"-arch={arch}", "-std=c++17", "-cubin", "-Xptxas", "-v", "-Werror", "all-warnings",

@@ -1,13 +1,16 @@
 """The linear maps every test and the CI compile cover: MACE-MP-like shapes (message linear with
 two inputs into the scalars, the 89-element skip, the readouts and the node embedding), odd
 multiplicities, an output block without inputs, more channels than threads, input blocks staged
-in chunks; each with its transpose (the backward), float32 and float64."""
+in chunks; each with its transpose (the backward), float32 and float64. And the grouped maps of
+:data:`~.grouped.GROUPED_CATALOG` on the 3xFP16 kernels (``mma.sync``, and ``wgmma`` for
+sm_90)."""
 
 from __future__ import annotations
 
 from typing import Dict, Iterator, Tuple
 
-from mace_accel.ops.irreps_linear import codegen
+from mace_accel.ops.irreps_linear import codegen, fp16x3, fp16x3_wgmma
+from mace_accel.ops.irreps_linear.grouped import GROUPED_CATALOG
 from mace_accel.ops.irreps_linear.spec import Block, LinearInstruction, LinearSpec
 from mace_accel.ops.limits import DeviceLimits
 
@@ -42,9 +45,16 @@ CATALOG: Dict[str, LinearSpec] = {
 
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
-    """``(name, source)`` of every catalog map and its transpose, float32 and float64."""
+    """``(name, source)`` of every catalog map and its transpose, float32 and float64, and of
+    every grouped map on the 3xFP16 kernels (``mma.sync``, and ``wgmma`` for sm_90)."""
     for name, spec in sorted(CATALOG.items()):
         for label, s in (("", spec), ("_t", spec.transposed())):
             for dtype in ("float32", "float64"):
                 plan = codegen.plan_kernel(s, dtype, limits.arch)
                 yield f"irreps_linear/{name}{label}_{dtype}", codegen.render_kernel(plan)
+    for name, grouped in sorted(GROUPED_CATALOG.items()):
+        yield (f"irreps_linear/{name}_fp16x3",
+               fp16x3.render_kernel(fp16x3.plan_fp16x3(grouped, limits.arch)))
+        if limits.arch == fp16x3_wgmma.DEVICE_ARCH:
+            yield (f"irreps_linear/{name}_fp16x3_wgmma",
+                   fp16x3_wgmma.render_kernel(fp16x3_wgmma.plan_wgmma(grouped)))

@@ -1,12 +1,11 @@
 """An equivariant linear map as GEMMs on the tensor cores, for many nodes: the generated
 kernel runs its multiply-adds on the FMA units. float64 runs cuBLAS's GEMMs (DMMA, twice the
 FMA units' peak on an H100). float32 maps with many weights (MACE-MH-1's 512-channel linears)
-whose blocks all go in one launch run the grouped 3xFP16 kernel
-(:mod:`~mace_accel.ops.tf32x3_gemm.fp16x3`: float32's accuracy on the FP16 tensor cores; on
-Hopper its ``wgmma`` form, :mod:`~mace_accel.ops.tf32x3_gemm.fp16x3_wgmma`), which reads each
-block's inputs and writes its output in e3nn's ``[N, channel, component]`` layout where they
-stand (:class:`~mace_accel.ops.tf32x3_gemm.spec.GroupedSpec`); other float32 maps keep the
-generated kernel.
+whose blocks all go in one launch run the grouped 3xFP16 kernel (:mod:`.fp16x3`: float32's
+accuracy on the FP16 tensor cores; on Hopper its ``wgmma`` form, :mod:`.fp16x3_wgmma`), which
+reads each block's inputs and writes its output in e3nn's ``[N, channel, component]`` layout
+where they stand (:class:`~.grouped.GroupedSpec`); other float32 maps keep the generated
+kernel.
 
 Per output block, the input blocks that feed it (all of one irrep dimension ``d``) are multiplied
 by their stacked weights ``[U, V]``. On cuBLAS (float64, or float32 inputs the grouped kernel
@@ -23,12 +22,12 @@ from typing import Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from mace_accel.ops.irreps_linear import fp16x3, fp16x3_wgmma
+from mace_accel.ops.irreps_linear.grouped import (IRREP_DIMS, E3nnBlock, GroupedSpec,
+                                                  layout_misfit)
 from mace_accel.ops.irreps_linear.spec import LinearInstruction, LinearSpec, weight_block
 from mace_accel.ops.runtime import is_aligned16
-from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
-from mace_accel.ops.tf32x3_gemm import fp16x3, fp16x3_wgmma
-from mace_accel.ops.tf32x3_gemm.spec import (IRREP_DIMS, E3nnBlock, GroupedSpec, layout_misfit,
-                                             unsupported_reason)
+from mace_accel.ops.tf32x3_gemm.spec import unsupported_reason
 
 Tensor = torch.Tensor
 # float64 maps with shared weights run here from this many nodes: the kernel's multiply-adds
@@ -211,9 +210,9 @@ def apply(spec: LinearSpec, x: Tensor, w: Tensor) -> Tensor:
     done: FrozenSet[int] = frozenset()
     if prepared.grouped is not None and _fits_grouped(x, out):
         if prepared.packed is not None and _WGMMA:
-            tf32x3.mm_grouped_fp16x3_wgmma(prepared.grouped, x, prepared.packed, out)
+            fp16x3_wgmma.mm_grouped_fp16x3_wgmma(prepared.grouped, x, prepared.packed, out)
         else:
-            tf32x3.mm_grouped_fp16x3(prepared.grouped, x, prepared.split, out)
+            fp16x3.mm_grouped_fp16x3(prepared.grouped, x, prepared.split, out)
         done = prepared.in_group
     for i, (b, (group, weights)) in enumerate(zip(spec.out_blocks, prepared.blocks)):
         if i in done:

@@ -13,17 +13,16 @@ kernels (float32, CUDA, ``k`` and ``n`` multiples of 4: :func:`~.spec.unsupporte
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Tuple
 
 import torch
 
 from mace_accel.ops import registry
 from mace_accel.ops.custom_op import custom_op
-from mace_accel.ops.tf32x3_gemm.spec import GemmSpec, GroupedSpec, unsupported_reason
+from mace_accel.ops.tf32x3_gemm.spec import GemmSpec, unsupported_reason
 
 if TYPE_CHECKING:
     from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
-    from mace_accel.ops.tf32x3_gemm.fp16x3_wgmma import Packed
 
 FAMILY = "tf32x3_gemm"
 Tensor = torch.Tensor
@@ -92,31 +91,6 @@ def linear(h: Tensor, w: Tensor) -> Tensor:
 def mm(a: Tensor, w: Tensor) -> Tensor:
     """``a [M, k] @ w [k, n]`` on the kernel, no autograd (inside other ops' forward)."""
     return _mm(a.contiguous(), w.t().contiguous(), True)
-
-
-def mm_grouped_fp16x3(spec: GroupedSpec, x: Tensor, split: Tuple[Tensor, Tensor, Tensor],
-                      out: Tensor, geometry: Optional[Tuple[int, ...]] = None) -> None:
-    """Writes the blocks of ``spec`` into ``out [N, ldc]`` from ``x [N, lda]`` in one launch,
-    in place (no copies), no autograd, on the FP16 tensor cores (3xFP16, :mod:`.fp16x3`), the
-    weights ``split`` by :func:`~.fp16x3.split_weights`; ``geometry``: the tiles
-    (:func:`~.fp16x3.plan_fp16x3`; None: :data:`~.fp16x3.TILES`)."""
-    from mace_accel.ops.tf32x3_gemm.fp16x3 import CudaFp16x3
-
-    kernel = registry.cached((FAMILY, "fp16x3", spec, geometry, x.device),
-                             lambda: CudaFp16x3(spec, x.device, geometry))
-    kernel.apply(x, split, out)
-
-
-def mm_grouped_fp16x3_wgmma(spec: GroupedSpec, x: Tensor, packed: Packed, out: Tensor,
-                            geometry: Optional[Tuple[int, ...]] = None) -> None:
-    """:func:`mm_grouped_fp16x3` on Hopper's wgmma (:mod:`.fp16x3_wgmma`), the weights
-    ``packed`` by :func:`~.fp16x3_wgmma.pack_weights` for the plan of ``geometry`` (None:
-    :data:`~.fp16x3_wgmma.TILES`)."""
-    from mace_accel.ops.tf32x3_gemm.fp16x3_wgmma import CudaFp16x3Wgmma
-
-    kernel = registry.cached((FAMILY, "fp16x3_wgmma", spec, geometry, x.device),
-                             lambda: CudaFp16x3Wgmma(spec, x.device, geometry))
-    kernel.apply(x, packed, out)
 
 
 def mm_t(g: Tensor, w: Tensor) -> Tensor:

@@ -9,9 +9,8 @@ thousands) 64 x 64 tiles (4 warps, slices of 32 two deep).
 Against torch.mm on cuBLAS's float32 kernels (``scripts/bench_kernels.py tf32x3-gemm``, MACE-MP's
 64 -> 1280 layer): faster on small graphs and in the backward, on par in the large forward.
 Relative L-infinity error against a float64 product: 2-4e-7 (cuBLAS 4e-7 forward, 0.7-1.9e-6
-backward). Tried and slower for these plain GEMMs: 128 x 128 tiles (16 warps), 64 x 64 forward
-tiles, 32 x 128 tiles. The grouped kernels of equivariant linear maps (:data:`GROUPED_CATALOG`)
-are the 3xFP16 ones (:mod:`.fp16x3`, :mod:`.fp16x3_wgmma`).
+backward). Tried and slower: 128 x 128 tiles (16 warps), 64 x 64 forward tiles, 32 x 128
+tiles.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import dataclasses
 from typing import Iterator, Optional, Tuple
 
 from mace_accel.ops.limits import STATIC_SHARED, DeviceLimits
-from mace_accel.ops.tf32x3_gemm.spec import E3nnBlock, GemmSpec, GroupedSpec
+from mace_accel.ops.tf32x3_gemm.spec import GemmSpec
 from mace_accel.ops.templates import render
 
 # (bm, bn, bk, warps_m, warps_n, stages)
@@ -30,7 +29,8 @@ WIDE_FROM = 128  # output widths from here take the wide tiles
 
 
 class WarpTiles:
-    """Warp geometry of a tensor-core tile (shared by the 3xTF32 and 3xFP16 plans): ``bm x bn``
+    """Warp geometry of a tensor-core tile (shared by the 3xTF32 plan and the equivariant
+    linears' 3xFP16 one, :class:`~mace_accel.ops.irreps_linear.fp16x3.Fp16x3Plan`): ``bm x bn``
     outputs a block, ``warps_m x warps_n`` warps of ``mi x ni`` mma tiles (16 x 8)."""
 
     bm: int
@@ -123,28 +123,10 @@ CATALOG = {
     "hidden_fwd": GemmSpec(64, 64, "nk", "silu"),
     "hidden_bwd": GemmSpec(64, 64, "kn", "silu_grad"),
 }
-# equivariant linear maps' blocks in one launch of the grouped 3xFP16 kernels: MH-1-like
-# 512-channel scalars and vectors, and the same with a narrow block of 2e (ragged tiles)
-GROUPED_CATALOG = {
-    "e3nn_grouped": GroupedSpec((E3nnBlock(3, 512, 512, 512, 512, 0),
-                                 E3nnBlock(1, 512, 512, 0, 0, 262144)), 2048, 2048),
-    "e3nn_grouped_ragged": GroupedSpec((E3nnBlock(3, 512, 512, 512, 512, 0),
-                                        E3nnBlock(1, 512, 512, 0, 0, 262144),
-                                        E3nnBlock(5, 64, 32, 2048, 2048, 524288)), 2368, 2208),
-}
 
 
 def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
     """``(name, source)`` of every catalog GEMM (float32 only: float64 stays with cuBLAS,
-    which runs it on the FP64 tensor cores), and of the grouped maps on the 3xFP16 kernels
-    (``mma.sync``, and ``wgmma`` for sm_90)."""
-    from mace_accel.ops.tf32x3_gemm import fp16x3, fp16x3_wgmma
-
+    which runs it on the FP64 tensor cores)."""
     for name, spec in sorted(CATALOG.items()):
         yield f"tf32x3_gemm/{name}", render_kernel(plan_kernel(spec, limits.arch))
-    for name, spec in sorted(GROUPED_CATALOG.items()):
-        yield (f"tf32x3_gemm/{name}_fp16x3",
-               fp16x3.render_kernel(fp16x3.plan_fp16x3(spec, limits.arch)))
-        if limits.arch == fp16x3_wgmma.DEVICE_ARCH:
-            yield (f"tf32x3_gemm/{name}_fp16x3_wgmma",
-                   fp16x3_wgmma.render_kernel(fp16x3_wgmma.plan_wgmma(spec)))

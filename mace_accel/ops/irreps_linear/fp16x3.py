@@ -1,6 +1,6 @@
 """An equivariant linear map's blocks in one launch on the FP16 tensor cores with float32's
-accuracy (3xFP16): the plan, the weights' split and the CUDA side of
-``kernels/tf32x3_gemm/fp16x3.cu.j2``.
+accuracy (3xFP16): the plan, the weights' split, the CUDA side of
+``kernels/irreps_linear/fp16x3.cu.j2`` and its entry point (:func:`mm_grouped_fp16x3`).
 
 Each operand is split as ``x = (hi + lo) / s``: ``hi`` = FP16 of ``x s``, ``lo`` = FP16 of the
 rest, ``s`` a power of two that puts the largest magnitude of its group in [2^14, 2^15)
@@ -13,8 +13,9 @@ rescaled as it is added in float32.
 Values far below their group's largest (2^-17 of it and less) keep an absolute error of 2^-39
 of it, not a relative one.
 
-Same contract as the 3xTF32 grouped kernel (:class:`~.spec.GroupedSpec`: e3nn's layout read and
-written in place); every block's ``k`` a multiple of 32 (:func:`misfit`).
+The problem is a :class:`~.grouped.GroupedSpec` (e3nn's layout read and written in place);
+every block's ``k`` a multiple of 32 (:func:`misfit`). On Hopper the same maps run on
+``wgmma`` (:mod:`.fp16x3_wgmma`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from typing import Optional, Tuple, TypeVar
 
 import torch
 
+from mace_accel.ops import registry
+from mace_accel.ops.irreps_linear.grouped import GroupedSpec
 from mace_accel.ops.limits import OPTIN_SHARED
 from mace_accel.ops.runtime import Kernel, check_aligned, check_rows, check_tensor, \
     device_limits, i32, kernel_device, ptr
-from mace_accel.ops.tf32x3_gemm.codegen import WarpTiles
-from mace_accel.ops.tf32x3_gemm.spec import GroupedSpec
 from mace_accel.ops.templates import render
+from mace_accel.ops.tf32x3_gemm.codegen import WarpTiles
 
 Tensor = torch.Tensor
 PlanT = TypeVar("PlanT")  # a grouped 3xFP16 kernel's plan (mma.sync or wgmma)
@@ -133,7 +135,7 @@ def kernel_name(plan: Fp16x3Plan) -> str:
 
 
 def render_kernel(plan: Fp16x3Plan) -> str:
-    return render("tf32x3_gemm/fp16x3.cu.j2", plan=plan, name=kernel_name(plan))
+    return render("irreps_linear/fp16x3.cu.j2", plan=plan, name=kernel_name(plan))
 
 
 def power_of_two_scale(top: Tensor) -> Tensor:
@@ -212,3 +214,14 @@ class CudaFp16x3:
                                   self.plan.shared_bytes)
         self._kernel.launch(self.plan.grid(nodes), self.plan.threads,
                             (ptr(x), ptr(hi), ptr(lo), ptr(inv), ptr(out), i32(nodes)))
+
+
+def mm_grouped_fp16x3(spec: GroupedSpec, x: Tensor, split: Tuple[Tensor, Tensor, Tensor],
+                      out: Tensor, geometry: Optional[Tuple[int, ...]] = None) -> None:
+    """Writes the blocks of ``spec`` into ``out [N, ldc]`` from ``x [N, lda]`` in one launch,
+    in place (no copies), no autograd, on the FP16 tensor cores (3xFP16), the weights ``split``
+    by :func:`split_weights`; ``geometry``: the tiles (:func:`plan_fp16x3`; None:
+    :data:`TILES`)."""
+    kernel = registry.cached(("irreps_linear", "fp16x3", spec, geometry, x.device),
+                             lambda: CudaFp16x3(spec, x.device, geometry))
+    kernel.apply(x, split, out)

@@ -1,6 +1,7 @@
 """The grouped 3xFP16 kernel on Hopper's warpgroup tensor-core instructions (``wgmma``,
-sm_90a): the plan, the weights' packing and the CUDA side of
-``kernels/tf32x3_gemm/fp16x3_wgmma.cu.j2``.
+sm_90a): the plan, the weights' packing, the CUDA side of
+``kernels/irreps_linear/fp16x3_wgmma.cu.j2`` and its entry point
+(:func:`mm_grouped_fp16x3_wgmma`).
 
 Same contract, the same split and the same accuracy as the ``mma.sync`` kernel of
 :mod:`.fp16x3` (``x = (hi + lo) / s``, three FP16 products per step, one scale per K slice of
@@ -44,10 +45,11 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from mace_accel.errors import KernelError
+from mace_accel.ops import registry
+from mace_accel.ops.irreps_linear import fp16x3
+from mace_accel.ops.irreps_linear.grouped import GroupedSpec
 from mace_accel.ops.runtime import device_limits
 from mace_accel.ops.templates import render
-from mace_accel.ops.tf32x3_gemm import fp16x3
-from mace_accel.ops.tf32x3_gemm.spec import GroupedSpec
 
 Tensor = torch.Tensor
 ARCH = "sm_90a"  # wgmma exists only on sm_90a (H100/H200), not on later architectures
@@ -159,7 +161,7 @@ def kernel_name(plan: WgmmaFp16x3Plan) -> str:
 
 
 def render_kernel(plan: WgmmaFp16x3Plan) -> str:
-    return render("tf32x3_gemm/fp16x3_wgmma.cu.j2", plan=plan, name=kernel_name(plan),
+    return render("irreps_linear/fp16x3_wgmma.cu.j2", plan=plan, name=kernel_name(plan),
                   wgmma_function=wgmma_function("wgmma_f16", plan.bn, "k16.f32.f16.f16",
                                                 "1, 1, 0"))
 
@@ -213,3 +215,12 @@ class CudaFp16x3Wgmma(fp16x3.CudaFp16x3):
                               "from fp16x3_wgmma.pack_weights (wgmma's tile layout), not "
                               "split_weights")
         super().apply(x, weights, out)
+
+
+def mm_grouped_fp16x3_wgmma(spec: GroupedSpec, x: Tensor, packed: Packed, out: Tensor,
+                            geometry: Optional[Tuple[int, ...]] = None) -> None:
+    """:func:`.fp16x3.mm_grouped_fp16x3` on Hopper's wgmma, the weights ``packed`` by
+    :func:`pack_weights` for the plan of ``geometry`` (None: :data:`TILES`)."""
+    kernel = registry.cached(("irreps_linear", "fp16x3_wgmma", spec, geometry, x.device),
+                             lambda: CudaFp16x3Wgmma(spec, x.device, geometry))
+    kernel.apply(x, packed, out)
