@@ -16,6 +16,8 @@ import io
 import sys
 from types import ModuleType
 
+from mace_accel._lazy_package import install_lazy
+
 _READY = False
 
 
@@ -46,13 +48,16 @@ _MACE_NOTICE_MODULE = "mace.tools.cg"
 def import_mace() -> ModuleType:
     """Import ``mace`` (which imports e3nn) after making e3nn's constants loadable.
 
-    The first call also imports ``mace.tools.cg`` with stdout captured: mace prints a notice
+    The first call makes ``mace.tools`` a lazy package where nothing imported it yet
+    (:func:`~mace_accel._lazy_package.install_lazy`: its trainer and torchmetrics are imported
+    only if asked for), then imports ``mace.tools.cg`` with stdout captured: mace prints a notice
     there when cuequivariance is not installed. The known notice is dropped; anything else mace
     prints is passed on to stderr, and errors propagate unchanged.
     """
     _allow_e3nn_constants()
     if _MACE_NOTICE_MODULE in sys.modules:
         return importlib.import_module("mace")
+    install_lazy("mace.tools")  # mace's models need a few submodules, not its trainer
     captured = io.StringIO()
     try:
         with contextlib.redirect_stdout(captured):
