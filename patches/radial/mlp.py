@@ -26,9 +26,10 @@ from mace_accel.patches.adopt import FusedModule, grads_wanted
 
 PART = "radial_mlp"
 # float64 runs every layer as a cuBLAS GEMM (with a SiLU pass after each hidden one).
-# The float32 GEMMs run on the 3xTF32 kernels wherever they take the widths (float32's accuracy,
-# faster than cuBLAS's float32 GEMMs). Not an option: tests switch it off to reach the path
-# behind it on a GPU (cuBLAS).
+# The float32 GEMMs run on the 3xTF32 kernels wherever they take the widths (float32's accuracy;
+# on MACE-MP's 64 -> 1,280 layer faster than cuBLAS's float32 GEMMs on small graphs and in the
+# backward, on par in the large forward: scripts/bench_kernels.py tf32x3-gemm; no end-to-end
+# A/B yet). Not an option: tests switch it off to reach the path behind it on a GPU (cuBLAS).
 _TF32X3 = True
 
 
