@@ -128,18 +128,21 @@ def start_compiles(model: torch.nn.Module) -> None:
     """Start compiling, on background threads, the CUDA kernels the fused modules of ``model``
     launch in a forces call, in its dtype and on its device: the first call (the check against
     the plain model, or the user's) then finds them compiled or compiling, instead of compiling
-    them one after another as it reaches them. A module whose head start fails is left to
-    compile (and report) when it is called."""
+    them one after another as it reaches them; the longest first
+    (:func:`~mace_accel.ops.runtime.compiles_longest_first`). A module whose head start fails
+    is left to compile (and report) when it is called."""
+    from mace_accel.ops.runtime import compiles_longest_first
     from mace_accel.patches.adopt import FusedModule
 
     dtype, device = model_dtype(model), model_device(model)
-    for module in model.modules():
-        if isinstance(module, FusedModule):
-            try:
-                module.start_compiles(dtype, device)
-            except Exception as exc:  # the call compiles what it launches and raises there
-                log.debug("mace-accel: no head start for %s's kernels (%s)",
-                          module.describe(), exc)
+    with compiles_longest_first():
+        for module in model.modules():
+            if isinstance(module, FusedModule):
+                try:
+                    module.start_compiles(dtype, device)
+                except Exception as exc:  # the call compiles what it launches, raises there
+                    log.debug("mace-accel: no head start for %s's kernels (%s)",
+                              module.describe(), exc)
 
 
 def resolve_backend(options: AccelOptions, device: torch.device,

@@ -130,3 +130,22 @@ def test_the_convolution_starts_every_kernel_a_forces_call_launches(dtype, deter
         conv._kernel(cuda.SENDER_SUM,
                      lambda: cuda.render_sender_sum(conv.plan.backward_launches[0]))
     assert launched and launched <= started
+
+
+def test_a_batch_of_compiles_starts_longest_first(nvrtc, monkeypatch):
+    """Inside ``compiles_longest_first`` nothing is queued; at its end the sources go to the
+    threads longest first (one thread here, so the order is the compile order), and each is
+    waited for as any other compile."""
+    compiled, _ = nvrtc
+    monkeypatch.setattr(runtime, "COMPILE_THREADS", 1)
+    monkeypatch.setattr(runtime, "_COMPILER", None)
+    sources = ["short", "a much longer kernel source", "medium size"]
+    with runtime.compiles_longest_first():
+        for source in sources:
+            runtime.compile_soon(source, "sm_90")
+        time.sleep(0.3)
+        assert compiled == [] and len(runtime._PENDING) == 3  # held, yet known as started
+    assert [runtime.compile_cubin(s, "sm_90") for s in sources] == [
+        f"cubin of {s}".encode() for s in sources]
+    assert [s for s, _ in compiled] == sorted(sources, key=len, reverse=True)
+    assert runtime._HELD is None and not runtime._PENDING

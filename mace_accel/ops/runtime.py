@@ -12,6 +12,7 @@ with caches, launch on torch's stream.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -19,7 +20,7 @@ import queue
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -139,8 +140,9 @@ class _Compiler:
         for i in range(threads):
             threading.Thread(target=self._work, name=f"mace-accel-nvrtc-{i}", daemon=True).start()
 
-    def submit(self, fn, *args) -> "Future[bytes]":
-        future: "Future[bytes]" = Future()
+    def submit(self, fn, *args, future: "Optional[Future[bytes]]" = None) -> "Future[bytes]":
+        """Queue ``fn(*args)``; its result goes to ``future`` (a new one where None)."""
+        future = Future() if future is None else future
         self._queue.put((future, fn, args))
         return future
 
@@ -217,14 +219,42 @@ def compile_soon(source: str, arch: str, options: Tuple[str, ...] = NVRTC_OPTION
         if _COMPILER is None:
             _COMPILER = _Compiler(min(COMPILE_THREADS, os.cpu_count() or 1))
             os.register_at_fork(after_in_child=_forget_compiles)
-        _PENDING[key] = _COMPILER.submit(_compile_to_caches, source, arch, options, key)
+        job = (_compile_to_caches, source, arch, options, key)
+        if _HELD is not None:  # queued when the batch ends, longest first
+            _PENDING[key] = Future()
+            _HELD.append((_PENDING[key], job))
+        else:
+            _PENDING[key] = _COMPILER.submit(*job)
+
+
+# compiles started inside compiles_longest_first(), until it ends: (future, job)
+_HELD: Optional[List[Tuple["Future[bytes]", tuple]]] = None
+
+
+@contextlib.contextmanager
+def compiles_longest_first() -> Iterator[None]:
+    """The :func:`compile_soon` calls inside go to the compiling threads together at the end,
+    longest source first: a model's largest kernels (its post-convolution linears, 1-4 s of
+    NVRTC each) no longer start last and set the wait of its first call (longest job first
+    keeps the last thread's finish near the average). Nothing inside may wait for them."""
+    global _HELD
+    with _LOCK:
+        outer, _HELD = _HELD, ([] if _HELD is None else _HELD)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            held, _HELD = _HELD, outer
+            if outer is None:
+                for future, job in sorted(held, key=lambda item: -len(item[1][1])):
+                    _COMPILER.submit(*job, future=future)
 
 
 def _forget_compiles() -> None:
     """In a forked child: the parent's compiling threads are not there, so nothing it started
     may be waited for (the child compiles what it needs itself)."""
-    global _COMPILER, _PENDING, _LOCK
-    _COMPILER, _PENDING, _LOCK = None, {}, threading.Lock()
+    global _COMPILER, _PENDING, _LOCK, _HELD
+    _COMPILER, _PENDING, _LOCK, _HELD = None, {}, threading.Lock(), None
 
 
 def _compile_to_caches(source: str, arch: str, options: Tuple[str, ...], key: str) -> bytes:
