@@ -117,7 +117,8 @@ def test_the_convolution_starts_every_kernel_a_forces_call_launches(dtype, deter
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
         multi_processor_count=132, max_threads_per_multi_processor=2048))
     started, launched = set(), set()
-    monkeypatch.setattr(cuda, "compile_soon", lambda source, arch: started.add(source))
+    monkeypatch.setattr(cuda, "compile_soon",
+                        lambda source, arch, later=False: started.add(source))
     conv = cuda.CudaConvPrimitives(make_spec(*CATALOG["mp-medium-l2"].irreps),
                                    getattr(torch, dtype), torch.device("cpu"), deterministic)
     monkeypatch.setattr(conv, "_kernel", lambda name, render, shared=0: launched.add(render()))
@@ -134,18 +135,22 @@ def test_the_convolution_starts_every_kernel_a_forces_call_launches(dtype, deter
 
 def test_a_batch_of_compiles_starts_longest_first(nvrtc, monkeypatch):
     """Inside ``compiles_longest_first`` nothing is queued; at its end the sources go to the
-    threads longest first (one thread here, so the order is the compile order), and each is
-    waited for as any other compile."""
+    threads longest first, those only some calls launch (``later``) last (one thread here, so
+    the order is the compile order), and each is waited for as any other compile."""
     compiled, _ = nvrtc
     monkeypatch.setattr(runtime, "COMPILE_THREADS", 1)
     monkeypatch.setattr(runtime, "_COMPILER", None)
     sources = ["short", "a much longer kernel source", "medium size"]
+    large_graphs_only = "the longest source of all: a staged kernel"
     with runtime.compiles_longest_first():
+        runtime.compile_soon(large_graphs_only, "sm_90", later=True)
         for source in sources:
             runtime.compile_soon(source, "sm_90")
         time.sleep(0.3)
-        assert compiled == [] and len(runtime._PENDING) == 3  # held, yet known as started
+        assert compiled == [] and len(runtime._PENDING) == 4  # held, yet known as started
     assert [runtime.compile_cubin(s, "sm_90") for s in sources] == [
         f"cubin of {s}".encode() for s in sources]
-    assert [s for s, _ in compiled] == sorted(sources, key=len, reverse=True)
+    runtime.compile_cubin(large_graphs_only, "sm_90")
+    assert [s for s, _ in compiled] == sorted(sources, key=len, reverse=True) + [
+        large_graphs_only]
     assert runtime._HELD is None and not runtime._PENDING

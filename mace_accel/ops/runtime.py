@@ -205,12 +205,15 @@ def compile_cubin(source: str, arch: str, options: Tuple[str, ...] = NVRTC_OPTIO
     return _compile_to_caches(source, arch, options, key)
 
 
-def compile_soon(source: str, arch: str, options: Tuple[str, ...] = NVRTC_OPTIONS) -> None:
+def compile_soon(source: str, arch: str, options: Tuple[str, ...] = NVRTC_OPTIONS,
+                 later: bool = False) -> None:
     """Start compiling ``source`` on a background thread, for a kernel the model's first calls
     are expected to launch (:meth:`~mace_accel.patches.adopt.FusedModule.start_compiles`):
     several compile at once instead of one after another as the call reaches them. Nothing to
     do where it is compiled or started already, or on disk. A failure here is not reported: the
-    kernel, if it is launched, is compiled again and fails there."""
+    kernel, if it is launched, is compiled again and fails there. ``later``: a kernel only some
+    calls launch (large graphs), queued after the others of a :func:`compiles_longest_first`
+    batch."""
     global _COMPILER
     key = _cubin_key(source, arch, options)
     with _LOCK:
@@ -222,21 +225,22 @@ def compile_soon(source: str, arch: str, options: Tuple[str, ...] = NVRTC_OPTION
         job = (_compile_to_caches, source, arch, options, key)
         if _HELD is not None:  # queued when the batch ends, longest first
             _PENDING[key] = Future()
-            _HELD.append((_PENDING[key], job))
+            _HELD.append((later, _PENDING[key], job))
         else:
             _PENDING[key] = _COMPILER.submit(*job)
 
 
-# compiles started inside compiles_longest_first(), until it ends: (future, job)
-_HELD: Optional[List[Tuple["Future[bytes]", tuple]]] = None
+# compiles started inside compiles_longest_first(), until it ends: (later, future, job)
+_HELD: Optional[List[Tuple[bool, "Future[bytes]", tuple]]] = None
 
 
 @contextlib.contextmanager
 def compiles_longest_first() -> Iterator[None]:
     """The :func:`compile_soon` calls inside go to the compiling threads together at the end,
-    longest source first: a model's largest kernels (its post-convolution linears, 1-4 s of
-    NVRTC each) no longer start last and set the wait of its first call (longest job first
-    keeps the last thread's finish near the average). Nothing inside may wait for them."""
+    longest source first (those marked ``later`` after all others): a model's largest kernels
+    (its post-convolution linears, 1-4 s of NVRTC each) no longer start last and set the wait
+    of its first call (longest job first keeps the last thread's finish near the average).
+    Nothing inside may wait for them."""
     global _HELD
     with _LOCK:
         outer, _HELD = _HELD, ([] if _HELD is None else _HELD)
@@ -246,7 +250,8 @@ def compiles_longest_first() -> Iterator[None]:
         with _LOCK:
             held, _HELD = _HELD, outer
             if outer is None:
-                for future, job in sorted(held, key=lambda item: -len(item[1][1])):
+                for _, future, job in sorted(held, key=lambda item: (item[0],
+                                                                     -len(item[2][1]))):
                     _COMPILER.submit(*job, future=future)
 
 

@@ -163,8 +163,8 @@ class CudaConvPrimitives:
     def start_compiles(self) -> None:
         """Start compiling (:func:`~mace_accel.ops.runtime.compile_soon`) what a forces call
         launches: the forward, and the backward with the gradients of a first layer (none for
-        its node features) and of a later one with its per-sender sum; plain kernels first,
-        then the staged ones of large graphs."""
+        its node features) and of a later one with its per-sender sum; the staged ones of
+        large graphs after the others."""
         atomic = not self.deterministic
         for staged_pass in (False, True):
             for needs in (None, (False, True, True), (True, True, True)):
@@ -176,7 +176,7 @@ class CudaConvPrimitives:
                                                   staging if staged_pass else None)
                 for plan, st in launches:
                     _, render, _ = self._source_of(plan, st, needs, atomic, False)
-                    compile_soon(render(), self.arch)
+                    compile_soon(render(), self.arch, later=staged_pass)
             if not staged_pass and self.deterministic:  # the per-sender sum of d(node_feats)
                 compile_soon(render_sender_sum(self.plan.backward_launches[0]), self.arch)
 
