@@ -367,9 +367,11 @@ def _evaluate_both(model: torch.nn.Module,
     # head, the stress from the edges) against the unpatched model's own forward
     from mace_accel.models.outputs import evaluate as evaluate_accelerated
 
-    patched = _kept(evaluate_accelerated(model, dict(batch), stress), stress, True)
+    # the plain model first: it runs while the kernels the patched call needs are compiling
+    # (surgery.start_compiles), instead of after that call waited for them
     with unpatched(model):
         plain = _plain_results(model, batch, stress)
+    patched = _kept(evaluate_accelerated(model, dict(batch), stress), stress, True)
     return patched, plain
 
 
