@@ -148,6 +148,13 @@ def test_a_batch_of_compiles_starts_longest_first(nvrtc, monkeypatch):
             runtime.compile_soon(source, "sm_90")
         time.sleep(0.3)
         assert compiled == [] and len(runtime._PENDING) == 4  # held, yet known as started
+        # a kernel needed now, inside the batch (a constructor that loads its kernel): compiled
+        # here at once, not waited for until the batch ends
+        needed = "needed inside"
+        runtime.compile_soon(needed, "sm_90")
+        assert runtime.compile_cubin(needed, "sm_90") == b"cubin of needed inside"
+        assert [s for s, _ in compiled] == [needed]
+        compiled.clear()
     assert [runtime.compile_cubin(s, "sm_90") for s in sources] == [
         f"cubin of {s}".encode() for s in sources]
     runtime.compile_cubin(large_graphs_only, "sm_90")

@@ -20,7 +20,7 @@ import queue
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -197,6 +197,13 @@ def compile_cubin(source: str, arch: str, options: Tuple[str, ...] = NVRTC_OPTIO
         if key in _MEMORY_CACHE:
             return _MEMORY_CACHE[key]
         pending = _PENDING.get(key)
+        held = _HELD.pop(key, None) if _HELD is not None else None
+    if held is not None:  # started in a batch not queued yet: compiled here, now
+        _, future, job = held
+        try:
+            future.set_result(job[0](*job[1:]))
+        except Exception as exc:  # for whoever else waits on it; raised below, where needed
+            future.set_exception(exc)
     if pending is not None:
         try:
             return pending.result()
@@ -225,13 +232,13 @@ def compile_soon(source: str, arch: str, options: Tuple[str, ...] = NVRTC_OPTION
         job = (_compile_to_caches, source, arch, options, key)
         if _HELD is not None:  # queued when the batch ends, longest first
             _PENDING[key] = Future()
-            _HELD.append((later, _PENDING[key], job))
+            _HELD[key] = (later, _PENDING[key], job)
         else:
             _PENDING[key] = _COMPILER.submit(*job)
 
 
-# compiles started inside compiles_longest_first(), until it ends: (later, future, job)
-_HELD: Optional[List[Tuple[bool, "Future[bytes]", tuple]]] = None
+# compiles started inside compiles_longest_first(), until it ends: key -> (later, future, job)
+_HELD: Optional[Dict[str, Tuple[bool, "Future[bytes]", tuple]]] = None
 
 
 @contextlib.contextmanager
@@ -243,15 +250,15 @@ def compiles_longest_first() -> Iterator[None]:
     Nothing inside may wait for them."""
     global _HELD
     with _LOCK:
-        outer, _HELD = _HELD, ([] if _HELD is None else _HELD)
+        outer, _HELD = _HELD, ({} if _HELD is None else _HELD)
     try:
         yield
     finally:
         with _LOCK:
             held, _HELD = _HELD, outer
             if outer is None:
-                for _, future, job in sorted(held, key=lambda item: (item[0],
-                                                                     -len(item[2][1]))):
+                for _, future, job in sorted(held.values(), key=lambda item: (item[0],
+                                                                              -len(item[2][1]))):
                     _COMPILER.submit(*job, future=future)
 
 
