@@ -11,7 +11,7 @@ the backward runs :func:`reference` through autograd instead, so the double back
 Shapes: ``x`` ``[N, d_in]``, ``d`` ``[N, 1]``, ``y`` ``[N, d_out]``, ``res`` ``[N, r]`` with
 ``r <= d_in``: the residual's leading columns, the rest zero. MH-1's ``linear_res`` feeds only
 the blocks of its input's irreps (0e in the first block, 0e and 1o in the second), so its other
-blocks are never formed: 5,120-7,680 zero columns a node not written, read or differentiated.
+blocks are never formed: 6,144-7,680 zero columns a node not written, read or differentiated.
 """
 
 from __future__ import annotations
