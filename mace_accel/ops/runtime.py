@@ -148,12 +148,17 @@ class _Compiler:
 
     def _work(self) -> None:
         while True:
-            future, fn, args = self._queue.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # kept for whoever waits on it
-                    future.set_exception(exc)
+            _fulfil(*self._queue.get())
+
+
+def _fulfil(future: "Future[bytes]", fn, args: tuple) -> None:
+    """Run ``fn(*args)`` into ``future``: its result, or the exception kept for whoever waits on
+    it (a compiling thread's job, or a held one run where it is needed)."""
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
 
 
 _COMPILER: Optional[_Compiler] = None
@@ -198,12 +203,9 @@ def compile_cubin(source: str, arch: str, options: Tuple[str, ...] = NVRTC_OPTIO
             return _MEMORY_CACHE[key]
         pending = _PENDING.get(key)
         held = _HELD.pop(key, None) if _HELD is not None else None
-    if held is not None:  # started in a batch not queued yet: compiled here, now
-        _, future, job = held
-        try:
-            future.set_result(job[0](*job[1:]))
-        except Exception as exc:  # for whoever else waits on it; raised below, where needed
-            future.set_exception(exc)
+    if held is not None:  # started in a batch not queued yet: compiled here, now (an error is
+        _, future, job = held  # raised below, where the kernel is needed)
+        _fulfil(future, job[0], job[1:])
     if pending is not None:
         try:
             return pending.result()
@@ -232,13 +234,14 @@ def compile_soon(source: str, arch: str, options: Tuple[str, ...] = NVRTC_OPTION
         job = (_compile_to_caches, source, arch, options, key)
         if _HELD is not None:  # queued when the batch ends, longest first
             _PENDING[key] = Future()
-            _HELD[key] = (later, _PENDING[key], job)
+            _HELD[key] = ((later, -len(source)), _PENDING[key], job)
         else:
             _PENDING[key] = _COMPILER.submit(*job)
 
 
-# compiles started inside compiles_longest_first(), until it ends: key -> (later, future, job)
-_HELD: Optional[Dict[str, Tuple[bool, "Future[bytes]", tuple]]] = None
+# compiles started inside compiles_longest_first(), until it ends: key -> ((later, -length of
+# the source): the order they are queued in, future, job)
+_HELD: Optional[Dict[str, Tuple[Tuple[bool, int], "Future[bytes]", tuple]]] = None
 
 
 @contextlib.contextmanager
@@ -257,8 +260,7 @@ def compiles_longest_first() -> Iterator[None]:
         with _LOCK:
             held, _HELD = _HELD, outer
             if outer is None:
-                for _, future, job in sorted(held.values(), key=lambda item: (item[0],
-                                                                              -len(item[2][1]))):
+                for _, future, job in sorted(held.values(), key=lambda item: item[0]):
                     _COMPILER.submit(*job, future=future)
 
 

@@ -40,8 +40,8 @@ MIN_NODES_FLOAT64 = 1024
 # float32 maps run on the grouped 3xFP16 kernel from this many nodes and weights: a
 # 512-channel map of MACE-MH-1 (2.6e5 to 1e6 weights, 5-8 MFLOP a node) is bound by the FMA
 # units in the generated kernel. From 2^16 weights (MH-1's linear_up, MACE-MP's 4-path message
-# map) rather than 2^18: with the wgmma kernel, MH-1's call 5% faster at 256 atoms, 3% at 864
-# (graph replay), 5% at 6,912; MP-0's 8% and 10% faster at 256 and 864 atoms
+# map) rather than 2^18: with the wgmma kernel, an MH-1 energy+forces evaluation 5% faster at
+# 256 atoms, 3% at 864 (graph replay), 5% at 6,912; MP-0's 8% and 10% faster at 256 and 864 atoms
 # (scripts/bench_model.py replay --linear-thresholds). The one-hot element embeddings
 # (4.6e4 weights) keep the kernel. Fewer than 256 nodes not measured.
 MIN_NODES_FLOAT32 = 256
