@@ -14,8 +14,8 @@ MODEL_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 EQUIVARIANCE_TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 # radial tables (mace_accel.ops.radial.table.table.SPECS): the largest error allowed between the
 # grid's nodes relative to the largest weight ("value") and to the largest slope ("slope", what
-# forces see). float32: well under the ~1e-6 by which the 3xTF32 MLP kernels a table replaces
-# differ from float64. float64: the values three orders under MODEL_TOL; the slopes are bounded
+# forces see). float32: well under the ~1e-6 by which the float32 MLP a table replaces differs
+# from float64. float64: the values three orders under MODEL_TOL; the slopes are bounded
 # by rounding, not by the grid: the MLP's float64 values carry ~1e-15 of their size, which an
 # interpolant's slope between two nodes amplifies by about 1 / h (an Agnesi-transformed model,
 # MACE-MPA-0's architecture: 0.6-1.4e-11 from 2,048 to 8,192 cells, growing with the cells).

@@ -81,7 +81,7 @@ class FusedConvTP(FusedModule):
             w_last = self.radial.last_weight(tp_weights.dtype)
             if route.recompute:
                 return folded.folded_conv_tp(self._key, graph, node_feats, edge_attrs,
-                                             tp_weights, w_last, **run, gemm=route.last_gemm)
+                                             tp_weights, w_last, **run)
             tp_weights = self.radial.last_layer(tp_weights, w_last)
         return autograd.conv_tp(self._key, graph, node_feats, edge_attrs, tp_weights, **run)
 

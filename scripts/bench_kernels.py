@@ -537,36 +537,27 @@ def _embedding(r: torch.Tensor) -> torch.Tensor:
     return bessel * cut[:, None]
 
 
-def _column_major(k: int, n: int, dtype=torch.float32) -> torch.Tensor:
-    """A random ``[k, n]`` weight stored as the model keeps it (the transpose of a row-major
-    ``[n, k]``)."""
-    return (torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5).t().contiguous().t()
-
-
 def _mlp_layers(x: torch.Tensor, w64: List[torch.Tensor], g: torch.Tensor
                 ) -> Tuple[Callable, Callable]:
     """``(forward, d x)`` of the MLP of weights ``w64`` on ``x`` in ``x``'s dtype, as the model
-    runs it without tables (patches/radial/mlp.py, route "layers"): a GEMM per layer with its
-    SiLU, in float32 on the 3xTF32 kernels (the last layer too), in float64 on cuBLAS; the
-    input gradient of ``<g, out>`` from the hidden pre-activations the forward keeps."""
+    runs it without tables (patches/radial/mlp.py, route "layers"): a cuBLAS GEMM per layer
+    with its SiLU; the input gradient of ``<g, out>`` from the hidden pre-activations the
+    forward keeps."""
     from mace_accel.ops.radial import mlp as radial_mlp
-    from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 
-    fast = x.dtype == torch.float32
     w = [wi.to(x.dtype).t().contiguous().t() for wi in w64]  # column-major, as the model keeps
     with torch.no_grad():
-        pre = radial_mlp.pre_activations(x, w[:-1], last_act=True, tf32x3=fast)[0]
+        pre = radial_mlp.pre_activations(x, w[:-1], last_act=True)[0]
     no_w = [False] * (len(w) - 1)
 
     def forward() -> torch.Tensor:
         with torch.no_grad():
-            hidden = radial_mlp.radial_mlp(x, w[:-1], last_act=True, tf32x3=fast)
-            return tf32x3.linear(hidden, w[-1]) if fast else torch.mm(hidden, w[-1])
+            return torch.mm(radial_mlp.radial_mlp(x, w[:-1], last_act=True), w[-1])
 
     def grad_x() -> torch.Tensor:
         with torch.no_grad():
-            g_hidden = tf32x3.mm_t(g, w[-1]) if fast else torch.mm(g, w[-1].t())
-            return radial_mlp.vjp(x, w[:-1], pre, g_hidden, True, True, no_w, tf32x3=fast)[0]
+            g_hidden = torch.mm(g, w[-1].t())
+            return radial_mlp.vjp(x, w[:-1], pre, g_hidden, True, True, no_w)[0]
 
     return forward, grad_x
 
@@ -582,8 +573,8 @@ def radial_table(args) -> None:
     A Bessel x polynomial-cutoff embedding (MACE's: 8 functions, r_max 6 Å) into a random
     SiLU MLP 8-64-64-64-n_out, lengths drawn as in a dense solid (density ~ r^2 from 1.8 Å):
     the table's forward (with and without the sort by length) and backward d r against the
-    MLP's forward and d x as the model runs them without tables (a GEMM per layer, on the
-    3xTF32 kernels in float32, on cuBLAS in float64), their errors against the float64 MLP,
+    MLP's forward and d x as the model runs them without tables (a cuBLAS GEMM per layer),
+    their errors against the float64 MLP,
     and the bandwidth of the [E, n_out] tensor written or read.
     """
     from mace_accel.ops.radial import mlp as radial_mlp
@@ -638,61 +629,6 @@ def radial_table(args) -> None:
                     say(f"  {name:22s} {rates(ms)} ({ms / base[name.split()[1]]:4.2f}x) "
                         f"{edges * n_out * r.element_size() / ms / 1e6:6.0f} GB/s of w"
                         + ("" if want is None else f"  err {rel_err(fn(), want):.1e}"))
-
-
-GEMM_SHAPE = (opt("--hidden", type=int, default=64, help="the narrow side"),
-              opt("--widths", type=ints, default="512,1280", help="the wide side (per edge)"))
-
-
-def _time_gemms(rows: Dict[str, Callable], e: int, k: int, n: int, real_bytes: int,
-                reference: Callable[[str], torch.Tensor], repeats: int) -> None:
-    """One line per GEMM of ``rows`` (``[e, k] x [k, n]`` or its transpose): the time, the
-    rates, the error against ``reference(name)``."""
-    for name, fn in rows.items():
-        ms = graph_ms(fn, repeats)
-        say(f"E={e:7d} {k}->{n:5d} {name:42s} "
-            f"{rates(ms, 2 * e * k * n, real_bytes * (e * (k + n) + k * n))}  err "
-            f"{rel_err(fn(), reference(name)):.1e}")
-
-
-@family("tf32x3-gemm",
-        opt("--edges", type=ints, default="20000,160000,539000", help="rows (edges)"),
-        *GEMM_SHAPE,
-        opt("--variants", type=names, default="",
-            help="other tile geometries bm:bn:bk:warps_m:warps_n:stages, comma-separated"))
-def tf32x3_gemm(args) -> None:
-    """The 3xTF32 GEMM kernels against torch.mm (cuBLAS float32).
-
-    The radial MLP's last-layer shapes, forward h @ W and backward g @ W^T, W column-major as
-    the model keeps it, in CUDA graphs, each with its error against float64.
-    """
-    from mace_accel.ops.tf32x3_gemm import codegen
-    from mace_accel.ops.tf32x3_gemm.cuda import CudaGemm
-    from mace_accel.ops.tf32x3_gemm.spec import GemmSpec
-
-    k = args.hidden
-    geometries = [None] + [tuple(int(v) for v in s.split(":")) for s in args.variants]
-    for n in args.widths:
-        w = _column_major(k, n)
-        for e in args.edges:
-            h, g = torch.randn(e, k, device="cuda"), torch.randn(e, n, device="cuda")
-            exact = {"fwd": h.double() @ w.double(), "bwd": g.double() @ w.double().t()}
-            rows = {"cublas fwd": partial(torch.mm, h, w),
-                    "cublas bwd": partial(torch.mm, g, w.t())}
-            for geometry in geometries:
-                for label, spec, a in (("fwd", GemmSpec(k, n, "nk"), h),
-                                       ("bwd", GemmSpec(n, k, "kn"), g)):
-                    try:
-                        kernel = CudaGemm(spec, h.device)
-                        if geometry is not None:
-                            kernel.plan = codegen.plan_kernel(spec, kernel.plan.arch, geometry)
-                    except ValueError as exc:
-                        say(f"  skip {geometry}: {exc}")
-                        continue
-                    rows[f"3xtf32 {label} {geometry or 'default'}"] = partial(kernel.apply, a,
-                                                                              w.t())
-            _time_gemms(rows, e, k, n, 4, lambda name: exact["fwd" if "fwd" in name else "bwd"],
-                        args.repeats)
 
 
 @family("grouped-linear",

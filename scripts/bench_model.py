@@ -317,7 +317,7 @@ def table_walks(args) -> None:
     def route_of(model) -> str:
         route = next(m._kernels["route"] for m in model.modules()
                      if isinstance(m, FusedRadialMLP) and "route" in m._kernels)
-        return f"{route.path}/{route.last_gemm}"
+        return route.path
 
     try:
         for name in args.models:

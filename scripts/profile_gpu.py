@@ -119,7 +119,6 @@ def md(args) -> None:
 # kernels
 
 FAMILIES: List[Tuple[str, str]] = [
-    (r"^mace_tf32x3_gemm", "radial MLP (ours, 3xTF32)"),
     (r"gemm|gemv|cutlass|xmma|sgemm|dgemm", "GEMM (cuBLAS)"),
     (r"^mace_conv", "conv (ours)"),
     (r"^mace_sc|symmetric", "symmetric contraction (ours)"),

@@ -60,8 +60,6 @@ _NOT_KIND = {
     # <map>[_t]_<dtype>; the grouped 3xFP16 maps (<map>_fp16x3[_wgmma]) each a kind of its own
     "irreps_linear": [(r"^\w+?_(?=(t_)?float(32|64)$)", "")],
     "radial_table": [(r"_n\d+$", "")],
-    # hidden_*: the hidden layers' SiLU epilogues, a variant rather than a size
-    "tf32x3_gemm": [(r"^(?!hidden_)\w+?_(?=(fwd|bwd))", "")],
 }
 
 

@@ -35,7 +35,6 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     from mace_accel.ops.pair_repulsion import codegen as pair_repulsion
     from mace_accel.ops.radial.table import codegen as radial_table
     from mace_accel.ops.symmetric_contraction import codegen as symmetric_contraction
-    from mace_accel.ops.tf32x3_gemm import codegen as tf32x3_gemm
 
     yield from conv_tp.catalog_sources(limits)
     yield from conv_tp_staged.catalog_sources(limits)
@@ -48,7 +47,6 @@ def catalog_sources(limits: DeviceLimits = PIN_LIMITS,
     yield from radial_table.catalog_sources(limits)
     yield from symmetric_contraction.catalog_sources(limits,
                                                      *(("nvcc",) if compiled_in_ci else ()))
-    yield from tf32x3_gemm.catalog_sources(limits)
 
 
 def source_hashes(limits: DeviceLimits = PIN_LIMITS,

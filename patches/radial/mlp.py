@@ -18,19 +18,14 @@ from mace_accel.errors import InputError
 from mace_accel.ops.radial import mlp as radial_mlp
 from mace_accel.ops.conv_tp import folded
 from mace_accel.profiling import RADIAL_MLP, part_range
-from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
-from mace_accel.ops.tf32x3_gemm.spec import unsupported_reason as tf32x3_unsupported
 from mace_accel.options import AccelOptions
 from mace_accel.patches.radial import table as radial_table
 from mace_accel.patches.adopt import FusedModule, grads_wanted
 
 PART = "radial_mlp"
-# float64 runs every layer as a cuBLAS GEMM (with a SiLU pass after each hidden one).
-# The float32 GEMMs run on the 3xTF32 kernels wherever they take the widths (float32's accuracy;
-# on MACE-MP's 64 -> 1,280 layer faster than cuBLAS's float32 GEMMs on small graphs and in the
-# backward, on par in the large forward: scripts/bench_kernels.py tf32x3-gemm; no end-to-end
-# A/B yet). Not an option: tests switch it off to reach the path behind it on a GPU (cuBLAS).
-_TF32X3 = True
+# Where the tables do not run, every layer is a cuBLAS GEMM (with a SiLU pass after each hidden
+# one), float32 and float64: 3xTF32 kernels of our own with the SiLU in their epilogue were not
+# 5% faster end to end on any path (docs/performance.md, "The radial MLP without tables").
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +58,6 @@ class RadialRoute:
             folded into the conv) the hidden activations ``[E, h_{L-1}]``.
         recompute: the TP weights are recomputed in the backward instead of kept (the folded
             conv recomputes them).
-        last_gemm: what runs the last layer's GEMMs: ``"tf32x3"`` or ``"cublas"``.
         n_edges, dtype, device: the call it was made for.
         tables: ``(found, tables)`` for the ``"table"`` path (what
             :func:`~mace_accel.patches.radial.table.lookup` takes), else None.
@@ -72,7 +66,6 @@ class RadialRoute:
     path: str
     full_output: bool
     recompute: bool
-    last_gemm: str
     n_edges: int
     dtype: torch.dtype
     device: torch.device
@@ -155,24 +148,12 @@ class FusedRadialMLP(FusedModule):
         if self.backend != "cuda":
             return head
         table = radial_table.describe(self, "mlp") or radial_table.describe(self, "density")
-        return (head + self._float32_last() + "; in float64 every layer on cuBLAS"
+        return (head + "; every layer on cuBLAS"
                 + ("" if table is None else f"; at inference: {table}"))
 
     def describe_radial(self) -> str:
         """A few words naming this MLP (for warnings)."""
         return f"the radial MLP {'->'.join(map(str, self.hs))}"
-
-    def _float32_last(self) -> str:
-        """The report's words on the float32 GEMMs."""
-        k, n = self.hs[-2:]
-        if not _TF32X3:
-            return "; last layer in float32 on cuBLAS (the tensor-core kernels switched off)"
-        why = tf32x3_unsupported(k, n)
-        if why is not None:
-            return f"; last layer in float32 on cuBLAS ({why})"
-        return ("; in float32 the last layer, and the hidden layers with widths in multiples "
-                "of 4 (with their SiLU), on the tensor cores (3xTF32 kernels, float32 "
-                "accuracy)")
 
     def __setstate__(self, state) -> None:
         state.setdefault("fold_last", False)  # saved before the fold existed
@@ -195,33 +176,18 @@ class FusedRadialMLP(FusedModule):
         """``[h_{L-1}, h_L]`` the last layer's folded weight (column-major)."""
         return self._weights(dtype)[-1]
 
-    def _tf32x3(self) -> bool:
-        """Whether the float32 GEMMs may take the 3xTF32 kernels (each layer runs there when
-        :func:`~mace_accel.ops.tf32x3_gemm.autograd.runs_on` its tensors: float32 on CUDA,
-        widths in multiples of 4): the CUDA backend, unless :data:`_TF32X3` is off."""
-        return self.backend == "cuda" and _TF32X3
-
-    def uses_tf32x3(self, t: torch.Tensor) -> bool:
-        """Whether the last layer of ``t``'s dtype and device runs on the 3xTF32 kernels."""
-        return self._tf32x3() and tf32x3.runs_on(t, *self.hs[-2:])
-
-    def last_gemm(self, t: torch.Tensor) -> str:
-        """What runs the last layer's GEMMs for ``t``'s dtype and device where the conv applies
-        it itself (:mod:`mace_accel.ops.conv_tp.folded`): ``"tf32x3"`` or ``"cublas"``."""
-        return "tf32x3" if self.uses_tf32x3(t) else "cublas"
-
     def last_layer(self, hidden: torch.Tensor,
                    w: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[E, h_L]`` = ``hidden [E, h_{L-1}] @ W_last`` (differentiable); ``w``: the folded
         ``W_last`` where the caller has it already (else fetched: built again when training).
-        float64 on cuBLAS (a float64 tensor-core GEMM of our own was within 4% of it end to
-        end: docs/performance.md, "The radial MLP's kernels"). Profiled as radial-MLP work
-        wherever it is called from (the fused conv applies it when the last layer is folded
-        in)."""
+        On cuBLAS (GEMMs of our own on the tensor cores, 3xTF32 and float64 DMMA, were not 5%
+        faster end to end: docs/performance.md, "The radial MLP without tables"). Profiled as
+        radial-MLP work wherever it is called from (the fused conv applies it when the last
+        layer is folded in)."""
         if w is None:
             w = self.last_weight(hidden.dtype)
         with part_range(RADIAL_MLP):
-            return tf32x3.linear(hidden, w) if self.uses_tf32x3(hidden) else torch.mm(hidden, w)
+            return torch.mm(hidden, w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[E, h_L]`` per-edge TP weights of the radial features ``x [E, h0]``
@@ -261,13 +227,10 @@ class FusedRadialMLP(FusedModule):
             self._kernels["route"] = dataclasses.replace(route, tables=None)
         if route.path == "table":
             return radial_table.lookup(self, *route.tables)
-        weights, fast = self._weights(x.dtype), self._tf32x3()
+        weights = self._weights(x.dtype)
         if self.fold_last:
-            return radial_mlp.radial_mlp(x, weights[:-1], last_act=True, tf32x3=fast)
-        if len(weights) > 1 and self.uses_tf32x3(x):
-            return self.last_layer(radial_mlp.radial_mlp(x, weights[:-1], last_act=True,
-                                                         tf32x3=fast), weights[-1])
-        return radial_mlp.radial_mlp(x, weights, tf32x3=fast)
+            return radial_mlp.radial_mlp(x, weights[:-1], last_act=True)
+        return radial_mlp.radial_mlp(x, weights)
 
     def start_compiles(self, dtype: torch.dtype, device: torch.device) -> None:
         """The table lookups (what a forces call at inference runs; the MLP's own kernels
@@ -290,8 +253,7 @@ class FusedRadialMLP(FusedModule):
         # the folded conv recomputes the TP weights from the hidden activations; where the
         # widths are equal it could not tell full weights from hidden ones
         keeps_full = not self.fold_last or (self.hs[-1] != self.hs[-2] and not recompute)
-        route = functools.partial(RadialRoute, recompute=recompute,
-                                  last_gemm=self.last_gemm(x), n_edges=n, dtype=dtype,
+        route = functools.partial(RadialRoute, recompute=recompute, n_edges=n, dtype=dtype,
                                   device=device)
         found = radial_table.table_input(self, x) if tables and keeps_full else None
         if found is not None:

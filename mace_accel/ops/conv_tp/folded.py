@@ -31,7 +31,6 @@ from mace_accel.ops.conv_tp import autograd as conv_autograd
 from mace_accel.ops.conv_tp import reference
 from mace_accel.ops.conv_tp.cuda import BackwardBuffers
 from mace_accel.ops.graph import ConvGraph, KernelGraph, ReceiverRows, receiver_chunks
-from mace_accel.ops.tf32x3_gemm import autograd as tf32x3
 from mace_accel.profiling import RADIAL_MLP, part_range
 
 Tensor = torch.Tensor
@@ -139,26 +138,20 @@ class _Rows:
         return acc.gx, acc.gy
 
 
-GEMMS = ("cublas", "tf32x3")
-
-
 class LastLayer:
-    """``h @ W_last`` and ``g @ W_last^T`` on cuBLAS or on the 3xTF32 kernels in float32
-    (``gemm``: one of :data:`GEMMS`). Separate GEMM launches of the radial MLP's layer:
-    profiled as radial-MLP work."""
+    """``h @ W_last`` and ``g @ W_last^T`` on cuBLAS: separate GEMM launches of the radial
+    MLP's layer, profiled as radial-MLP work."""
 
-    def __init__(self, w: Tensor, gemm: str) -> None:
-        if gemm not in GEMMS:
-            raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
-        self.w, self.kind = w, gemm
+    def __init__(self, w: Tensor) -> None:
+        self.w = w
 
     def mm(self, a: Tensor) -> Tensor:
         with part_range(RADIAL_MLP):
-            return tf32x3.mm(a, self.w) if self.kind == "tf32x3" else torch.mm(a, self.w)
+            return torch.mm(a, self.w)
 
     def mm_t(self, g: Tensor) -> Tensor:
         with part_range(RADIAL_MLP):
-            return tf32x3.mm_t(g, self.w) if self.kind == "tf32x3" else torch.mm(g, self.w.t())
+            return torch.mm(g, self.w.t())
 
     def weight_grad(self, h: Tensor, gw: Tensor) -> Tensor:
         """``h^T gw`` (training)."""
@@ -168,13 +161,12 @@ class LastLayer:
 
 @custom_op("mace_accel::folded_conv_tp")
 def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, graph: List[Tensor],
-                      n_nodes: int, key: str, backend: str, deterministic: bool, gemm: str,
+                      n_nodes: int, key: str, backend: str, deterministic: bool,
                       max_edges: int) -> Tensor:
     """``[n_nodes, dim_out]`` = ``conv(x, y, h @ w_last)``, the weights never kept: made
-    ``max_edges`` edges at a time (``gemm``: which kernels run their GEMMs,
-    :class:`LastLayer`)."""
+    ``max_edges`` edges at a time."""
     rows_of = _Rows(key, backend, graph, n_nodes, x, deterministic)
-    last = LastLayer(w_last, gemm)
+    last = LastLayer(w_last)
     out = rows_of.new_output(x)
     for rows in rows_of.chunks(max_edges):
         ids = rows_of.edges(rows)
@@ -184,14 +176,14 @@ def folded_conv_tp_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, graph: Li
 
 
 @folded_conv_tp_op.register_fake
-def _(x, y, h, w_last, graph, n_nodes, key, backend, deterministic, gemm, max_edges):
+def _(x, y, h, w_last, graph, n_nodes, key, backend, deterministic, max_edges):
     return x.new_empty((n_nodes, registry.lookup(key).dim_out))
 
 
 @custom_op("mace_accel::folded_conv_tp_backward")
 def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, g: Tensor,
                                graph: List[Tensor], n_nodes: int, key: str, backend: str,
-                               deterministic: bool, gemm: str, max_edges: int,
+                               deterministic: bool, max_edges: int,
                                need_x: bool, need_y: bool,
                                need_h: bool, need_w: bool
                                ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -202,7 +194,7 @@ def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, 
     acc = rows_of.backward_buffers(x, y, (need_x, need_y, need_h or need_w))
     gh = torch.empty_like(h) if need_h else None
     gw_last = torch.zeros_like(w_last) if need_w else None
-    last = LastLayer(w_last, gemm)
+    last = LastLayer(w_last)
     for rows in rows_of.chunks(max_edges):
         ids = rows_of.edges(rows)
         h_rows = h.index_select(0, ids)
@@ -216,7 +208,7 @@ def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, 
 
 
 @folded_conv_tp_backward_op.register_fake
-def _(x, y, h, w_last, g, graph, n_nodes, key, backend, deterministic, gemm, max_edges,
+def _(x, y, h, w_last, g, graph, n_nodes, key, backend, deterministic, max_edges,
       need_x, need_y, need_h, need_w):
     spec = registry.lookup(key)
     return (x.new_empty((n_nodes, spec.dim_in1)) if need_x else conv_autograd._empty(x),
@@ -226,10 +218,10 @@ def _(x, y, h, w_last, g, graph, n_nodes, key, backend, deterministic, gemm, max
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, y, h, w_last, graph, n_nodes, key, backend, deterministic, gemm, max_edges = inputs
+    x, y, h, w_last, graph, n_nodes, key, backend, deterministic, max_edges = inputs
     ctx.save_for_backward(x, y, h, w_last)
     ctx.static = (graph, n_nodes, key, backend, deterministic)
-    ctx.gemm, ctx.max_edges = gemm, max_edges
+    ctx.max_edges = max_edges
 
 
 def composed_backward(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, g: Tensor,
@@ -252,7 +244,7 @@ def composed_backward(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, g: Tensor
 def _backward(ctx, g):
     x, y, h, w_last = ctx.saved_tensors
     need_x, need_y, need_h, need_w = ctx.needs_input_grad[:4]
-    none = ([None] * len(ctx.static[0]),) + (None,) * 6  # graph, the static args
+    none = ([None] * len(ctx.static[0]),) + (None,) * 5  # graph, the static args
     if g is None or not (need_x or need_y or need_h or need_w):
         return (None,) * 4 + none
     g = g.contiguous()
@@ -261,8 +253,8 @@ def _backward(ctx, g):
                                                 ctx.needs_input_grad[:4])
     else:
         gx, gy, gh, gw_last = folded_conv_tp_backward_op(x, y, h, w_last, g, *ctx.static,
-                                                         ctx.gemm, ctx.max_edges, need_x,
-                                                         need_y, need_h, need_w)
+                                                         ctx.max_edges, need_x, need_y,
+                                                         need_h, need_w)
     grads = [t if need else None for t, need in
              zip((gx, gy, gh, gw_last), (need_x, need_y, need_h, need_w))]
     return (*grads, *none)
@@ -273,8 +265,7 @@ folded_conv_tp_op.register_autograd(_backward, setup_context=_setup)
 
 def folded_conv_tp(key: str, graph: ConvGraph, node_feats: Tensor, edge_attrs: Tensor,
                    hidden: Tensor, w_last: Tensor, backend: str = "cuda",
-                   deterministic: bool = True, max_edges: Optional[int] = None,
-                   gemm: str = "cublas") -> Tensor:
+                   deterministic: bool = True, max_edges: Optional[int] = None) -> Tensor:
     """Differentiable ``conv(node_feats, edge_attrs, hidden @ w_last)`` ``[n_nodes, dim_out]``
     without storing the per-edge weights.
 
@@ -282,13 +273,11 @@ def folded_conv_tp(key: str, graph: ConvGraph, node_feats: Tensor, edge_attrs: T
         key: the convolution's spec (:func:`~mace_accel.ops.conv_tp.autograd.register_spec`).
         graph: the edges. node_feats ``[N, dim_in1]``, edge_attrs ``[E, dim_in2]``,
             hidden ``[E, h]``, w_last ``[h, weight_numel]``: one dtype and device.
-        max_edges: edges per chunk (default :func:`chunk_edges`).
-        gemm: what runs the weights' GEMMs, one of :data:`GEMMS`: cuBLAS, or the 3xTF32
-            kernels (CUDA float32: the caller checks they run there); the create_graph backward
+        max_edges: edges per chunk (default :func:`chunk_edges`); the create_graph backward
             composes torch ops.
     """
     if max_edges is None:
         max_edges = chunk_edges(w_last.shape[1], w_last.dtype, w_last.device)
     return folded_conv_tp_op(node_feats.contiguous(), edge_attrs.contiguous(),
                              hidden.contiguous(), w_last, graph.tensors(backend),
-                             graph.n_nodes, key, backend, deterministic, gemm, int(max_edges))
+                             graph.n_nodes, key, backend, deterministic, int(max_edges))

@@ -31,7 +31,6 @@ from mace_accel.ops.limits import OPTIN_SHARED
 from mace_accel.ops.runtime import Kernel, check_aligned, check_rows, check_tensor, \
     device_limits, i32, kernel_device, ptr
 from mace_accel.ops.templates import render
-from mace_accel.ops.tf32x3_gemm.codegen import WarpTiles
 
 Tensor = torch.Tensor
 PlanT = TypeVar("PlanT")  # a grouped 3xFP16 kernel's plan (mma.sync or wgmma)
@@ -40,12 +39,35 @@ K_ALIGN = 32  # every block's k is a multiple of the K slices (two or four k16 s
 # eight warps of 32 x 32, K in slices of 32, A's loaded one slice ahead, two blocks an SM (128
 # registers a thread), one scale per 8 rows of A and slice, a warp's slice summed for all its
 # n8 tiles at once (chunks of two spilled under the 128 registers). On MH-1's maps at 864 and
-# 6,912 nodes 0.51-0.59x the 3xTF32 kernel's time (0.78x for linear_1's transpose at 864),
-# ahead of 64 x 64 tiles (three blocks an SM), 128 x 128 tiles, one scale per 16 rows, slices
+# 6,912 nodes 0.51-0.59x the time of the 3xTF32 kernel they replaced (0.78x for linear_1's
+# transpose at 864), ahead of 64 x 64 tiles (three blocks an SM), 128 x 128 tiles, one scale per 16 rows, slices
 # of 64 and A loaded two slices ahead; at 256 nodes 0.48-1.04x (scripts/bench_kernels.py
 # grouped-linear)
 TILES = (64, 128, 2, 4, 32, 1, 2, 8, 4)
 TOP_EXPONENT = 14  # a group's largest magnitude is scaled into [2^14, 2^15)
+
+
+class WarpTiles:
+    """Warp geometry of a tensor-core tile (the ``mma.sync`` plan below and the wgmma one):
+    ``bm x bn`` outputs a block, ``warps_m x warps_n`` warps of ``mi x ni`` mma tiles
+    (16 x 8)."""
+
+    bm: int
+    bn: int
+    warps_m: int
+    warps_n: int
+
+    @property
+    def mi(self) -> int:
+        return self.bm // (16 * self.warps_m)
+
+    @property
+    def ni(self) -> int:
+        return self.bn // (8 * self.warps_n)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,10 +24,9 @@ import torch
 
 from mace_accel.ops.irreps_linear import fp16x3, fp16x3_wgmma
 from mace_accel.ops.irreps_linear.grouped import (IRREP_DIMS, E3nnBlock, GroupedSpec,
-                                                  layout_misfit)
+                                                  layout_misfit, unsupported_reason)
 from mace_accel.ops.irreps_linear.spec import LinearInstruction, LinearSpec, weight_block
 from mace_accel.ops.runtime import is_aligned16
-from mace_accel.ops.tf32x3_gemm.spec import unsupported_reason
 
 Tensor = torch.Tensor
 # float64 maps with shared weights run here from this many nodes: the kernel's multiply-adds

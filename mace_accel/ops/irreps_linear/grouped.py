@@ -10,10 +10,18 @@ import dataclasses
 import hashlib
 from typing import Dict, Optional, Tuple
 
-from mace_accel.ops.tf32x3_gemm.spec import ALIGN, unsupported_reason
-
 IRREP_DIMS = (1, 3, 5, 7, 9, 11, 13, 15)  # 2l + 1 for l = 0 .. 7
-KERNELS = "the grouped 3xFP16 kernels"  # how :func:`unsupported_reason` names them
+ALIGN = 4  # the kernels copy 16-byte chunks: k and n must be multiples of 4 floats
+
+
+def unsupported_reason(k: int, n: int) -> Optional[str]:
+    """Why a block ``[N, k] -> [N, n]`` cannot run in the grouped kernels, or None."""
+    if k < 1 or n < 1:
+        return f"the GEMM widths must be positive, got k={k}, n={n}"
+    if k % ALIGN or n % ALIGN:
+        return (f"the grouped 3xFP16 kernels need both GEMM widths to be multiples of {ALIGN} "
+                f"(16-byte copies), got k={k}, n={n}")
+    return None
 
 
 def layout_misfit(d: int, x_col: int, k: int, lda: int, out_col: int, n: int,
@@ -63,7 +71,7 @@ class GroupedSpec:
         if not self.blocks:
             raise ValueError("a grouped GEMM needs at least one block")
         for b in self.blocks:
-            why = unsupported_reason(b.k, b.n, KERNELS)
+            why = unsupported_reason(b.k, b.n)
             if why is None and b.d not in IRREP_DIMS:
                 why = f"irrep dimension {b.d} is not one of {IRREP_DIMS}"
             if why is None:  # the kernel checks at launch that the rows start aligned

@@ -8,8 +8,7 @@ product weights (``[E, n_basis] -> [E, weight_numel]``), in every form it runs.
   elements where the weights depend on them), looked up instead of evaluated.
 
 Which of them a call takes is decided once per call by
-:meth:`mace_accel.patches.radial.mlp.FusedRadialMLP.route`. The 3xTF32 GEMMs that run the
-float32 layers (:mod:`mace_accel.ops.tf32x3_gemm`) are shared with the folded convolution
-(:mod:`mace_accel.ops.conv_tp.folded`, which runs the last layer itself) and stay beside this
-family.
+:meth:`mace_accel.patches.radial.mlp.FusedRadialMLP.route`. The layers are cuBLAS GEMMs, in
+float32 and float64 alike; the folded convolution (:mod:`mace_accel.ops.conv_tp.folded`) runs
+the last one itself.
 """

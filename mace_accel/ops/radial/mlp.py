@@ -21,8 +21,6 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from mace_accel.ops.tf32x3_gemm import autograd as tf32x3_ops
-
 Tensor = torch.Tensor
 
 
@@ -58,27 +56,17 @@ def layer_scales(fan_in: Sequence[int], var_in: Sequence[float], var_out: Sequen
     return scales
 
 
-def _fused(tf32x3: bool, t: Tensor, w: Tensor) -> bool:
-    """Whether the layer of weight ``w [k, n]`` runs as one 3xTF32 kernel with its SiLU."""
-    return tf32x3 and tf32x3_ops.runs_on(t, int(w.shape[0]), int(w.shape[1]))
-
-
-def pre_activations(x: Tensor, weights: Sequence[Tensor], last_act: bool = False,
-                    tf32x3: bool = False) -> Tuple[List[Tensor], Tensor]:
+def pre_activations(x: Tensor, weights: Sequence[Tensor],
+                    last_act: bool = False) -> Tuple[List[Tensor], Tensor]:
     """``(z_1..z_{L-1}, out)``: the hidden pre-activations and the output (``last_act``: the
-    last layer has a SiLU too, and its pre-activation ``z_L`` is listed). ``tf32x3``: hidden
-    layers whose widths allow it run as one 3xTF32 kernel with the SiLU (CUDA float32; not
-    differentiable: the autograd function's forward only)."""
+    last layer has a SiLU too, and its pre-activation ``z_L`` is listed)."""
     pre = []
     h = x
     for i, w in enumerate(weights):
         if i == len(weights) - 1 and not last_act:
             return pre, torch.mm(h, w)
-        if _fused(tf32x3, h, w):
-            z, h = tf32x3_ops.mm_silu(h, w)
-        else:
-            z = torch.mm(h, w)
-            h = F.silu(z)
+        z = torch.mm(h, w)
+        h = F.silu(z)
         pre.append(z)
     return pre, h
 
@@ -94,10 +82,10 @@ def _silu_grad(g: Tensor, z: Tensor) -> Tensor:
 
 class _RadialMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, last_act: bool, tf32x3: bool, *weights: Tensor) -> Tensor:
-        pre, out = pre_activations(x, weights, last_act, tf32x3)
+    def forward(ctx, x: Tensor, last_act: bool, *weights: Tensor) -> Tensor:
+        pre, out = pre_activations(x, weights, last_act)
         ctx.save_for_backward(x, *weights, *pre)
-        ctx.n_layers, ctx.last_act, ctx.tf32x3 = len(weights), last_act, tf32x3
+        ctx.n_layers, ctx.last_act = len(weights), last_act
         return out
 
     @staticmethod
@@ -105,22 +93,19 @@ class _RadialMLP(torch.autograd.Function):
         n = ctx.n_layers
         saved = ctx.saved_tensors
         x, weights, pre = saved[0], saved[1:1 + n], list(saved[1 + n:])
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
-        tf32x3 = ctx.tf32x3
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2:]
         if torch.is_grad_enabled():  # create_graph: pre-activations connected to x and W
             pre, _ = pre_activations(x, weights, ctx.last_act)
-            tf32x3 = False
-        grad_x, grads_w = vjp(x, weights, pre, grad, ctx.last_act, need_x, need_w, tf32x3)
-        return (grad_x, None, None, *grads_w)
+        grad_x, grads_w = vjp(x, weights, pre, grad, ctx.last_act, need_x, need_w)
+        return (grad_x, None, *grads_w)
 
 
 def vjp(x: Tensor, weights: Sequence[Tensor], pre: Sequence[Tensor], grad: Tensor,
-        last_act: bool, need_x: bool, need_w: Sequence[bool], tf32x3: bool = False
+        last_act: bool, need_x: bool, need_w: Sequence[bool]
         ) -> Tuple[Optional[Tensor], List[Optional[Tensor]]]:
     """``(d x, [d W_i])`` of ``<grad, net(x)>`` from the pre-activations ``pre``
     (:func:`pre_activations`), only those asked for; torch ops, differentiable when grad mode
-    is on (double backward), or with ``tf32x3`` each hidden layer's ``g W^T * silu'(z)`` in one
-    3xTF32 kernel where the widths allow (not differentiable)."""
+    is on (double backward)."""
     n = len(weights)
     lowest = 0 if need_x else next((i for i, w in enumerate(need_w) if w), n)
     grads_w: List[Optional[Tensor]] = [None] * n
@@ -133,21 +118,16 @@ def vjp(x: Tensor, weights: Sequence[Tensor], pre: Sequence[Tensor], grad: Tenso
             grads_w[i] = torch.mm(h_in.t(), g)
         if i == lowest:
             break
-        if _fused(tf32x3, g, weights[i]):
-            g = tf32x3_ops.mm_t_silu_grad(g, weights[i], pre[i - 1])
-        else:
-            g = _silu_grad(torch.mm(g, weights[i].t()), pre[i - 1])
+        g = _silu_grad(torch.mm(g, weights[i].t()), pre[i - 1])
     grad_x = torch.mm(g, weights[0].t()) if need_x else None
     return grad_x, grads_w
 
 
-def radial_mlp(x: Tensor, weights: Sequence[Tensor], last_act: bool = False,
-               tf32x3: bool = False) -> Tensor:
+def radial_mlp(x: Tensor, weights: Sequence[Tensor], last_act: bool = False) -> Tensor:
     """``[E, h_L]``: the folded SiLU MLP of ``x [E, h0]`` (see module docstring); with
     ``last_act`` the last layer has a SiLU too (the hidden part of a net whose own last layer
-    is folded into the convolution); with ``tf32x3`` (CUDA float32) the hidden layers whose
-    widths are multiples of 4 run as 3xTF32 kernels with their SiLU, forward and backward."""
-    return _RadialMLP.apply(x, last_act, tf32x3, *weights)
+    is folded into the convolution)."""
+    return _RadialMLP.apply(x, last_act, *weights)
 
 
 def reference(x: Tensor, weights: Sequence[Tensor], last_act: bool = False) -> Tensor:

@@ -9,7 +9,7 @@ built in float64 from the model's own embedding and MLP (values and derivatives 
 and checked against them between the nodes (:mod:`.table`). A lookup reads a cell's rows and
 writes the weights: with the edges walked in order of length (:mod:`.cuda`), consecutive edges
 share a cell, whose coefficients a thread keeps in registers, so the pass costs about the
-bytes of ``w`` alone, where the MLP is bound by its 3xTF32 (DMMA) products. The backward is
+bytes of ``w`` alone, where the MLP is bound by its GEMMs. The backward is
 ``d r = <d w, w'(r)>``, the spline's own derivative, so forces are the exact gradient of the
 tabulated energy.
 """
