@@ -8,9 +8,10 @@ runs from inside another's module (the radial MLP's last layer applied by the fu
 keeps its own part through the ranges of :mod:`mace_accel.profiling`. The forces' backward
 pass is attributed through autograd's sequence numbers: a backward node belongs to the part
 whose range held the forward op that created it. On CUDA the table sums the kernels' self
-device time; on the CPU, self CPU time. Whatever is not attributed (embeddings, spherical harmonics, readouts' sums,
-scatter of energies, unlinked kernels, Python overhead on the CPU) is "other". A backend that
-replays a captured CUDA graph runs no module forwards, so all of its time shows as "other".
+device time; on the CPU, self CPU time. Whatever is not attributed (embeddings, spherical
+harmonics, readouts' sums, scatter of energies, unlinked kernels, Python overhead on the CPU) is
+"other". A backend that replays a captured CUDA graph runs no module forwards, so all of its
+time shows as "other".
 """
 
 from __future__ import annotations

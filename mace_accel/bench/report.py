@@ -229,6 +229,28 @@ def render_max_size_table(records) -> str:
     return _table(header, rows, (False, False, False, True, True, True, False, False))
 
 
+def render_training_table(records) -> str:
+    """One line per record: ms per step, spread, memory, first loss, speedups, status (the
+    timing is shown for a loss mismatch too: its status says what is wrong)."""
+    header = ("model", "dtype", "atoms", "edges", "backend", "ms/step", "p10-p90 ms", "peak MB",
+              "first loss", "vs e3nn", "vs cueq", "status")
+    rows = []
+    for r in records:
+        timed = r.median_ms is not None
+        rows.append((r.model, r.dtype, _fmt(r.atoms, "d"), _fmt(r.edges, ","), r.backend,
+                     _fmt(r.median_ms, ".2f"),
+                     f"{r.p10_ms:.2f}-{r.p90_ms:.2f}" if timed else "",
+                     _fmt(r.peak_mem_mb, ".0f"), _fmt(r.first_loss, ".10g"),
+                     _fmt(r.speedup_vs_e3nn, ".2f") + ("x" if r.speedup_vs_e3nn else ""),
+                     _fmt(r.speedup_vs_cueq, ".2f") + ("x" if r.speedup_vs_cueq else ""),
+                     _short(r.status)))
+    clocks = sorted({r.clock for r in records if r.clock})
+    note = (f"\n(timed with {', '.join(clocks)}; one step = forward, forces, loss, backward, "
+            "Adam; every first loss must agree with e3nn's)") if clocks else ""
+    return _table(header, rows, (False, False, True, True, False, True, True, True, True, True,
+                                 True, False)) + note
+
+
 def render_md_table(records) -> str:
     header = ("model", "dtype", "atoms", "backend", "ms/step", "steps/s", "ns/day", "calc ms",
               "rest ms", "nlist ms", "model ms", "status")
@@ -273,8 +295,6 @@ def render_summary(result: BenchResult) -> str:
         parts += ["NVE energy drift (velocity Verlet, 1 fs):", render_drift_table(result.drift),
                   ""]
     if result.train:
-        from mace_accel.bench.training import render_training_table
-
         parts += ["Training step (energy + forces loss, backward, Adam; same batch and targets "
                   "for every backend):", render_training_table(result.train), ""]
     if result.max_size:

@@ -262,28 +262,3 @@ def compute_train_speedups(records: Sequence[TrainRecord]) -> None:
         for r in timed:
             r.speedup_vs_e3nn = base["e3nn"].median_ms / r.median_ms if base["e3nn"] else None
             r.speedup_vs_cueq = base["cueq"].median_ms / r.median_ms if base["cueq"] else None
-
-
-def render_training_table(records: Sequence[TrainRecord]) -> str:
-    """One line per record: ms per step, spread, memory, first loss, speedups, status (the
-    timing is shown for a loss mismatch too: its status says what is wrong)."""
-    # the report's formatters; imported here because the report imports the records' modules
-    from mace_accel.bench.report import _fmt, _short, _table
-
-    header = ("model", "dtype", "atoms", "edges", "backend", "ms/step", "p10-p90 ms", "peak MB",
-              "first loss", "vs e3nn", "vs cueq", "status")
-    rows = []
-    for r in records:
-        timed = r.median_ms is not None
-        rows.append((r.model, r.dtype, _fmt(r.atoms, "d"), _fmt(r.edges, ","), r.backend,
-                     _fmt(r.median_ms, ".2f"),
-                     f"{r.p10_ms:.2f}-{r.p90_ms:.2f}" if timed else "",
-                     _fmt(r.peak_mem_mb, ".0f"), _fmt(r.first_loss, ".10g"),
-                     _fmt(r.speedup_vs_e3nn, ".2f") + ("x" if r.speedup_vs_e3nn else ""),
-                     _fmt(r.speedup_vs_cueq, ".2f") + ("x" if r.speedup_vs_cueq else ""),
-                     _short(r.status)))
-    clocks = sorted({r.clock for r in records if r.clock})
-    note = (f"\n(timed with {', '.join(clocks)}; one step = forward, forces, loss, backward, "
-            "Adam; every first loss must agree with e3nn's)") if clocks else ""
-    return _table(header, rows, (False, False, True, True, False, True, True, True, True, True,
-                                 True, False)) + note
