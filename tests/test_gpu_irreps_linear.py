@@ -103,3 +103,29 @@ def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(name, wgmma, mo
     want_kernel = "mm_grouped_fp16x3_wgmma" if wgmma and hopper else "mm_grouped_fp16x3"
     assert kernels == [want_kernel] * 2
     assert fp16x3_wgmma.DEVICE_ARCH == "sm_90"
+
+
+def test_grouped_map_takes_a_view_off_the_16_byte_boundary(monkeypatch):
+    """A float32 map planned for the grouped kernel runs there even where its input is a view
+    that starts 4 bytes off a 16-byte boundary (copied once, not sent to cuBLAS block by block),
+    and equals the reference."""
+    from mace_accel.ops.irreps_linear import fp16x3, fp16x3_wgmma
+
+    launches = []
+    for module, name in ((fp16x3, "mm_grouped_fp16x3"),
+                         (fp16x3_wgmma, "mm_grouped_fp16x3_wgmma")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real: launches.append(1) or real(*a))
+    spec = SIDE_BY_SIDE
+    gen = torch.Generator().manual_seed(5)
+    n = 300
+    x = torch.randn(n, spec.dim_in, generator=gen, dtype=torch.float64)
+    w = torch.randn(spec.weight_numel, generator=gen, dtype=torch.float64) / 16
+    base = torch.empty(n * spec.dim_in + 1, dtype=torch.float32, device="cuda")
+    shifted = base[1:].view(n, spec.dim_in)
+    shifted.copy_(x)
+    assert shifted.is_contiguous() and not gemm._fits_grouped(shifted, shifted)
+    got = gemm.apply(spec, shifted, w.float().cuda())
+    want = autograd.reference(spec, x, w, torch.zeros(n, dtype=torch.int32))
+    assert launches == [1]
+    assert (got.double().cpu() - want).norm() <= 2e-6 * want.norm()

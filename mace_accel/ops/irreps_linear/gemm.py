@@ -8,8 +8,8 @@ where they stand (:class:`~.grouped.GroupedSpec`); other float32 maps keep the g
 kernel.
 
 Per output block, the input blocks that feed it (all of one irrep dimension ``d``) are multiplied
-by their stacked weights ``[U, V]``. On cuBLAS (float64, or float32 inputs the grouped kernel
-cannot read) they are put side by side along the channels, ``[N, d, U]`` (one copy: e3nn's
+by their stacked weights ``[U, V]``. On cuBLAS (float64, and blocks outside the grouped
+launch) they are put side by side along the channels, ``[N, d, U]`` (one copy: e3nn's
 layout keeps the channel outside the irrep component), and the ``[N, d, V]`` result is copied
 into the output block's ``[N, V, d]`` columns. Not for element-indexed weights (the skip
 connection), which the generated kernel keeps.
@@ -26,7 +26,7 @@ from mace_accel.ops.irreps_linear import fp16x3, fp16x3_wgmma
 from mace_accel.ops.irreps_linear.grouped import (IRREP_DIMS, E3nnBlock, GroupedSpec,
                                                   layout_misfit, unsupported_reason)
 from mace_accel.ops.irreps_linear.spec import LinearInstruction, LinearSpec, weight_block
-from mace_accel.ops.runtime import is_aligned16
+from mace_accel.ops.runtime import aligned16, is_aligned16
 
 Tensor = torch.Tensor
 # float64 maps with shared weights run here from this many nodes: the kernel's multiply-adds
@@ -207,7 +207,11 @@ def apply(spec: LinearSpec, x: Tensor, w: Tensor) -> Tensor:
     out = x.new_empty((n, spec.dim_out))
     prepared = _prepared(spec, w)
     done: FrozenSet[int] = frozenset()
-    if prepared.grouped is not None and _fits_grouped(x, out):
+    if prepared.grouped is not None:
+        if not _fits_grouped(x, out):
+            # a view off the 16-byte boundary or strided (out is fresh): one copy of x costs
+            # far less than the grouped blocks on cuBLAS through stacked copies, in FP32
+            x = aligned16(x.contiguous())
         if prepared.packed is not None and _WGMMA:
             fp16x3_wgmma.mm_grouped_fp16x3_wgmma(prepared.grouped, x, prepared.packed, out)
         else:
