@@ -31,7 +31,7 @@ from mace_accel.errors import ConfigError, InputError
 from mace_accel.models.frames import (FrameBatcher, HostFrame, host_frame, species_table,
                                       split_results)
 from mace_accel.models.outputs import evaluate as evaluate_model
-from mace_accel.models.prepared import PreparedModel, prepare_model
+from mace_accel.prepared import PreparedModel, prepare_model
 from mace_accel.options import AccelOptions, make_options
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from mace_accel.errors import ConfigError, InputError
 from mace_accel.models.atoms_state import changed_properties
 from mace_accel.models.batch import model_info
 from mace_accel.models.outputs import evaluate as evaluate_model
-from mace_accel.models.prepared import prepare_model
+from mace_accel.prepared import prepare_model
 from mace_accel.models.resident import ResidentBatch, skin_is_exact
 from mace_accel.models.validation import (validate_atoms, validate_geometry, validate_head,
                                           validate_positions)

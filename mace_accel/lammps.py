@@ -469,7 +469,7 @@ class LammpsModel(MLIAPUnified):
         """Move the model to this rank's device (``cuda:<local rank>``, else the CPU), cast it
         and accelerate it there through the ASE calculator that a one-rank run calls
         (:class:`~mace_accel.lammps_local.PositionsCall`), as every other way of evaluating a
-        model does (:func:`~mace_accel.models.prepared.prepare_model`)."""
+        model does (:func:`~mace_accel.prepared.prepare_model`)."""
         from ase.data import atomic_numbers
 
         from mace_accel._e3nn_compat import import_mace

@@ -97,19 +97,6 @@ def resolve_device(device: Union[str, "torch.device", None] = "auto") -> "torch.
     return dev
 
 
-def cuda_unavailable_reason(device: "torch.device") -> Optional[str]:
-    """Why the CUDA backend cannot run for a model on ``device``, or None."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible to torch (torch.cuda.is_available() is False)"
-    if torch.device(device).type != "cuda":
-        return f"the model is on {device}; move it to the GPU first (model.to('cuda'))"
-    from mace_accel.ops.runtime import cupy_unavailable_reason
-
-    return cupy_unavailable_reason()
-
-
 @dataclasses.dataclass(frozen=True)
 class AccelOptions:
     """How a model is accelerated; recorded in every :class:`~mace_accel.surgery.PatchReport`.

@@ -20,7 +20,8 @@ import torch
 from mace_accel.errors import BackendUnavailableError, UnsupportedModelError, VerificationError
 from mace_accel import coverage, state
 from mace_accel.models import energy_head
-from mace_accel.options import MACE_BACKEND, AccelOptions, cuda_unavailable_reason, make_options
+from mace_accel.ops.runtime import cuda_unavailable_reason
+from mace_accel.options import MACE_BACKEND, AccelOptions, make_options
 from mace_accel.patches import PatchRecord, find_blocks, link_across_blocks
 from mace_accel.tolerances import energy_error, model_tolerance, rel_norm_error
 

@@ -39,7 +39,7 @@ from mace_accel.errors import InputError
 from mace_accel.models.frames import BatchDefaults, assemble_batch, species_table
 from mace_accel.models.neighbours import neighbour_list
 from mace_accel.models.outputs import evaluate as evaluate_model
-from mace_accel.models.prepared import PreparedModel, prepare_model
+from mace_accel.prepared import PreparedModel, prepare_model
 from mace_accel.models.resident import skin_is_exact
 from mace_accel.models.validation import _check_elements
 from mace_accel.options import AccelOptions, make_options
@@ -113,7 +113,7 @@ class AcceleratedMaceModel(ModelInterface):
             list on every call.
 
     Attributes:
-        prepared: the :class:`~mace_accel.models.prepared.PreparedModel` (model, info, head,
+        prepared: the :class:`~mace_accel.prepared.PreparedModel` (model, info, head,
             report, device, dtype).
         model: the accelerated MACE module.
         backend: ``"cuda"`` (fused kernels), ``"reference"`` (plain torch) or ``"mace"``

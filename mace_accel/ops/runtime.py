@@ -55,6 +55,15 @@ def cupy_unavailable_reason() -> Optional[str]:
     return None
 
 
+def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
+    """Why the CUDA backend cannot run for a model on ``device``, or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible to torch (torch.cuda.is_available() is False)"
+    if torch.device(device).type != "cuda":
+        return f"the model is on {device}; move it to the GPU first (model.to('cuda'))"
+    return cupy_unavailable_reason()
+
+
 def cache_dir() -> Path:
     root = os.environ.get("MACE_ACCEL_CACHE_DIR")
     return Path(root) if root else Path.home() / ".cache" / "mace_accel" / "kernels"
