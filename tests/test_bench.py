@@ -357,6 +357,31 @@ def test_profile_splits_a_call_into_parts(tiny_model, monkeypatch):
     assert forward_only["other"] > parts["other"].count
 
 
+def test_profile_says_the_gpu_clock_it_ran_at(monkeypatch):
+    """The profile records the GPU's SM clock, power and temperature after the call (hosts of
+    one GPU model differ there) and prints them; nothing on a CPU or where NVML cannot be
+    read."""
+    from mace_accel.bench import profile as bench_profile
+
+    assert bench_profile.gpu_state("cpu") == {}
+    readings = {"clock_rate": 1755, "power_draw": 612_000, "temperature": 61}
+    for name, value in readings.items():
+        monkeypatch.setattr(torch.cuda, name, lambda device, value=value: value)
+    state = bench_profile.gpu_state("cuda")
+    assert state == {"sm_clock_mhz": 1755.0, "power_w": 612.0, "temperature_c": 61.0}
+    result = bench_profile.ProfileResult("self CUDA time", "kernels", [], 1.0, 0, gpu=state)
+    assert "SM clock 1755 MHz, 612 W, 61 C" in bench_profile.render_profile(result)
+    assert result.to_dict()["gpu"] == state
+
+    def no_nvml(device):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", no_nvml)
+    assert bench_profile.gpu_state("cuda") == {}
+    assert "SM clock" not in bench_profile.render_profile(
+        bench_profile.ProfileResult("self CUDA time", "kernels", [], 1.0, 0))
+
+
 def test_profile_counts_the_folded_last_layer_as_radial_mlp(tiny_model, monkeypatch):
     """With the radial MLP's last layer folded into the fused conv, its GEMM (forward and
     backward) runs from the conv's module but is still the radial MLP's work."""

@@ -67,6 +67,9 @@ class ProfileResult:
         total_count: all kernels (CUDA) or leaf ops (CPU) of the call.
         host: ``{"neighbour_list_ms", "batch_build_ms"}`` (batch building excludes the
             neighbour list), when measured.
+        gpu: :func:`gpu_state` right after the call (empty off CUDA or where torch cannot
+            read it): hosts of one GPU model differ in their clocks under load, which moves
+            the tensor-core-bound parts (the 3xFP16 linears) more than the memory-bound ones.
     """
 
     clock: str
@@ -75,11 +78,27 @@ class ProfileResult:
     total_ms: float
     total_count: int
     host: Dict[str, float] = dataclasses.field(default_factory=dict)
+    gpu: Dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"clock": self.clock, "count_label": self.count_label,
                 "parts": {p.part: {"time_ms": p.time_ms, "count": p.count} for p in self.parts},
-                "total_ms": self.total_ms, "total_count": self.total_count, "host": self.host}
+                "total_ms": self.total_ms, "total_count": self.total_count, "host": self.host,
+                "gpu": self.gpu}
+
+
+def gpu_state(device: torch.device | str) -> Dict[str, float]:
+    """``{"sm_clock_mhz", "power_w", "temperature_c"}`` of a CUDA ``device`` now (NVML through
+    torch), or ``{}`` where they cannot be read (no pynvml, another vendor, the CPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    try:
+        return {"sm_clock_mhz": float(torch.cuda.clock_rate(device)),
+                "power_w": torch.cuda.power_draw(device) / 1000.0,
+                "temperature_c": float(torch.cuda.temperature(device))}
+    except Exception:  # pynvml missing or the query unsupported: the profile stands without it
+        return {}
 
 
 def hooked_modules(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, str]]:
@@ -246,9 +265,10 @@ def profile_call(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
                     model(dict(batch), training=False, compute_force=True,
                           compute_stress=compute_stress)
             synchronize(device)
+    gpu = gpu_state(device)  # the sampled clock of the call just made
     parts, total_ms, total_n = attribute(prof.events(), on_cuda)
     return ProfileResult("self CUDA time" if on_cuda else "self CPU time",
-                         "kernels" if on_cuda else "ops", parts, total_ms, total_n)
+                         "kernels" if on_cuda else "ops", parts, total_ms, total_n, gpu=gpu)
 
 
 def time_host_graph(atoms, info: ModelInfo, dtype: torch.dtype,
@@ -290,4 +310,7 @@ def render_profile(result: ProfileResult, title: str = "") -> str:
     if result.host:
         lines.append(f"  host: neighbour list {result.host['neighbour_list_ms']:.2f} ms, batch "
                      f"building excl. neighbour list {result.host['batch_build_ms']:.2f} ms")
+    if result.gpu:
+        lines.append(f"  GPU after the call: SM clock {result.gpu['sm_clock_mhz']:.0f} MHz, "
+                     f"{result.gpu['power_w']:.0f} W, {result.gpu['temperature_c']:.0f} C")
     return "\n".join(lines)

@@ -39,7 +39,8 @@ JSON schema ``mace-accel-bench``, version 1 (``bench.json``)::
         detail          extra facts (patch summary, fallback reason)
         profile         with --profile: {"clock", "count_label", "parts": {part: {"time_ms",
                         "count"}}, "total_ms", "total_count", "host": {"neighbour_list_ms",
-                        "batch_build_ms"}}
+                        "batch_build_ms"}, "gpu": {"sm_clock_mhz", "power_w",
+                        "temperature_c"} (empty where not read)}
       ],
       "max_size": [ with --max-size, one per (model, dtype, backend): model, dtype, backend,
                     status, max_cells, max_atoms, max_edges, first_oom_cells, stop_reason,
