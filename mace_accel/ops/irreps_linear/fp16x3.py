@@ -40,9 +40,9 @@ K_ALIGN = 32  # every block's k is a multiple of the K slices (two or four k16 s
 # registers a thread), one scale per 8 rows of A and slice, a warp's slice summed for all its
 # n8 tiles at once (chunks of two spilled under the 128 registers). On MH-1's maps at 864 and
 # 6,912 nodes 0.51-0.59x the time of the 3xTF32 kernel they replaced (0.78x for linear_1's
-# transpose at 864), ahead of 64 x 64 tiles (three blocks an SM), 128 x 128 tiles, one scale per 16 rows, slices
-# of 64 and A loaded two slices ahead; at 256 nodes 0.48-1.04x (scripts/bench_kernels.py
-# grouped-linear)
+# transpose at 864), ahead of 64 x 64 tiles (three blocks an SM), 128 x 128 tiles, one scale
+# per 16 rows, slices of 64 and A loaded two slices ahead; at 256 nodes 0.48-1.04x
+# (scripts/bench_kernels.py grouped-linear)
 TILES = (64, 128, 2, 4, 32, 1, 2, 8, 4)
 TOP_EXPONENT = 14  # a group's largest magnitude is scaled into [2^14, 2^15)
 
