@@ -76,17 +76,16 @@ def grouped_in_float32(spec: LinearSpec) -> bool:
         and fp16x3.misfit(grouped) is None
 
 
-# per output block: the instructions that feed it and their stacked weights as :func:`_mm`
-# takes them (None: no instruction feeds it)
-Blocks = List[Tuple[List[LinearInstruction], Optional[Tuple[bool, Tensor]]]]
+# per output block: the instructions that feed it and their stacked weights ``[U, V]`` for
+# cuBLAS (None: no instruction feeds it, or the grouped launch takes the block)
+Blocks = List[Tuple[List[LinearInstruction], Optional[Tensor]]]
 
 
 class Prepared(NamedTuple):
     """A map's GEMMs for one weights tensor: ``blocks`` (:data:`Blocks`), and the blocks the
     grouped 3xFP16 kernel takes in one launch (float32 on CUDA): its spec (None: no such
-    blocks), the output blocks' indices, its weights split (:func:`~.fp16x3.split_weights`;
-    each member block's own weights are views of the grouped ``[n, k]`` buffer) and packed for
-    its wgmma form (None: not on this device)."""
+    blocks), the output blocks' indices, its weights split (:func:`~.fp16x3.split_weights`)
+    and packed for its wgmma form (None: not on this device)."""
 
     blocks: Blocks
     grouped: Optional[GroupedSpec] = None
@@ -149,7 +148,7 @@ def _prepared(spec: LinearSpec, w: Tensor) -> Prepared:
                 blocks.append(([], None))
             weights = [weight_block(spec, ins, shared)[0] for ins in group]
             wcat = torch.cat(weights, dim=0) if len(weights) > 1 else weights[0]  # [U, V]
-            blocks.append((group, (False, wcat.contiguous())))
+            blocks.append((group, wcat.contiguous()))
         while len(blocks) < len(spec.out_blocks):
             blocks.append(([], None))
         out = _group(spec, blocks, shared)
@@ -161,15 +160,16 @@ def _prepared(spec: LinearSpec, w: Tensor) -> Prepared:
 
 def _group(spec: LinearSpec, blocks: Blocks, w: Tensor) -> Prepared:
     """``blocks`` with the grouped kernel's (:func:`grouping`, float32 on CUDA, where its
-    3xFP16 form takes them) weights moved into its ``[n, k]`` buffer, split and packed."""
+    3xFP16 form takes them) weights moved into its ``[n, k]`` buffer, split and packed: those
+    blocks keep no weights of their own (:func:`apply` always launches the grouped kernel for
+    them)."""
     grouped, members = grouping(spec) if w.is_cuda and w.dtype == torch.float32 \
         else (None, [])
     if grouped is None or fp16x3.misfit(grouped) is not None:
         return Prepared(blocks)
-    buffer = torch.cat([blocks[i][1][1].t().reshape(-1) for i in members])
-    for i, block in zip(members, grouped.blocks):
-        view = buffer[block.w_offset:block.w_offset + block.n * block.k].view(block.n, block.k)
-        blocks[i] = (blocks[i][0], (True, view))
+    buffer = torch.cat([blocks[i][1].t().reshape(-1) for i in members])
+    for i in members:
+        blocks[i] = (blocks[i][0], None)
     split = fp16x3.split_weights(grouped, buffer)
     packed = None
     if fp16x3_wgmma.runs_on(grouped, buffer.device):
@@ -191,13 +191,6 @@ def _fits_grouped(x: Tensor, out: Tensor) -> bool:
     """Whether ``x`` and ``out`` are what the grouped kernel reads and writes: contiguous,
     16-byte aligned (the columns' alignment is the spec's)."""
     return all(t.is_contiguous() and is_aligned16(t) for t in (x, out))
-
-
-def _mm(a: Tensor, weights: Tuple[bool, Tensor]) -> Tensor:
-    """``a [M, U]`` times a block's weights: ``(False, [U, V])``, or ``(True, [V, U])`` (a
-    view of the grouped kernel's buffer), on cuBLAS."""
-    transposed, w = weights
-    return torch.mm(a, w.t() if transposed else w)
 
 
 def apply(spec: LinearSpec, x: Tensor, w: Tensor) -> Tensor:
@@ -229,6 +222,6 @@ def apply(spec: LinearSpec, x: Tensor, w: Tensor) -> Tensor:
             a = spec.in_blocks[ins.i_in]
             xs.append(x[:, a.offset:a.offset + a.size].view(n, a.mul, a.d).transpose(1, 2))
         stacked = torch.cat(xs, dim=2) if len(xs) > 1 else xs[0].contiguous()  # [N, d, U]
-        y = _mm(stacked.view(n * b.d, -1), weights).view(n, b.d, b.mul)
+        y = torch.mm(stacked.view(n * b.d, -1), weights).view(n, b.d, b.mul)
         target.copy_(y.transpose(1, 2))
     return out
