@@ -411,9 +411,12 @@ def test_profile_counts_the_folded_last_layer_as_radial_mlp(tiny_model, monkeypa
     assert unranged["conv TP"] - ranged["conv TP"] == moved
 
 
-def test_profile_total_ignores_our_ranges_shown_on_the_device():
+def test_profile_counts_each_kernel_once_under_the_op_that_launched_it():
     """With CUPTI the call and part ranges also appear as device events spanning their
-    kernels; counting them made the total (and so "other") several times the call."""
+    kernels; counting them made the total (and so "other") several times the call. And torch
+    lists a kernel under every op carrying its launch's linked id: an op of autograd's thread
+    that shared the id of a conv op counted the conv's kernel a second time (MH-1: the radial
+    table's 0.8 ms in "linears" too). The runtime call's time names the launcher."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
@@ -421,25 +424,34 @@ def test_profile_total_ignores_our_ranges_shown_on_the_device():
     from mace_accel.bench import profile as bench_profile
     from mace_accel.profiling import PART_RANGE
 
-    def span(us):
-        return SimpleNamespace(elapsed_us=lambda: us)
+    def span(start, end):
+        return SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
 
-    kernel = SimpleNamespace(duration=5.0)
-    conv = SimpleNamespace(name=PART_RANGE + "conv TP", device_type=DeviceType.CPU,
-                           is_async=False, sequence_nr=-1, thread=1, is_legacy=False,
-                           cpu_children=[], cpu_parent=None, kernels=[])
-    op = SimpleNamespace(name="aten::mm", device_type=DeviceType.CPU, is_async=False,
-                         sequence_nr=7, thread=1, is_legacy=False, cpu_children=[],
-                         cpu_parent=conv, kernels=[kernel])
-    device = [SimpleNamespace(name="sgemm", device_type=DeviceType.CUDA, time_range=span(5.0)),
+    def cpu_event(name, start, end, parent=None, kernels=(), id=7, thread=1):
+        return SimpleNamespace(name=name, device_type=DeviceType.CPU, is_async=False, id=id,
+                               sequence_nr=-1, thread=thread, is_legacy=False, cpu_children=[],
+                               cpu_parent=parent, kernels=list(kernels),
+                               time_range=span(start, end))
+
+    kernel = SimpleNamespace(name="sgemm", duration=5.0)
+    conv = cpu_event(PART_RANGE + "conv TP", 0.0, 50.0, id=3)
+    linears = cpu_event(PART_RANGE + "linears", 60.0, 90.0, id=4, thread=2)
+    op = cpu_event("aten::mm", 10.0, 20.0, conv, [kernel])
+    twin = cpu_event("aten::add", 70.0, 80.0, linears, [kernel], thread=2)  # the same id, 7
+    launch = cpu_event("cuLaunchKernel", 12.0, 13.0, op, id=100)  # CUPTI's id: the kernel's
+    device = [SimpleNamespace(name="sgemm", device_type=DeviceType.CUDA, time_range=span(95, 100),
+                              id=100),
               SimpleNamespace(name=bench_profile._CALL_RANGE, device_type=DeviceType.CUDA,
-                              time_range=span(100.0)),
-              SimpleNamespace(name=PART_RANGE + "conv TP",
-                              device_type=DeviceType.CUDA, time_range=span(5.0))]
-    parts, total_ms, total_n = bench_profile.attribute([conv, op, *device], on_cuda=True)
+                              time_range=span(0.0, 100.0), id=1),
+              SimpleNamespace(name=PART_RANGE + "conv TP", device_type=DeviceType.CUDA,
+                              time_range=span(95, 100), id=3)]
+    parts, total_ms, total_n, kernels = bench_profile.attribute(
+        [conv, linears, op, twin, launch, *device], on_cuda=True)
     by = {p.part: p for p in parts}
     assert total_ms == pytest.approx(0.005) and total_n == 1
-    assert by["conv TP"].time_ms == pytest.approx(0.005) and by["other"].time_ms == 0
+    assert by["conv TP"].time_ms == pytest.approx(0.005) and by["conv TP"].count == 1
+    assert by["linears"].time_ms == 0 and by["other"].time_ms == 0
+    assert kernels == {"conv TP": [("sgemm", pytest.approx(0.005), 1)]}
 
 
 def test_md_throughput_and_missing_calculator_packages(monkeypatch, tiny_model):

@@ -42,6 +42,7 @@ HOOKED = {
 }
 PARTS = (RADIAL_MLP, "conv TP", "linears", "symmetric contraction")
 OTHER = "other"
+TOP_KERNELS = 8
 _CALL_RANGE = "mace_accel.bench.call"
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
 
@@ -70,6 +71,9 @@ class ProfileResult:
         gpu: :func:`gpu_state` right after the call (empty off CUDA or where torch cannot
             read it): hosts of one GPU model differ in their clocks under load, which moves
             the tensor-core-bound parts (the 3xFP16 linears) more than the memory-bound ones.
+        kernels: per part, its heaviest CUDA kernels as ``(name, ms, launches)``, heaviest
+            first (:data:`TOP_KERNELS` of each; empty on the CPU): what a part's time is made of,
+            so two profiles of one model that disagree can be told apart by name.
     """
 
     clock: str
@@ -79,12 +83,14 @@ class ProfileResult:
     total_count: int
     host: Dict[str, float] = dataclasses.field(default_factory=dict)
     gpu: Dict[str, float] = dataclasses.field(default_factory=dict)
+    kernels: Dict[str, List[Tuple[str, float, int]]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"clock": self.clock, "count_label": self.count_label,
                 "parts": {p.part: {"time_ms": p.time_ms, "count": p.count} for p in self.parts},
                 "total_ms": self.total_ms, "total_count": self.total_count, "host": self.host,
-                "gpu": self.gpu}
+                "gpu": self.gpu, "kernels": {part: [list(k) for k in top]
+                                             for part, top in self.kernels.items()}}
 
 
 def gpu_state(device: torch.device | str) -> Dict[str, float]:
@@ -175,7 +181,34 @@ def _backward_node(evt):
     return None
 
 
-def attribute(events, on_cuda: bool) -> Tuple[List[PartTime], float, int]:
+def _is_runtime_call(evt) -> bool:
+    """A CUDA runtime or driver API call (``cudaLaunchKernel``, CuPy's ``cuLaunchKernel``,
+    ``cudaMemcpyAsync``); torch's ops, autograd's nodes and our ranges are named otherwise."""
+    return evt.name.startswith("cu")
+
+
+def _launching_ops(cpu, device) -> Dict[int, Any]:
+    """``id(device event) -> the CPU op that launched it``, where the launch was recorded.
+
+    A device event shares its ``id`` (CUPTI's correlation id) with the runtime call that
+    launched it; the launcher is the innermost op whose time holds that call (the backward's
+    ops, on autograd's thread, start inside the forward thread's call range: innermost wins).
+    """
+    launched_at = {e.id: e.time_range.start for e in cpu if _is_runtime_call(e)}
+    ops = [e for e in cpu if not _is_runtime_call(e)]
+    owner: Dict[int, Any] = {}
+    for k in device:
+        at = launched_at.get(k.id)
+        holding = [] if at is None else [
+            op for op in ops if op.time_range.start <= at <= op.time_range.end]
+        if holding:
+            owner[id(k)] = max(holding, key=lambda op: (op.time_range.start,
+                                                        -op.time_range.end))
+    return owner
+
+
+def attribute(events, on_cuda: bool
+              ) -> Tuple[List[PartTime], float, int, Dict[str, List[Tuple[str, float, int]]]]:
     """Split the profiler's events of one call into parts.
 
     Args:
@@ -183,7 +216,8 @@ def attribute(events, on_cuda: bool) -> Tuple[List[PartTime], float, int]:
         on_cuda: attribute CUDA kernel time (True) or CPU time (False).
 
     Returns:
-        (parts in table order incl. ``other``, total ms, total kernel/op count).
+        (parts in table order incl. ``other``, total ms, total kernel/op count, each part's
+        heaviest kernels as in :attr:`ProfileResult.kernels`).
     """
     from torch.autograd import DeviceType
 
@@ -208,42 +242,53 @@ def attribute(events, on_cuda: bool) -> Tuple[List[PartTime], float, int]:
                 part_of[id(evt)] = fwd_of.get((node.sequence_nr, node.fwd_thread),
                                               fwd_of_seq.get(node.sequence_nr))
 
+    # one (part, name, us, count) per unit of work, each counted once
+    device = [e for e in events if e.device_type != DeviceType.CPU
+              and not _is_range(e.name)] if on_cuda else []
+    if device:
+        # CUPTI: each device event once, under the CPU op that launched it. Not the ops' own
+        # kernel lists: torch appends a kernel to every op that carries the launch's linked
+        # id, and ops of two threads can share one (MH-1: the radial table's 0.8 ms forward
+        # kernel sat in a linear's backward op too, and counted in both parts). Our ranges
+        # also appear on the device, spanning their kernels: not work of their own (counting
+        # them tripled the total).
+        owner = _launching_ops(cpu, device)
+        work = [(part_of[id(owner[id(k)])] if id(k) in owner else None, k.name,
+                 float(k.time_range.elapsed_us()), 1) for k in device]
+    elif on_cuda:
+        # without CUPTI, torch times every op with CUDA events ("legacy" kernels that
+        # include the children's): count leaves only, so nothing is counted twice
+        work = [(part_of[id(evt)], k.name, k.duration, 1) for evt in cpu
+                if not (evt.is_legacy and evt.cpu_children) for k in evt.kernels]
+    else:
+        work = [(part_of[id(evt)], evt.name, evt.self_cpu_time_total,
+                 int(evt.name.startswith("aten::") and not any(
+                     c.name.startswith("aten::") for c in evt.cpu_children))) for evt in cpu]
     time_us = {p: 0.0 for p in PARTS}
     count = {p: 0 for p in PARTS}
-    counted_us, counted_n = 0.0, 0
-    for evt in cpu:
-        part = part_of[id(evt)]
-        if on_cuda:
-            # without CUPTI, torch times every op with CUDA events ("legacy" kernels that
-            # include the children's): count leaves only, so nothing is counted twice
-            legacy_parent = evt.is_legacy and bool(evt.cpu_children)
-            kernels = [] if legacy_parent else evt.kernels
-            t, n = sum(k.duration for k in kernels), len(kernels)
-            counted_us += t
-            counted_n += n
-        else:
-            t = evt.self_cpu_time_total
-            n = int(evt.name.startswith("aten::") and not any(
-                c.name.startswith("aten::") for c in evt.cpu_children))
+    by_kernel: Dict[Tuple[str, str], List[float]] = {}
+    for part, name, us, n in work:
         if part is not None:
-            time_us[part] += t
+            time_us[part] += us
             count[part] += n
+        if on_cuda:
+            slot = by_kernel.setdefault((part or OTHER, name), [0.0, 0])
+            slot[0] += us
+            slot[1] += n
+    total_n = sum(n for *_, n in work)
     if on_cuda:
-        # with CUPTI our own ranges also appear on the device, spanning their kernels
-        # (user annotations): not work of their own, and counting them tripled the total
-        device = [e for e in events if e.device_type != DeviceType.CPU
-                  and not _is_range(e.name)]
-        total_us = max(float(sum(e.time_range.elapsed_us() for e in device)), counted_us)
-        total_n = max(len(device), counted_n)
+        total_us = float(sum(us for _, _, us, _ in work))
     else:
-        calls = [e for e in cpu if e.name == _CALL_RANGE]
-        total_us = float(sum(e.cpu_time_total for e in calls))
-        total_n = sum(int(e.name.startswith("aten::") and not any(
-            c.name.startswith("aten::") for c in e.cpu_children)) for e in cpu)
+        total_us = float(sum(e.cpu_time_total for e in cpu if e.name == _CALL_RANGE))
     parts = [PartTime(p, time_us[p] / 1e3, count[p]) for p in PARTS]
     parts.append(PartTime(OTHER, max(total_us - sum(time_us.values()), 0.0) / 1e3,
                           max(total_n - sum(count.values()), 0)))
-    return parts, total_us / 1e3, total_n
+    kernels: Dict[str, List[Tuple[str, float, int]]] = {}
+    for (part, name), (us, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0]):
+        top = kernels.setdefault(part, [])
+        if len(top) < TOP_KERNELS:
+            top.append((name, us / 1e3, int(n)))
+    return parts, total_us / 1e3, total_n, kernels
 
 
 def profile_call(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
@@ -266,9 +311,10 @@ def profile_call(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
                           compute_stress=compute_stress)
             synchronize(device)
     gpu = gpu_state(device)  # the sampled clock of the call just made
-    parts, total_ms, total_n = attribute(prof.events(), on_cuda)
+    parts, total_ms, total_n, kernels = attribute(prof.events(), on_cuda)
     return ProfileResult("self CUDA time" if on_cuda else "self CPU time",
-                         "kernels" if on_cuda else "ops", parts, total_ms, total_n, gpu=gpu)
+                         "kernels" if on_cuda else "ops", parts, total_ms, total_n, gpu=gpu,
+                         kernels=kernels)
 
 
 def time_host_graph(atoms, info: ModelInfo, dtype: torch.dtype,
