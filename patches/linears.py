@@ -47,13 +47,11 @@ class _FusedLinearBase(FusedModule):
         self._scales, self._z_inside = list(scales), z_inside
 
     def describe(self) -> str:
-        if not gemm.runs_on(self.spec):
+        if self.spec.weight_numel < gemm.MIN_WEIGHTS_FLOAT32 \
+                or not gemm.grouped_in_float32(self.spec):
             return self.spec.describe()
-        float32 = (f", float32 as grouped 3xFP16 GEMMs from {gemm.MIN_NODES_FLOAT32} nodes"
-                   if self.spec.weight_numel >= gemm.MIN_WEIGHTS_FLOAT32
-                   and gemm.grouped_in_float32(self.spec) else "")
-        return (f"{self.spec.describe()}; on the tensor cores: float64 from "
-                f"{gemm.MIN_NODES_FLOAT64} nodes as cuBLAS GEMMs{float32}")
+        return (f"{self.spec.describe()}; on the tensor cores: float32 as grouped 3xFP16 GEMMs "
+                f"from {gemm.MIN_NODES_FLOAT32} nodes")
 
     def _weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """The op's effective weights and their transpose (what the backward applies)."""

@@ -223,9 +223,9 @@ def test_float32_maps_take_the_gemm_path_only_whole_on_the_grouped_kernel():
     assert not gemm.grouped_in_float32(odd)  # k = 200 and 100: not multiples of 32
     for s in (whole, apart, odd):
         fits = gemm.grouped_in_float32(s)
-        assert gemm.takes(s, torch.float32, n, gemm.MIN_NODES_FLOAT64, fits) == fits
-        assert not gemm.takes(s, torch.float32, gemm.MIN_NODES_FLOAT32 - 1,
-                              gemm.MIN_NODES_FLOAT64, fits)
-        assert gemm.takes(s, torch.float64, gemm.MIN_NODES_FLOAT64, gemm.MIN_NODES_FLOAT64,
-                          fits)
+        assert gemm.takes(s, torch.float32, n, fits) == fits
+        assert not gemm.takes(s, torch.float32, gemm.MIN_NODES_FLOAT32 - 1, fits)
+        assert not gemm.takes(s, torch.float64, n, fits)  # float64: the generated kernel
+    with pytest.raises(ValueError, match="takes whole"):  # never part on it, part elsewhere
+        gemm.apply(apart, torch.zeros(3, apart.dim_in), torch.zeros(apart.weight_numel))
     assert whole.weight_numel >= gemm.MIN_WEIGHTS_FLOAT32
