@@ -195,8 +195,8 @@ def test_linear_blocks_side_by_side_are_found():
 def test_float32_maps_take_the_gemm_path_only_whole_on_the_grouped_kernel():
     """A float32 map runs as GEMMs (from enough nodes and weights) only where every fed output
     block goes in the grouped 3xFP16 launch: inputs side by side, k a multiple of 32; a map
-    with blocks apart or k = 100 keeps the generated kernel. float64 maps take cuBLAS from
-    their node threshold whatever their layout."""
+    with blocks apart or k = 100 keeps the generated kernel, as float64 maps do; the GEMM
+    path refuses a map it would take only in part."""
     from mace_accel.ops.irreps_linear import gemm
     from mace_accel.ops.irreps_linear.spec import Block, LinearInstruction, LinearSpec
 
