@@ -47,11 +47,17 @@ class _FusedLinearBase(FusedModule):
         self._scales, self._z_inside = list(scales), z_inside
 
     def describe(self) -> str:
-        if self.spec.weight_numel < gemm.MIN_WEIGHTS_FLOAT32 \
-                or not gemm.grouped_in_float32(self.spec):
+        if not gemm.runs_on(self.spec):
             return self.spec.describe()
-        return (f"{self.spec.describe()}; on the tensor cores: float32 as grouped 3xFP16 GEMMs "
-                f"from {gemm.MIN_NODES_FLOAT32} nodes")
+        ways = []
+        if self.spec.weight_numel >= gemm.MIN_WEIGHTS_FLOAT64:
+            ways.append(f"float64 from {gemm.MIN_NODES_FLOAT64} nodes as cuBLAS GEMMs")
+        if self.spec.weight_numel >= gemm.MIN_WEIGHTS_FLOAT32 \
+                and gemm.grouped_in_float32(self.spec):
+            ways.append(f"float32 as grouped 3xFP16 GEMMs from {gemm.MIN_NODES_FLOAT32} nodes")
+        if not ways:
+            return self.spec.describe()
+        return f"{self.spec.describe()}; on the tensor cores: {', '.join(ways)}"
 
     def _weights(self, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """The op's effective weights and their transpose (what the backward applies)."""

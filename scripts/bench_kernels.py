@@ -414,7 +414,7 @@ def conv_staged(args) -> None:
             help="other kernel geometries tile_nodes:k_split:v_tile, comma-separated"),
         opt("--dtypes", type=dtypes, default="float32,float64", help="comma-separated"))
 def irreps_linear(args) -> None:
-    """The equivariant linear kernels against the torch reference and the grouped 3xFP16 GEMMs.
+    """The equivariant linear kernels against the torch reference and cuBLAS GEMMs.
 
     The catalog's maps at node counts of MACE-MP cells (280: a 256-atom cell padded; 6,912
     atoms), in CUDA graphs, with the FLOP rate and the bytes each launch moves; --variants
@@ -426,7 +426,7 @@ def irreps_linear(args) -> None:
 
     def kernel(spec, dtype, geometry=None) -> CudaIrrepsLinear:
         k = CudaIrrepsLinear(spec, dtype, torch.device("cuda"))
-        k.grouped_float32 = False  # the generated kernel at every size
+        k.gemm_min_nodes = 2 ** 62  # the generated kernel at every size
         if geometry:
             tile, split, v_tile = (int(v) for v in geometry.split(":"))
             k.plan = codegen.plan_kernel(spec, k.plan.dtype, k.plan.arch, tile_nodes=tile,
@@ -449,8 +449,8 @@ def irreps_linear(args) -> None:
                                          dtype=torch.int32, generator=gen)
                     rows = {"kernel": partial(kernel(spec, dtype).apply, x, w, elem),
                             "torch reference": lambda: autograd.reference(spec, x, w, elem)}
-                    if gemm.takes(spec, dtype, nodes, gemm.grouped_in_float32(spec)):
-                        rows["grouped 3xFP16"] = partial(gemm.apply, spec, x, w)
+                    if gemm.runs_on(spec):
+                        rows["cuBLAS GEMMs"] = partial(gemm.apply, spec, x, w)
                     for geometry in args.variants:
                         try:
                             rows[f"kernel {geometry}"] = partial(

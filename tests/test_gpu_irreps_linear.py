@@ -19,9 +19,11 @@ SPECS = CATALOG
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", sorted(SPECS))
 @pytest.mark.parametrize("n_nodes", [1, 13, 1000, 2500])
-def test_kernel_equals_reference(name, dtype, n_nodes):
-    """(At 2,500 nodes float32 maps with many weights whose blocks all go in one launch run on
-    the grouped 3xFP16 kernel; every other map, float64 ones too, on the generated kernel.)"""
+def test_kernel_equals_reference(name, dtype, n_nodes, monkeypatch):
+    """(At 2,500 nodes: float64 maps with shared weights as cuBLAS GEMMs, float32 ones with
+    many weights whose blocks all go in one launch on the grouped 3xFP16 kernel.)"""
+    # the catalog's maps are under float64's 2^18 weights: take them to cuBLAS all the same
+    monkeypatch.setattr(gemm, "MIN_WEIGHTS_FLOAT64", 1)
     spec = SPECS[name]
     key = autograd.register_spec(spec)
     gen = torch.Generator().manual_seed(0)
@@ -41,7 +43,8 @@ def test_kernel_equals_reference(name, dtype, n_nodes):
     for a, b in zip(results["cuda"], results["reference"]):
         assert (a - b).norm() <= tol * b.norm()
     cuda = autograd._cuda(key, x.to("cuda", dtype))
-    takes = gemm.takes(spec, dtype, n_nodes, gemm.grouped_in_float32(spec))
+    takes = gemm.takes(spec, dtype, n_nodes, gemm.MIN_NODES_FLOAT64,
+                       gemm.grouped_in_float32(spec))
     assert cuda.runs_gemm(n_nodes) == takes
     assert not takes or not spec.indexed
 
@@ -58,13 +61,17 @@ SIDE_BY_SIDE = LinearSpec(
 
 
 @pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma"])
-def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(wgmma, monkeypatch):
+@pytest.mark.parametrize("name", ["side_by_side", "message"])
+def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(name, wgmma, monkeypatch):
     """At 2,500 nodes in float32 a map with many weights whose blocks lie side by side runs on
     the grouped 3xFP16 kernel (its wgmma form on Hopper), read and written in place, all blocks
-    in one launch, and equals the reference; so does the backward (the transposed map)."""
+    in one launch; a map with blocks apart (the message map's two scalar inputs) is not taken
+    (:func:`gemm.takes`), and :func:`gemm.apply` still maps it: the blocks it can group in one
+    launch, the scalars on cuBLAS through stacked copies. Both equal the reference, and so
+    does the backward (the transposed map)."""
     from mace_accel.ops.irreps_linear import fp16x3, fp16x3_wgmma
 
-    spec = SIDE_BY_SIDE
+    spec = SIDE_BY_SIDE if name == "side_by_side" else CATALOG[name]
     launches, kernels = [], []
     for module, grouped_kernel in ((fp16x3, "mm_grouped_fp16x3"),
                                    (fp16x3_wgmma, "mm_grouped_fp16x3_wgmma")):
@@ -82,14 +89,17 @@ def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(wgmma, monkeypa
     elem = torch.zeros(n, dtype=torch.int32)
     want = autograd.reference(spec, x, w, elem)
     want_t = autograd.reference(spec.transposed(), g, transpose_weights(spec, w), elem)
-    assert gemm.takes(spec, torch.float32, n, gemm.grouped_in_float32(spec))
+    assert gemm.takes(spec, torch.float32, n, gemm.MIN_NODES_FLOAT64,
+                      gemm.grouped_in_float32(spec)) == (name == "side_by_side")
     got = gemm.apply(spec, x.float().cuda(), w.float().cuda())
     got_t = gemm.apply(spec.transposed(), g.float().cuda(),
                        transpose_weights(spec, w).float().cuda())
     for a, b in ((got, want), (got_t, want_t)):
         assert (a.double().cpu() - b).norm() <= 2e-6 * b.norm()
-    # one launch a direction, largest irreps first
-    want_dims = [[7, 5, 3, 1], [7, 5, 3, 3, 1, 1]]
+    # one launch a direction, largest irreps first; the message's scalars (fed by two blocks
+    # apart) outside it in the forward
+    want_dims = {"side_by_side": [[7, 5, 3, 1], [7, 5, 3, 3, 1, 1]],
+                 "message": [[7, 5, 3], [7, 5, 3, 1, 1]]}[name]
     assert launches == want_dims
     hopper = torch.cuda.get_device_capability() == (9, 0)
     want_kernel = "mm_grouped_fp16x3_wgmma" if wgmma and hopper else "mm_grouped_fp16x3"
@@ -99,7 +109,8 @@ def test_float32_gemm_path_reads_and_writes_e3nn_layout_in_place(wgmma, monkeypa
 
 def test_grouped_map_takes_a_view_off_the_16_byte_boundary(monkeypatch):
     """A float32 map planned for the grouped kernel runs there even where its input is a view
-    that starts 4 bytes off a 16-byte boundary (copied once), and equals the reference."""
+    that starts 4 bytes off a 16-byte boundary (copied once, not sent to cuBLAS block by block),
+    and equals the reference."""
     from mace_accel.ops.irreps_linear import fp16x3, fp16x3_wgmma
 
     launches = []

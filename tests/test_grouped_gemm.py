@@ -195,8 +195,8 @@ def test_linear_blocks_side_by_side_are_found():
 def test_float32_maps_take_the_gemm_path_only_whole_on_the_grouped_kernel():
     """A float32 map runs as GEMMs (from enough nodes and weights) only where every fed output
     block goes in the grouped 3xFP16 launch: inputs side by side, k a multiple of 32; a map
-    with blocks apart or k = 100 keeps the generated kernel, as float64 maps do; the GEMM
-    path refuses a map it would take only in part."""
+    with blocks apart or k = 100 keeps the generated kernel. float64 maps from 2^18 weights take
+    cuBLAS from their node threshold whatever their layout; smaller ones keep the kernel."""
     from mace_accel.ops.irreps_linear import gemm
     from mace_accel.ops.irreps_linear.spec import Block, LinearInstruction, LinearSpec
 
@@ -223,9 +223,13 @@ def test_float32_maps_take_the_gemm_path_only_whole_on_the_grouped_kernel():
     assert not gemm.grouped_in_float32(odd)  # k = 200 and 100: not multiples of 32
     for s in (whole, apart, odd):
         fits = gemm.grouped_in_float32(s)
-        assert gemm.takes(s, torch.float32, n, fits) == fits
-        assert not gemm.takes(s, torch.float32, gemm.MIN_NODES_FLOAT32 - 1, fits)
-        assert not gemm.takes(s, torch.float64, n, fits)  # float64: the generated kernel
-    with pytest.raises(ValueError, match="takes whole"):  # never part on it, part elsewhere
-        gemm.apply(apart, torch.zeros(3, apart.dim_in), torch.zeros(apart.weight_numel))
+        assert gemm.takes(s, torch.float32, n, gemm.MIN_NODES_FLOAT64, fits) == fits
+        assert not gemm.takes(s, torch.float32, gemm.MIN_NODES_FLOAT32 - 1,
+                              gemm.MIN_NODES_FLOAT64, fits)
+        assert not gemm.takes(s, torch.float64, gemm.MIN_NODES_FLOAT64,
+                              gemm.MIN_NODES_FLOAT64, fits)  # under 2^18 weights
+    wide = spec(512)  # 3.9e5 weights: float64 on cuBLAS from its node threshold
+    assert gemm.takes(wide, torch.float64, gemm.MIN_NODES_FLOAT64, gemm.MIN_NODES_FLOAT64, False)
+    assert not gemm.takes(wide, torch.float64, gemm.MIN_NODES_FLOAT64 - 1,
+                          gemm.MIN_NODES_FLOAT64, False)
     assert whole.weight_numel >= gemm.MIN_WEIGHTS_FLOAT32

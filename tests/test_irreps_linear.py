@@ -53,7 +53,10 @@ def test_linear_equals_e3nn_with_gradients():
 def test_fed_columns_are_the_leading_columns_and_their_gradients():
     """A map whose trailing output blocks no input feeds (MH-1's linear_res: 0e in, 0e/1o/2e/3o
     out): ``fed_columns`` is the output's leading columns, the rest of which is zero, with the
-    same gradients as the whole output's leading columns."""
+    same gradients as the whole output's leading columns; the gemm path takes the same weights
+    for the map and its prefix (one cache entry each)."""
+    from mace_accel.ops.irreps_linear import gemm
+
     lin = _linear("8x0e+4x1o", "6x0e+8x1o+5x2e+3x3o")
     fused = FusedLinear(lin, OPTIONS)
     fed = fused.spec.fed_prefix()
@@ -68,6 +71,11 @@ def test_fed_columns_are_the_leading_columns_and_their_gradients():
     for a, b in zip(torch.autograd.grad(lead, [x, lin.weight], g),
                     torch.autograd.grad(whole[:, :fed.dim_out], [x, lin.weight], g)):
         assert torch.allclose(a, b, rtol=1e-11, atol=1e-12)
+    w = torch.randn(fed.weight_numel, dtype=torch.float64)
+    xs = x.detach()
+    assert torch.allclose(gemm.apply(fed, xs, w), gemm.apply(fused.spec, xs, w)[:, :fed.dim_out],
+                          rtol=1e-13, atol=1e-13)
+    assert gemm.apply(fed, xs, w).shape == (9, fed.dim_out)
     # every block fed: no prefix, fed_columns is the whole map
     full = FusedLinear(_linear("8x0e+4x1o", "6x0e+8x1o"), OPTIONS)
     assert full.spec.fed_prefix() is None
@@ -210,6 +218,29 @@ def test_wide_blocks_are_staged_in_chunks():
     assert first["chunk"] < 384 and plan.buffer * 8 <= codegen.TILE_BYTES
 
 
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_gemm_path_equals_the_reference(name):
+    """The float64 cuBLAS path (ops/irreps_linear/gemm.py) is the same map, and its transpose
+    applies the transposed weights (the backward)."""
+    from mace_accel.ops.irreps_linear import gemm
+    from mace_accel.ops.irreps_linear.spec import transpose_weights
+
+    spec = CATALOG[name]
+    if not gemm.runs_on(spec):
+        assert spec.indexed
+        return
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, spec.dim_in, generator=gen, dtype=torch.float64)
+    w = torch.randn(spec.weight_numel, generator=gen, dtype=torch.float64)
+    elem = torch.zeros(37, dtype=torch.int32)
+    want = autograd.reference(spec, x, w, elem)
+    assert torch.allclose(gemm.apply(spec, x, w), want, rtol=1e-13, atol=1e-13)
+    g = torch.randn_like(want)
+    want_t = autograd.reference(spec.transposed(), g, transpose_weights(spec, w), elem)
+    got_t = gemm.apply(spec.transposed(), g, transpose_weights(spec, w))
+    assert torch.allclose(got_t, want_t, rtol=1e-13, atol=1e-13)
+
+
 def test_prepared_gemms_live_as_long_as_their_weights():
     """A captured CUDA graph reads a map's prepared (split, packed) weights: they stay while the
     weights tensor lives, however many maps there are, and go with it."""
@@ -217,8 +248,10 @@ def test_prepared_gemms_live_as_long_as_their_weights():
 
     from mace_accel.ops.irreps_linear import gemm
 
-    spec = next(s for s in CATALOG.values() if gemm.grouped_in_float32(s))
-    weights = [torch.randn(spec.weight_numel) for _ in range(80)]
+    spec = CATALOG[sorted(CATALOG)[0]]
+    if not gemm.runs_on(spec):
+        spec = next(s for s in CATALOG.values() if gemm.runs_on(s))
+    weights = [torch.randn(spec.weight_numel, dtype=torch.float64) for _ in range(80)]
     prepared = [gemm._prepared(spec, w) for w in weights]
     assert all(gemm._prepared(spec, w) is p for w, p in zip(weights, prepared))
     keys = [(id(w), id(spec)) for w in weights]

@@ -35,9 +35,8 @@ class CudaIrrepsLinear:
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.plan = codegen.plan_kernel(spec, dtype_name(dtype), device_limits(self.device).arch)
         self._kernel: Optional[Kernel] = None
-        # the map on the grouped 3xFP16 GEMMs where it has the nodes (benchmarks clear it to
-        # time the generated kernel)
-        self.grouped_float32 = dtype == torch.float32 and gemm.grouped_in_float32(spec)
+        self.gemm_min_nodes = gemm.MIN_NODES_FLOAT64  # (benchmarks set it to time the kernel)
+        self._grouped_float32 = dtype == torch.float32 and gemm.grouped_in_float32(spec)
 
     def start_compiles(self) -> None:
         """Start compiling the kernel (:func:`~mace_accel.ops.runtime.compile_soon`)."""
@@ -49,7 +48,7 @@ class CudaIrrepsLinear:
     def runs_gemm(self, n: int) -> bool:
         """Whether ``n`` nodes run as GEMMs on the tensor cores (:mod:`.gemm`) rather than the
         kernel."""
-        return gemm.takes(self.spec, self.dtype, n, self.grouped_float32)
+        return gemm.takes(self.spec, self.dtype, n, self.gemm_min_nodes, self._grouped_float32)
 
     def apply(self, x: Tensor, w: Tensor, elem: Tensor) -> Tensor:
         """``out [N, dim_out]`` of ``x [N, dim_in]``, effective weights ``w [weight_numel]`` and
