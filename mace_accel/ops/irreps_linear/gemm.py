@@ -34,10 +34,10 @@ Tensor = torch.Tensor
 # rate), which overtake it on the MP message map between 700 and 1,200 nodes alone
 # (scripts/bench_kernels.py irreps-linear). This path takes 3-5 launches and copies per output
 # block, so small cells (the 256-atom graph: 280 nodes) keep the kernel's one, and so do maps
-# under 2^18 weights: MP-0's and MPA-0's (1.6e5 at most) on cuBLAS made an eager energy+forces
-# call 1.5x slower at 2,048 atoms and 4.4% faster at 6,912 (docs/performance.md, "Why each
-# kernel variant stays"). From 2^18: MACE-MH-1's 512-channel linears (2.6e5 to 1e6 weights,
-# 5-8 MFLOP a node) and OFF-large's message map (8.5e5).
+# under 2^18 weights: with MP-0's and MPA-0's (1.6e5 at most) on cuBLAS, eager energy+forces
+# evaluations were 1.5x slower at 2,048 atoms and 4.4% faster at 6,912 (docs/performance.md,
+# "Why each kernel variant stays"). From 2^18: MACE-MH-1's 512-channel linears (2.6e5 to 1e6
+# weights, 5-8 MFLOP a node) and OFF-large's message map (8.5e5).
 MIN_NODES_FLOAT64 = 1024
 MIN_WEIGHTS_FLOAT64 = 1 << 18
 # float32 maps run on the grouped 3xFP16 kernel from this many nodes and weights: a
