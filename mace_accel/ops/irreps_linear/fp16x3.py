@@ -47,31 +47,8 @@ TILES = (64, 128, 2, 4, 32, 1, 2, 8, 4)
 TOP_EXPONENT = 14  # a group's largest magnitude is scaled into [2^14, 2^15)
 
 
-class WarpTiles:
-    """Warp geometry of a tensor-core tile (the ``mma.sync`` plan below and the wgmma one):
-    ``bm x bn`` outputs a block, ``warps_m x warps_n`` warps of ``mi x ni`` mma tiles
-    (16 x 8)."""
-
-    bm: int
-    bn: int
-    warps_m: int
-    warps_n: int
-
-    @property
-    def mi(self) -> int:
-        return self.bm // (16 * self.warps_m)
-
-    @property
-    def ni(self) -> int:
-        return self.bn // (8 * self.warps_n)
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
-
-
 @dataclasses.dataclass(frozen=True)
-class Fp16x3Plan(WarpTiles):
+class Fp16x3Plan:
     """Tile geometry of one grouped 3xFP16 kernel: ``bm x bn`` outputs per block,
     ``warps_m x warps_n`` warps of ``mi x ni`` mma tiles (16 x 8)."""
 
@@ -89,6 +66,18 @@ class Fp16x3Plan(WarpTiles):
     groups: tuple
     lda: int
     ldc: int
+
+    @property
+    def mi(self) -> int:
+        return self.bm // (16 * self.warps_m)
+
+    @property
+    def ni(self) -> int:
+        return self.bn // (8 * self.warps_n)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
 
     @property
     def shared_bytes(self) -> int:
