@@ -410,27 +410,20 @@ def conv_staged(args) -> None:
         opt("--nodes", type=ints, default="280,2048,6912", help="comma-separated node counts"),
         opt("--maps", type=names, default="message,skip89",
             help="irreps_linear catalog maps (each also transposed)"),
-        opt("--variants", type=names, default="",
-            help="other kernel geometries tile_nodes:k_split:v_tile, comma-separated"),
         opt("--dtypes", type=dtypes, default="float32,float64", help="comma-separated"))
 def irreps_linear(args) -> None:
     """The equivariant linear kernels against the torch reference and cuBLAS GEMMs.
 
     The catalog's maps at node counts of MACE-MP cells (280: a 256-atom cell padded; 6,912
-    atoms), in CUDA graphs, with the FLOP rate and the bytes each launch moves; --variants
-    times other geometries of the generated kernel (irreps_linear.codegen.plan_kernel).
+    atoms), in CUDA graphs, with the FLOP rate and the bytes each launch moves.
     """
-    from mace_accel.ops.irreps_linear import autograd, codegen, gemm
+    from mace_accel.ops.irreps_linear import autograd, gemm
     from mace_accel.ops.irreps_linear.catalog import CATALOG
     from mace_accel.ops.irreps_linear.cuda import CudaIrrepsLinear
 
-    def kernel(spec, dtype, geometry=None) -> CudaIrrepsLinear:
+    def kernel(spec, dtype) -> CudaIrrepsLinear:
         k = CudaIrrepsLinear(spec, dtype, torch.device("cuda"))
         k.gemm_min_nodes = 2 ** 62  # the generated kernel at every size
-        if geometry:
-            tile, split, v_tile = (int(v) for v in geometry.split(":"))
-            k.plan = codegen.plan_kernel(spec, k.plan.dtype, k.plan.arch, tile_nodes=tile,
-                                         k_split=split, v_tile=v_tile)
         return k
 
     for dtype in args.dtypes:
@@ -451,12 +444,6 @@ def irreps_linear(args) -> None:
                             "torch reference": lambda: autograd.reference(spec, x, w, elem)}
                     if gemm.runs_on(spec):
                         rows["cuBLAS GEMMs"] = partial(gemm.apply, spec, x, w)
-                    for geometry in args.variants:
-                        try:
-                            rows[f"kernel {geometry}"] = partial(
-                                kernel(spec, dtype, geometry).apply, x, w, elem)
-                        except ValueError as exc:  # a geometry the shared memory cannot hold
-                            say(f"{dname(dtype):8s} {label:8s} kernel {geometry}: {exc}")
                     moved = (nodes * (spec.dim_in + spec.dim_out) + spec.weight_numel) * real
                     for row, fn in rows.items():
                         ms = graph_ms(fn, args.repeats)
@@ -632,13 +619,7 @@ def radial_table(args) -> None:
 
 
 @family("grouped-linear",
-        opt("--nodes", type=ints, default="256,864,6912", help="node counts"),
-        opt("--fp16x3-variants", type=names,
-            default="64:64:2:2:32:1:3:8:4,128:128:4:4:32:1:1:8:4,64:128:2:4:32:1:2:16:4",
-            help="other 3xFP16 tile geometries bm:bn:warps_m:warps_n:bk:prefetch:min_blocks:"
-                 "group_rows:chunk"),
-        opt("--wgmma-variants", type=names, default="32:4:1,64:2:1",
-            help="other 3xFP16 wgmma geometries bk:stages:ahead (Hopper)"))
+        opt("--nodes", type=ints, default="256,864,6912", help="node counts"))
 def grouped_linear(args) -> None:
     """MACE-MH-1's 512-channel equivariant linears on the grouped 3xFP16 kernels (``mma.sync``
     and, on Hopper, ``wgmma``).
@@ -646,11 +627,10 @@ def grouped_linear(args) -> None:
     linear_2 (512x(0e+1o+2e+3o) to itself), linear_1 (the convolution's 128-channel paths,
     256x0e+384x1o+384x2e+256x3o, to 2048x0e+512x(1o+2e+3o)), its transpose (the backward),
     the product's linear (512x(0e+1o)) and the second block's linear_up (512x(0e+1o) to
-    128x(0e+1o)) and its transpose, float32, each map's blocks in one launch on the default
-    tiles and the variants, against the generated kernel (FMA units; what maps under the GEMM
-    path's thresholds run on) and cuBLAS's float32 (FMA units), TF32,
-    FP16 and BF16 (one pass each, not float32-accurate) GEMMs of the same FLOPs on row-major
-    copies.
+    128x(0e+1o)) and its transpose, float32, each map's blocks in one launch, against the
+    generated kernel (FMA units; what maps under the GEMM path's thresholds run on) and
+    cuBLAS's float32 (FMA units), TF32, FP16 and BF16 (one pass each, not float32-accurate)
+    GEMMs of the same FLOPs on row-major copies.
     """
     from mace_accel._e3nn_compat import o3
     from mace_accel.ops.irreps_linear import autograd as linear_autograd
@@ -675,11 +655,6 @@ def grouped_linear(args) -> None:
             "linear_up": ("512x0e+512x1o", "128x0e+128x1o"),
             "linear_up^T": ("128x0e+128x1o", "512x0e+512x1o")}
 
-    def with_default(variants):  # None (the default tiles), then the "a:b:c" variants
-        return [None] + [tuple(int(v) for v in s.split(":")) for s in variants]
-
-    fp16x3_geometries, wgmma_geometries = (
-        with_default(v) for v in (args.fp16x3_variants, args.wgmma_variants))
     for name, (irreps_in, irreps_out) in maps.items():
         lin = o3().Linear(irreps_in, irreps_out).cuda()
         spec = linear_spec(lin)
@@ -689,13 +664,6 @@ def grouped_linear(args) -> None:
         flops = sum(2 * b.k * b.n * b.d for b in grouped.blocks)  # a node's
         linear_autograd.register_spec(spec)
         generated = CudaIrrepsLinear(spec, torch.float32, torch.device("cuda"))
-        packed = {}  # wgmma geometry -> the weights packed for its plan (Hopper)
-        for geometry in wgmma_geometries if fp16x3_wgmma.runs_on(grouped, w.device) else ():
-            try:
-                packed[geometry] = fp16x3_wgmma.pack_weights(
-                    fp16x3_wgmma.plan_wgmma(grouped, geometry), prepared.split)
-            except ValueError as exc:
-                say(f"  skip wgmma {geometry}: {exc}")
         for nodes in args.nodes:
             x = torch.randn(nodes, spec.dim_in, device="cuda")
             exact = gemm.apply(spec, x.double(), w.double())
@@ -705,23 +673,16 @@ def grouped_linear(args) -> None:
             ms = graph_ms(kernel, args.repeats)
             say(f"{name:8s} {nodes:5d} nodes generated kernel (FMA units)   "
                 f"{rates(ms, flops * nodes)} err {rel_err(kernel(), exact):.1e}")
-            for geometry in fp16x3_geometries if prepared.split is not None else ():
-                try:
-                    fp16x3.mm_grouped_fp16x3(grouped, x, prepared.split, out, geometry)
-                except ValueError as exc:
-                    say(f"  skip {geometry}: {exc}")
+            runs = [("3xfp16 (mma.sync)", fp16x3.mm_grouped_fp16x3, prepared.split),
+                    ("3xfp16 wgmma", fp16x3_wgmma.mm_grouped_fp16x3_wgmma, prepared.packed)]
+            for label, grouped_kernel, weights in runs:
+                if weights is None:  # not split (a misfit), or not packed (not Hopper)
                     continue
-                ms = graph_ms(partial(fp16x3.mm_grouped_fp16x3, grouped, x, prepared.split, out,
-                                      geometry), args.repeats)
-                say(f"{name:8s} {nodes:5d} nodes 3xfp16 {str(geometry or 'default'):26s} "
-                    f"{rates(ms, flops * nodes)} err {rel_err(out, exact):.1e}")
-            for geometry, weights in packed.items():
-                run = partial(fp16x3_wgmma.mm_grouped_fp16x3_wgmma, grouped, x, weights, out,
-                              geometry)
+                run = partial(grouped_kernel, grouped, x, weights, out)
                 run()
                 ms = graph_ms(run, args.repeats)
-                say(f"{name:8s} {nodes:5d} nodes 3xfp16 wgmma {str(geometry or 'default'):20s} "
-                    f"{rates(ms, flops * nodes)} err {rel_err(out, exact):.1e}")
+                say(f"{name:8s} {nodes:5d} nodes {label:33s} {rates(ms, flops * nodes)} "
+                    f"err {rel_err(out, exact):.1e}")
             pairs = [(torch.randn(nodes * b.d, b.k, device="cuda"),
                       torch.randn(b.k, b.n, device="cuda")) for b in grouped.blocks]
             for label, tf32 in (("cuBLAS float32", False), ("cuBLAS tf32 (1 pass)", True)):

@@ -1,7 +1,8 @@
 """The grouped 3xFP16 kernels of the equivariant linear maps on the GPU (``mma.sync``, and
 ``wgmma`` on Hopper): float32's accuracy against float64 on inputs of wide magnitudes, the
 columns outside the blocks untouched, bit-identical repeats in a CUDA graph, the two kernels
-within 1e-6 of each other on MH-1's linear_2, weights not split or packed for them refused."""
+within 1e-6 of each other on MH-1's linear_2 (what they refuse before a launch:
+tests/test_grouped_gemm.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import pytest
 import torch
 
 from mace_accel.bench.timing import capture_graph
-from mace_accel.errors import KernelError
 from mace_accel.ops.irreps_linear import fp16x3, fp16x3_wgmma
 from mace_accel.ops.irreps_linear.grouped import GROUPED_CATALOG, E3nnBlock, GroupedSpec
 
@@ -101,22 +101,3 @@ def test_fp16x3_wgmma_matches_mma_sync_on_mh1_linear(nodes):
         assert _err(out, want) < TOLERANCE, kernel
     assert _err(outs["wgmma"], outs["mma"].double().cpu()) < 1e-6
 
-
-def test_fp16x3_refuses_unsplit_weights():
-    spec = GROUPED_CATALOG["e3nn_grouped"]
-    x, out = torch.randn(5, spec.lda, device="cuda"), torch.zeros(5, spec.ldc, device="cuda")
-    w = torch.randn(spec.weight_numel, device="cuda")
-    hi, lo, inv = fp16x3.split_weights(spec, w)
-    with pytest.raises(KernelError, match="expected torch.float16"):
-        fp16x3.mm_grouped_fp16x3(spec, x, (w, lo, inv), out)
-    with pytest.raises(KernelError, match="shape"):
-        fp16x3.mm_grouped_fp16x3(spec, x, (hi, lo, inv[:1]), out)
-    if torch.cuda.get_device_capability() != (9, 0):
-        return
-    packed = fp16x3_wgmma.pack_weights(fp16x3_wgmma.plan_wgmma(spec), (hi, lo, inv))
-    with pytest.raises(KernelError, match="pack_weights"):  # the same size, another layout
-        fp16x3_wgmma.mm_grouped_fp16x3_wgmma(spec, x, (hi, lo, inv), out)
-    with pytest.raises(KernelError, match="expected torch.float16"):
-        fp16x3_wgmma.mm_grouped_fp16x3_wgmma(spec, x, packed._replace(hi=w), out)
-    with pytest.raises(KernelError, match="shape"):
-        fp16x3_wgmma.mm_grouped_fp16x3_wgmma(spec, x[:, 1:].contiguous(), packed, out)

@@ -31,8 +31,8 @@ def test_grouped_specs_refuse_blocks_the_kernels_cannot_read():
 
 
 def test_fp16x3_plan_source_and_refusals():
-    """The grouped 3xFP16 kernel: its default tiles (64 x 128, eight warps), every block's tile
-    function in the source, its grid, and specs or geometries it cannot take refused."""
+    """The grouped 3xFP16 kernel: its tiles (64 x 128, eight warps), every block's tile
+    function in the source, its grid, and specs it cannot take refused."""
     from mace_accel.ops.irreps_linear import fp16x3
 
     spec = GROUPED_CATALOG["e3nn_grouped_ragged"]
@@ -49,19 +49,13 @@ def test_fp16x3_plan_source_and_refusals():
     assert "multiple of 32" in fp16x3.misfit(odd)
     with pytest.raises(ValueError, match="multiple of 32"):
         fp16x3.plan_fp16x3(odd)
-    with pytest.raises(ValueError, match="does not split"):
-        fp16x3.plan_fp16x3(spec, geometry=(48, 128, 2, 4, 32, 1, 2, 8, 2))
-    with pytest.raises(ValueError, match="does not split"):
-        fp16x3.plan_fp16x3(spec, geometry=(64, 128, 2, 4, 128, 1, 2, 8, 2))
-    with pytest.raises(ValueError, match="shared memory"):
-        fp16x3.plan_fp16x3(spec, geometry=(512, 512, 8, 4, 64, 1, 1, 8, 2))
 
 
 def test_fp16x3_wgmma_plan_source_and_refusals():
     """The grouped 3xFP16 wgmma kernel: one warpgroup of 64 x 128 outputs a block, its grid
     (a block's column tiles padded to whole tiles of 128), shared memory (four stages of the
     weights' hi and lo slices), every block's tile function at its packed weights' offset,
-    sm_90a's wgmma in the source, and specs or geometries it cannot take refused."""
+    sm_90a's wgmma in the source, and specs it cannot take refused."""
     from mace_accel.ops.irreps_linear import fp16x3_wgmma as wg
 
     spec = GROUPED_CATALOG["e3nn_grouped_ragged"]  # n = 512, 512, 32
@@ -80,12 +74,6 @@ def test_fp16x3_wgmma_plan_source_and_refusals():
         wg.plan_wgmma(odd)
     assert not wg.runs_on(odd, torch.device("cpu"))
     assert not wg.runs_on(spec, torch.device("cpu"))
-    with pytest.raises(ValueError, match="tile geometry"):
-        wg.plan_wgmma(spec, geometry=(48, 4, 2))
-    with pytest.raises(ValueError, match="tile geometry"):
-        wg.plan_wgmma(spec, geometry=(32, 4, 3))
-    with pytest.raises(ValueError, match="shared memory"):
-        wg.plan_wgmma(spec, geometry=(64, 8, 2))
 
 
 def test_fp16x3_wgmma_packing_is_canonical_tiles_of_the_split():
@@ -98,31 +86,31 @@ def test_fp16x3_wgmma_packing_is_canonical_tiles_of_the_split():
     spec = GROUPED_CATALOG["e3nn_grouped_ragged"]
     w = torch.randn(spec.weight_numel, generator=torch.Generator().manual_seed(5))
     split = fp16x3.split_weights(spec, w)
-    for bk in (32, 64):
-        plan = wg.plan_wgmma(spec, geometry=(bk, 2, 1))
-        packed = wg.pack_weights(plan, split)
-        assert isinstance(packed, wg.Packed) and packed.inv is split[2]
-        for part, whole in ((packed.hi, split[0]), (packed.lo, split[1])):
-            assert part.dtype == torch.float16 and part.shape == (plan.packed_numel,)
-            for b, at in zip(spec.blocks, plan.packed_offsets):
-                m = whole[b.w_offset:b.w_offset + b.n * b.k].view(b.n, b.k)
-                kt = b.k // bk
-                for r, c in ((0, 0), (b.n - 1, b.k - 1), (b.n // 3, b.k // 2 + 3), (9, 17)):
-                    tile, row = divmod(r, 128)
-                    sl, col = divmod(c, bk)
-                    i = at + (tile * kt + sl) * 128 * bk + ((row // 8) * (bk // 8) + col // 8) \
-                        * 64 + (row % 8) * 8 + col % 8
-                    assert part[i] == m[r, c]
-                if b.n % 128:  # the last tile holds the remaining rows and zeros
-                    pad = at + (b.n // 128) * kt * 128 * bk
-                    assert part[pad:pad + 128 * b.k].double().abs().sum() == \
-                        m[b.n // 128 * 128:].double().abs().sum()
+    plan = wg.plan_wgmma(spec)
+    bk = plan.bk
+    packed = wg.pack_weights(plan, split)
+    assert isinstance(packed, wg.Packed) and packed.inv is split[2]
+    for part, whole in ((packed.hi, split[0]), (packed.lo, split[1])):
+        assert part.dtype == torch.float16 and part.shape == (plan.packed_numel,)
+        for b, at in zip(spec.blocks, plan.packed_offsets):
+            m = whole[b.w_offset:b.w_offset + b.n * b.k].view(b.n, b.k)
+            kt = b.k // bk
+            for r, c in ((0, 0), (b.n - 1, b.k - 1), (b.n // 3, b.k // 2 + 3), (9, 17)):
+                tile, row = divmod(r, 128)
+                sl, col = divmod(c, bk)
+                i = at + (tile * kt + sl) * 128 * bk + ((row // 8) * (bk // 8) + col // 8) \
+                    * 64 + (row % 8) * 8 + col % 8
+                assert part[i] == m[r, c]
+            if b.n % 128:  # the last tile holds the remaining rows and zeros
+                pad = at + (b.n // 128) * kt * 128 * bk
+                assert part[pad:pad + 128 * b.k].double().abs().sum() == \
+                    m[b.n // 128 * 128:].double().abs().sum()
 
 
 def test_fp16x3_kernels_check_their_inputs_before_launch():
-    """Both grouped 3xFP16 kernels refuse wrong shapes and dtypes before any launch, the wgmma
-    one also weights not packed for it (the split weights have the same size in another
-    layout); no rows is no launch."""
+    """Both grouped 3xFP16 kernels refuse wrong shapes and dtypes (of the input, the weights'
+    parts and their inverse scales) before any launch, the wgmma one also weights not packed
+    for it (the split weights have the same size in another layout); no rows is no launch."""
     from mace_accel.errors import KernelError
     from mace_accel.ops.irreps_linear import fp16x3, fp16x3_wgmma as wg
 
@@ -137,10 +125,11 @@ def test_fp16x3_kernels_check_their_inputs_before_launch():
         x, out = torch.zeros(3, spec.lda), torch.zeros(3, spec.ldc)
         with pytest.raises(KernelError, match="shape"):
             kernel.apply(x[:, 4:].contiguous(), weights, out)
-        as_float = weights[0].float()
-        with pytest.raises(KernelError, match="float16"):
-            kernel.apply(x, weights._replace(hi=as_float) if kernel is wgmma
-                         else (as_float,) + weights[1:], out)
+        hi, lo, inv = weights
+        for bad, match in (((hi.float(), lo, inv), "float16"),
+                           ((hi, lo, inv[:1]), "inv: expected shape")):
+            with pytest.raises(KernelError, match=match):
+                kernel.apply(x, wg.Packed(*bad) if kernel is wgmma else bad, out)
         kernel.apply(x[:0], weights, out[:0])  # nothing to do
         assert kernel._kernel is None
     with pytest.raises(KernelError, match="pack_weights"):

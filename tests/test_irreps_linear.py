@@ -203,13 +203,14 @@ def test_plan_fits_the_static_shared_memory(name):
 
 def test_high_l_blocks_get_a_geometry_that_fits():
     """L = 6 (d = 13) in float64: the default 4 warps x 4 nodes would need 53 KB for the partial
-    sums; the plan takes fewer warps instead, and a geometry asked for that cannot fit is
-    refused with the sizes."""
+    sums; the plan takes fewer warps instead, and a map that fits not even one warp of two
+    nodes (L = 50) is refused with the sizes."""
     spec = LinearSpec((Block(0, 128, 13),), (Block(0, 128, 13),), (LinearInstruction(0, 0, 0),))
     plan = codegen.plan_kernel(spec, "float64")
     assert plan.buffer * 8 <= codegen.STATIC_SHARED and plan.k_split < codegen.MAX_K_SPLIT
+    huge = LinearSpec((Block(0, 32, 101),), (Block(0, 32, 101),), (LinearInstruction(0, 0, 0),))
     with pytest.raises(ValueError, match="shared memory"):
-        codegen.plan_kernel(spec, "float64", tile_nodes=8, k_split=4)
+        codegen.plan_kernel(huge, "float64")
 
 
 def test_wide_blocks_are_staged_in_chunks():

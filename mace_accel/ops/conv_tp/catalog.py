@@ -19,12 +19,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, FrozenSet, List, Tuple
 
+from mace_accel.ops.catalog import irreps, select_tagged, unique_by
+
 SH3 = "1x0e+1x1o+1x2e+1x3o"
 SH2 = "1x0e+1x1o+1x2e"
-
-
-def _target(mul: int, lmax: int = 3) -> str:
-    return "+".join(f"{mul}x{l}{'e' if l % 2 == 0 else 'o'}" for l in range(lmax + 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,18 +46,18 @@ def _p(name: str, in1: str, in2: str, target: str, *tags: str) -> ConvProblem:
 
 _PROBLEMS = (
     # MACE-MP-0 (max_ell 3); layer 1 sees the scalar node embedding, layer 2 the hidden irreps
-    _p("mp-small-l1", "128x0e", SH3, _target(128), "model"),
-    _p("mp-small-l2", "128x0e", SH3, _target(128), "model"),
-    _p("mp-medium-l1", "128x0e", SH3, _target(128), "model"),
-    _p("mp-medium-l2", "128x0e+128x1o", SH3, _target(128), "model", "bench"),
-    _p("mp-large-l1", "128x0e", SH3, _target(128), "model"),
-    _p("mp-large-l2", "128x0e+128x1o+128x2e", SH3, _target(128), "model"),
-    _p("off-medium-l2", "128x0e+128x1o", SH3, _target(128), "model"),
-    _p("off-large-l2", "192x0e+192x1o+192x2e", SH3, _target(192), "model"),
-    _p("ch64-l2", "64x0e+64x1o", SH3, _target(64), "edge"),
-    _p("ch32-l2", "32x0e+32x1o+32x2e", SH3, _target(32), "edge"),
-    _p("odd-mul", "17x0e+5x1o+3x2e", SH3, _target(1), "edge"),
-    _p("l3-feats", "16x0e+16x1o+16x2e+16x3o", SH3, _target(16), "edge"),
+    _p("mp-small-l1", "128x0e", SH3, irreps(128, 3), "model"),
+    _p("mp-small-l2", "128x0e", SH3, irreps(128, 3), "model"),
+    _p("mp-medium-l1", "128x0e", SH3, irreps(128, 3), "model"),
+    _p("mp-medium-l2", "128x0e+128x1o", SH3, irreps(128, 3), "model", "bench"),
+    _p("mp-large-l1", "128x0e", SH3, irreps(128, 3), "model"),
+    _p("mp-large-l2", "128x0e+128x1o+128x2e", SH3, irreps(128, 3), "model"),
+    _p("off-medium-l2", "128x0e+128x1o", SH3, irreps(128, 3), "model"),
+    _p("off-large-l2", "192x0e+192x1o+192x2e", SH3, irreps(192, 3), "model"),
+    _p("ch64-l2", "64x0e+64x1o", SH3, irreps(64, 3), "edge"),
+    _p("ch32-l2", "32x0e+32x1o+32x2e", SH3, irreps(32, 3), "edge"),
+    _p("odd-mul", "17x0e+5x1o+3x2e", SH3, irreps(1, 3), "edge"),
+    _p("l3-feats", "16x0e+16x1o+16x2e+16x3o", SH3, irreps(16, 3), "edge"),
     _p("mixed-parity", "8x0e+8x0o+8x1o+8x1e", SH2, "1x0e+1x0o+1x1o+1x1e+1x2e+1x2o", "edge"),
     # small problems for the CPU reference tests (and compiled in CI like the rest)
     _p("small-mace-l2", "7x0e+3x1o+2x2e", SH2, "7x0e+7x1o+7x2e", "cpu"),
@@ -76,14 +74,9 @@ CATALOG: Dict[str, ConvProblem] = {p.name: p for p in _PROBLEMS}
 
 def select(*tags: str) -> List[ConvProblem]:
     """The problems carrying every tag in ``tags`` (all of them when none is given)."""
-    return [p for p in _PROBLEMS if set(tags) <= p.tags]
+    return select_tagged(_PROBLEMS, tags)
 
 
 def unique(problems: List[ConvProblem]) -> List[ConvProblem]:
     """``problems`` without repeated irreps (mp-small-l1 == mp-medium-l1 == ... compile once)."""
-    seen, out = set(), []
-    for p in problems:
-        if p.irreps not in seen:
-            seen.add(p.irreps)
-            out.append(p)
-    return out
+    return unique_by(problems, lambda p: p.irreps)

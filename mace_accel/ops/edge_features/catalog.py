@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, FrozenSet, List, Optional
 
+from mace_accel.ops.catalog import select_tagged, unique_by
 from mace_accel.ops.edge_features.spec import (DistanceTransform, RadialSpec, SHSpec,
                                                 make_radial_spec)
 
@@ -75,24 +76,14 @@ CATALOG: Dict[str, EdgeProblem] = {p.name: p for p in _PROBLEMS}
 
 def select(*tags: str) -> List[EdgeProblem]:
     """The problems carrying every tag in ``tags`` (all of them when none is given)."""
-    return [p for p in _PROBLEMS if set(tags) <= p.tags]
+    return select_tagged(_PROBLEMS, tags)
 
 
 def unique_sh(problems: List[EdgeProblem]) -> List[EdgeProblem]:
     """``problems`` without repeated spherical-harmonics specs (first of each kept)."""
-    seen, out = set(), []
-    for p in problems:
-        if p.sh_spec() not in seen:
-            seen.add(p.sh_spec())
-            out.append(p)
-    return out
+    return unique_by(problems, EdgeProblem.sh_spec)
 
 
 def unique_radial(problems: List[EdgeProblem]) -> List[EdgeProblem]:
     """``problems`` without repeated radial specs (first of each kept)."""
-    seen, out = set(), []
-    for p in problems:
-        if p.radial_spec() not in seen:
-            seen.add(p.radial_spec())
-            out.append(p)
-    return out
+    return unique_by(problems, EdgeProblem.radial_spec)

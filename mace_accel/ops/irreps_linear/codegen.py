@@ -5,7 +5,7 @@ transposed spec, so one template serves every pass."""
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import List
 
 from mace_accel.ops.irreps_linear.spec import LinearSpec
 from mace_accel.ops.limits import BLOCKS_PER_SM, DEFAULT_SMS, STATIC_SHARED, WARP
@@ -14,9 +14,9 @@ from mace_accel.ops.templates import RealType, render
 # static shared memory per block (at most STATIC_SHARED): the staged input tile, then the
 # warps' partial sums (one buffer)
 TILE_BYTES = 32 * 1024
-# default geometry, the fastest of ``scripts/bench_kernels.py irreps-linear --variants``
-# (MACE-MP maps at 280 and 6,912 nodes): 4 nodes per tile, 2 output channels per thread where
-# blocks are wide
+# the geometry, the fastest that ``scripts/bench_kernels.py irreps-linear`` measured against
+# other tiles (its ``--variants``, in git history) on MACE-MP maps at 280 and 6,912 nodes: 4
+# nodes per tile, 2 output channels per thread where blocks are wide
 TILE_NODES = 4
 # warps splitting the input channels of a block (each warp takes every KS-th u)
 MAX_K_SPLIT = 4
@@ -77,32 +77,25 @@ class LinearPlan(RealType):
         return (max(1, min(tiles, cap)), blocks, slices)
 
 
-def plan_kernel(spec: LinearSpec, dtype: str, arch: str = "sm_90", *,
-                tile_nodes: Optional[int] = None, k_split: Optional[int] = None,
-                v_tile: Optional[int] = None) -> LinearPlan:
-    """The geometry of ``spec``'s kernel; the keywords override the defaults (tuning scripts).
-
-    With the defaults, a map whose blocks would overflow the shared memory (high-L irreps in
-    float64) gets fewer warps per block, then fewer nodes per tile.
+def plan_kernel(spec: LinearSpec, dtype: str, arch: str = "sm_90") -> LinearPlan:
+    """The geometry of ``spec``'s kernel. A map whose blocks would overflow the shared memory
+    (high-L irreps in float64) gets fewer warps per block, then fewer nodes per tile.
 
     Raises:
-        ValueError: a geometry asked for that does not fit.
+        ValueError: a map that does not fit even with one warp and one vector of nodes.
     """
     vec_width = vector_width(dtype)
     used = [spec.in_blocks[i.i_in] for i in spec.instructions]
-    if v_tile is None:
-        v_tile = 2 if max([b.mul for b in spec.out_blocks] or [1]) >= 2 * LANES else 1
-    tile = tile_nodes or TILE_NODES
-    if tile % vec_width:
-        raise ValueError(f"tile_nodes={tile} is not a multiple of {vec_width} ({dtype})")
-    split = k_split or max(1, min(MAX_K_SPLIT, -(-max([a.mul for a in used] or [1]) // LANES)))
+    v_tile = 2 if max([b.mul for b in spec.out_blocks] or [1]) >= 2 * LANES else 1
+    tile = TILE_NODES
+    split = max(1, min(MAX_K_SPLIT, -(-max([a.mul for a in used] or [1]) // LANES)))
     while True:
         plan = _plan(spec, dtype, arch, tile, split, v_tile)
         if plan.buffer * plan.real_bytes <= STATIC_SHARED:
             return plan
-        if k_split is None and split > 1:
+        if split > 1:
             split -= 1
-        elif tile_nodes is None and tile > vec_width:
+        elif tile > vec_width:
             tile -= vec_width
         else:
             raise ValueError(f"the geometry tile_nodes={tile}, k_split={split}, "

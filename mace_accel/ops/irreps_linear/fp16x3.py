@@ -8,8 +8,8 @@ rest, ``s`` a power of two that puts the largest magnitude of its group in [2^14
 3xTF32 (22 of float32's 24 bits per operand; what is dropped, ``lo lo``, is 2^-22 of the
 product) at twice the tensor cores' rate per instruction. The weights are split once, on the
 host (:func:`split_weights`, one scale per block); the inputs as the kernel loads them, one
-scale per group of 8 rows (:data:`TILES`; 16 in a variant) and K slice of 32, each slice's sum
-rescaled as it is added in float32.
+scale per group of 8 rows (:data:`TILES`) and K slice of 32, each slice's sum rescaled as it
+is added in float32.
 Values far below their group's largest (2^-17 of it and less) keep an absolute error of 2^-39
 of it, not a relative one.
 
@@ -21,19 +21,17 @@ every block's ``k`` a multiple of 32 (:func:`misfit`). On Hopper the same maps r
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple, TypeVar
+from typing import Optional, Tuple
 
 import torch
 
 from mace_accel.ops import registry
 from mace_accel.ops.irreps_linear.grouped import GroupedSpec
-from mace_accel.ops.limits import OPTIN_SHARED
 from mace_accel.ops.runtime import Kernel, check_aligned, check_rows, check_tensor, \
     device_limits, i32, kernel_device, ptr
 from mace_accel.ops.templates import render
 
 Tensor = torch.Tensor
-PlanT = TypeVar("PlanT")  # a grouped 3xFP16 kernel's plan (mma.sync or wgmma)
 K_ALIGN = 32  # every block's k is a multiple of the K slices (two or four k16 steps)
 # (bm, bn, warps_m, warps_n, bk, prefetch, min_blocks, group_rows, chunk): 64 x 128 tiles of
 # eight warps of 32 x 32, K in slices of 32, A's loaded one slice ahead, two blocks an SM (128
@@ -100,43 +98,17 @@ def misfit(spec: GroupedSpec) -> Optional[str]:
     return None
 
 
-def plan_fp16x3(spec: GroupedSpec, arch: str = "sm_90",
-                geometry: Optional[Tuple[int, ...]] = None) -> Fp16x3Plan:
-    """The plan of ``spec``: :data:`TILES`, or ``geometry`` ``(bm, bn, warps_m, warps_n, bk,
-    prefetch, min_blocks, group_rows, chunk)`` (benchmarks).
+def plan_fp16x3(spec: GroupedSpec, arch: str = "sm_90") -> Fp16x3Plan:
+    """The plan of ``spec``: :data:`TILES` (its slices divide every k that :func:`misfit` lets
+    through).
 
     Raises:
-        ValueError: a spec the kernel cannot take, or a geometry that does not tile (warp tiles
-            of 16 x 16 outputs, slices dividing every k, chunks of whole pairs of n8 tiles) or
-            does not fit the shared memory a block can opt in to.
+        ValueError: a spec the kernel cannot take (:func:`misfit`).
     """
     why = misfit(spec)
     if why is not None:
         raise ValueError(why)
-    bm, bn, wm, wn, bk, prefetch, min_blocks, group_rows, chunk = geo = geometry or TILES
-    ni = bn // (8 * wn) if bn % (16 * wn) == 0 else 0
-    if bm % (16 * wm) or not ni or wm * wn > 32 or bk not in (32, 64) \
-            or prefetch not in (1, 2) or group_rows not in (8, 16) or chunk % 2 \
-            or not 0 < chunk <= ni or ni % chunk or any(b.k % bk for b in spec.blocks):
-        raise ValueError(f"tile geometry {geo} does not split into warps of 16 x 16 outputs, "
-                         "slices of 32 or 64 dividing every k, a prefetch of 1 or 2, groups "
-                         "of 8 or 16 rows and chunks of an even number of n8 tiles")
-    return within_optin_shared(Fp16x3Plan(
-        spec.key(), arch, bm, bn, wm, wn, bk, prefetch, min_blocks, group_rows, chunk,
-        spec.blocks, spec.lda, spec.ldc), geo)
-
-
-def within_optin_shared(plan: PlanT, geometry: Tuple[int, ...]) -> PlanT:
-    """``plan`` (of either grouped 3xFP16 kernel, for ``geometry``), unless its
-    ``shared_bytes`` exceed what a block can opt in to.
-
-    Raises:
-        ValueError: they do.
-    """
-    if plan.shared_bytes > OPTIN_SHARED:
-        raise ValueError(f"tile geometry {geometry} needs {plan.shared_bytes} bytes of shared "
-                         f"memory, over the {OPTIN_SHARED} a block can have")
-    return plan
+    return Fp16x3Plan(spec.key(), arch, *TILES, spec.blocks, spec.lda, spec.ldc)
 
 
 def kernel_name(plan: Fp16x3Plan) -> str:
@@ -179,15 +151,14 @@ class CudaFp16x3:
 
     label = "3xFP16"
 
-    def __init__(self, spec: GroupedSpec, device: torch.device,
-                 geometry: Optional[Tuple[int, ...]] = None) -> None:
+    def __init__(self, spec: GroupedSpec, device: torch.device) -> None:
         self.spec = spec
         self.device = kernel_device(torch.float32, device)
-        self.plan = self._plan(device_limits(self.device).arch, geometry)
+        self.plan = self._plan(device_limits(self.device).arch)
         self._kernel: Optional[Kernel] = None
 
-    def _plan(self, arch: str, geometry: Optional[Tuple[int, ...]]) -> Fp16x3Plan:
-        return plan_fp16x3(self.spec, arch, geometry)
+    def _plan(self, arch: str) -> Fp16x3Plan:
+        return plan_fp16x3(self.spec, arch)
 
     def _source(self) -> Tuple[str, str]:
         """``(source, kernel name)`` of the plan."""
@@ -228,11 +199,10 @@ class CudaFp16x3:
 
 
 def mm_grouped_fp16x3(spec: GroupedSpec, x: Tensor, split: Tuple[Tensor, Tensor, Tensor],
-                      out: Tensor, geometry: Optional[Tuple[int, ...]] = None) -> None:
+                      out: Tensor) -> None:
     """Writes the blocks of ``spec`` into ``out [N, ldc]`` from ``x [N, lda]`` in one launch,
     in place (no copies), no autograd, on the FP16 tensor cores (3xFP16), the weights ``split``
-    by :func:`split_weights`; ``geometry``: the tiles (:func:`plan_fp16x3`; None:
-    :data:`TILES`)."""
-    kernel = registry.cached(("irreps_linear", "fp16x3", spec, geometry, x.device),
-                             lambda: CudaFp16x3(spec, x.device, geometry))
+    by :func:`split_weights`."""
+    kernel = registry.cached(("irreps_linear", "fp16x3", spec, x.device),
+                             lambda: CudaFp16x3(spec, x.device))
     kernel.apply(x, split, out)

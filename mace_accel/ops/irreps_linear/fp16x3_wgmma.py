@@ -40,7 +40,7 @@ byte offset 128), then along the rows (stride byte offset ``BK * 16``).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Tuple
 
 import torch
 
@@ -99,30 +99,22 @@ class WgmmaFp16x3Plan:
                           for b in self.groups)), 1
 
 
-def plan_wgmma(spec: GroupedSpec, geometry: Optional[Tuple[int, ...]] = None
-               ) -> WgmmaFp16x3Plan:
-    """The plan of ``spec``: :data:`TILES`, or ``geometry`` ``(bk, stages, ahead)``
-    (benchmarks).
+def plan_wgmma(spec: GroupedSpec) -> WgmmaFp16x3Plan:
+    """The plan of ``spec``: :data:`TILES` (its slices divide every k that
+    :func:`.fp16x3.misfit` lets through).
 
     Raises:
-        ValueError: a spec the kernel cannot take (:func:`.fp16x3.misfit`), or a geometry whose
-            slices do not divide every k or that does not fit the shared memory.
+        ValueError: a spec the kernel cannot take (:func:`.fp16x3.misfit`).
     """
     why = fp16x3.misfit(spec)
     if why is not None:
         raise ValueError(why)
-    bk, stages, ahead = geo = geometry or TILES
-    if bk not in (32, 64) or not 2 <= stages <= 8 or ahead not in (1, 2) \
-            or any(b.k % bk for b in spec.blocks):
-        raise ValueError(f"tile geometry {geo} is not slices of 32 or 64 dividing every k, "
-                         "2 to 8 stages and the input loaded 1 or 2 slices ahead")
     offsets, at = [], 0
     for b in spec.blocks:
         offsets.append(at)
         at += -(-b.n // BN) * BN * b.k
-    return fp16x3.within_optin_shared(WgmmaFp16x3Plan(
-        spec.key(), ARCH, bk, stages, ahead, spec.blocks, spec.lda, spec.ldc, tuple(offsets),
-        at), geo)
+    return WgmmaFp16x3Plan(spec.key(), ARCH, *TILES, spec.blocks, spec.lda, spec.ldc,
+                           tuple(offsets), at)
 
 
 def runs_on(spec: GroupedSpec, device: torch.device) -> bool:
@@ -190,11 +182,11 @@ class CudaFp16x3Wgmma(fp16x3.CudaFp16x3):
 
     label = "3xFP16, wgmma"
 
-    def _plan(self, arch: str, geometry: Optional[Tuple[int, ...]]) -> WgmmaFp16x3Plan:
+    def _plan(self, arch: str) -> WgmmaFp16x3Plan:
         if arch != DEVICE_ARCH:
             raise ValueError(f"the 3xFP16 wgmma kernel runs on {DEVICE_ARCH} devices (H100, "
                              f"H200), not {arch}")
-        return plan_wgmma(self.spec, geometry)
+        return plan_wgmma(self.spec)
 
     def _source(self) -> Tuple[str, str]:
         return render_kernel(self.plan), kernel_name(self.plan)
@@ -217,10 +209,9 @@ class CudaFp16x3Wgmma(fp16x3.CudaFp16x3):
         super().apply(x, weights, out)
 
 
-def mm_grouped_fp16x3_wgmma(spec: GroupedSpec, x: Tensor, packed: Packed, out: Tensor,
-                            geometry: Optional[Tuple[int, ...]] = None) -> None:
+def mm_grouped_fp16x3_wgmma(spec: GroupedSpec, x: Tensor, packed: Packed, out: Tensor) -> None:
     """:func:`.fp16x3.mm_grouped_fp16x3` on Hopper's wgmma, the weights ``packed`` by
-    :func:`pack_weights` for the plan of ``geometry`` (None: :data:`TILES`)."""
-    kernel = registry.cached(("irreps_linear", "fp16x3_wgmma", spec, geometry, x.device),
-                             lambda: CudaFp16x3Wgmma(spec, x.device, geometry))
+    :func:`pack_weights`."""
+    kernel = registry.cached(("irreps_linear", "fp16x3_wgmma", spec, x.device),
+                             lambda: CudaFp16x3Wgmma(spec, x.device))
     kernel.apply(x, packed, out)

@@ -18,11 +18,8 @@ import dataclasses
 import functools
 from typing import FrozenSet, List, Tuple
 
+from mace_accel.ops.catalog import irreps, select_tagged
 from mace_accel.ops.symmetric_contraction.spec import SCSpec
-
-
-def _irreps(mul: int, lmax: int) -> str:
-    return "+".join(f"{mul}x{l}{'e' if l % 2 == 0 else 'o'}" for l in range(lmax + 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,24 +42,24 @@ def _p(name, irreps_in, irreps_out, correlation, num_elements, *tags) -> SCProbl
 
 _PROBLEMS = (
     # MACE-MP-0: 89 elements, correlation 3, interaction irreps 128x(0e+1o+2e+3o)
-    _p("mp-medium-p1", _irreps(128, 3), "128x0e+128x1o", 3, 89, "model", "bench", "nvcc"),
-    _p("mp-medium-p2", _irreps(128, 3), "128x0e", 3, 89, "model", "nvcc"),
-    _p("mp-large-p1", _irreps(128, 3), "128x0e+128x1o+128x2e", 3, 89, "model"),
+    _p("mp-medium-p1", irreps(128, 3), "128x0e+128x1o", 3, 89, "model", "bench", "nvcc"),
+    _p("mp-medium-p2", irreps(128, 3), "128x0e", 3, 89, "model", "nvcc"),
+    _p("mp-large-p1", irreps(128, 3), "128x0e+128x1o+128x2e", 3, 89, "model"),
     # MACE-MH-1: 512 channels, one weight set (the agnostic product)
-    _p("mh1-p1", _irreps(512, 3), "512x0e+512x1o", 3, 1, "model"),
-    _p("mh1-p2", _irreps(512, 3), "512x0e", 3, 1, "model"),
+    _p("mh1-p1", irreps(512, 3), "512x0e+512x1o", 3, 1, "model"),
+    _p("mh1-p2", irreps(512, 3), "512x0e", 3, 1, "model"),
     # MACE-OFF23 large: 10 elements, 192 channels
-    _p("off-large-p1", _irreps(192, 3), "192x0e+192x1o+192x2e", 3, 10, "model"),
+    _p("off-large-p1", irreps(192, 3), "192x0e+192x1o+192x2e", 3, 10, "model"),
     # edge cases
-    _p("l3-hidden-corr2", _irreps(16, 3), _irreps(16, 3), 2, 3, "edge", "nvcc"),
-    _p("corr1-agnostic", _irreps(32, 2), "32x0e+32x1o", 1, 1, "edge", "nvcc"),
-    _p("odd-channels", _irreps(17, 3), "17x0e+17x1o", 3, 5, "edge", "nvcc"),
-    _p("lmax1-corr3", _irreps(24, 1), "24x0e+24x1o", 3, 2, "edge", "nvcc"),
+    _p("l3-hidden-corr2", irreps(16, 3), irreps(16, 3), 2, 3, "edge", "nvcc"),
+    _p("corr1-agnostic", irreps(32, 2), "32x0e+32x1o", 1, 1, "edge", "nvcc"),
+    _p("odd-channels", irreps(17, 3), "17x0e+17x1o", 3, 5, "edge", "nvcc"),
+    _p("lmax1-corr3", irreps(24, 1), "24x0e+24x1o", 3, 2, "edge", "nvcc"),
     # small problems for the CPU tests (compiled and pinned like the rest)
-    _p("small-l2-corr3", _irreps(4, 2), "4x0e+4x1o", 3, 3, "cpu", "nvcc"),
-    _p("small-l3-corr2", _irreps(3, 3), "3x0e+3x1o+3x2e+3x3o", 2, 4, "cpu", "nvcc"),
-    _p("small-corr1", _irreps(5, 1), "5x0e+5x1o", 1, 2, "cpu", "nvcc"),
-    _p("small-scalar-out", _irreps(6, 3), "6x0e", 3, 89, "cpu", "nvcc"),
+    _p("small-l2-corr3", irreps(4, 2), "4x0e+4x1o", 3, 3, "cpu", "nvcc"),
+    _p("small-l3-corr2", irreps(3, 3), "3x0e+3x1o+3x2e+3x3o", 2, 4, "cpu", "nvcc"),
+    _p("small-corr1", irreps(5, 1), "5x0e+5x1o", 1, 2, "cpu", "nvcc"),
+    _p("small-scalar-out", irreps(6, 3), "6x0e", 3, 89, "cpu", "nvcc"),
 )
 
 CATALOG = {p.name: p for p in _PROBLEMS}
@@ -70,7 +67,7 @@ CATALOG = {p.name: p for p in _PROBLEMS}
 
 def select(*tags: str) -> List[SCProblem]:
     """The problems carrying every tag in ``tags`` (all of them when none is given)."""
-    return [p for p in _PROBLEMS if set(tags) <= p.tags]
+    return select_tagged(_PROBLEMS, tags)
 
 
 @functools.lru_cache(maxsize=None)

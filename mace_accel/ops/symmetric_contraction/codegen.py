@@ -3,7 +3,8 @@
 One thread owns one (node, channel): it loads the channel's ``D`` components and the weights of
 its node's element, and evaluates every output irrep's polynomial in registers (no
 intermediate touches memory). All decisions are made here (which monomials, which products are
-shared); the templates in ``kernels/symmetric_contraction/`` only loop over nodes and print.
+shared); the one template, ``kernels/symmetric_contraction/kernel.cu.j2``, only loops over nodes
+and prints.
 
 Kernels (one launch each, all outputs and degrees together):
 
@@ -236,7 +237,8 @@ def _dmono(t: Tuple[int, ...], names: dict) -> str:
 
 
 def _second_terms(t: Tuple[int, ...]) -> List[Tuple[int, List[str]]]:
-    """``(i, factors)``: ``d/dx_i d mono_t[v] = sum_p sum_{q != p, t_q = i} v_{t_p} prod_{r != p,q}``."""
+    """``(i, factors)``: ``d/dx_i d mono_t[v] = sum_p sum_{q != p, t_q = i} v_{t_p}
+    prod_{r != p,q}``."""
     out = []
     for p in range(len(t)):
         for q in range(len(t)):
@@ -256,12 +258,37 @@ def _parts(spec: SCSpec) -> Iterator[Tuple[int, int, OutputIrrep, Polynomial]]:
         offset += spec.num_features * output.dim
 
 
-def _header(plan: SCPlan, spec: SCSpec, what: str, shared: Sequence[str] = ()) -> dict:
-    return dict(plan=plan, real=plan.real, n_weights=len(spec.weight_shapes), what=what,
-                shared=list(shared))
+def _params(what: str, n_weights: int, directional: bool = False) -> List[str]:
+    """The kernel's parameter list, one entry a line of its signature (``kernel.cu.j2`` joins
+    them): ``x`` (and ``v``), the element and weights where the kernel reads weights, then its
+    outputs."""
+    weights = [f"const real* __restrict__ W{j}," for j in range(n_weights)]
+    x_elem = "const real* __restrict__ x, const int* __restrict__ elem,"
+    if what == "forward":
+        return [x_elem, *weights, "real* __restrict__ out, const int n_nodes"]
+    if what == "backward":
+        return [x_elem, *weights,
+                "const real* __restrict__ g, real* __restrict__ gxr, const int n_nodes"]
+    if what == "double_backward":
+        return ["const real* __restrict__ x, const real* __restrict__ v,",
+                "const int* __restrict__ elem,", *weights,
+                "const real* __restrict__ g, real* __restrict__ dxr, real* __restrict__ dg,",
+                "const int n_nodes"]
+    # weight_grad reads no weights; its signature has always been printed as this one line (the
+    # pinned sources hash it)
+    v = " const real* __restrict__ v," if directional else ""
+    return [f"const real* __restrict__ x,{v}           "
+            "const real* __restrict__ g, real* __restrict__ q, const int n_nodes"]
 
 
-# -- kernels -----------------------------------------------------------------------------------------
+def _header(plan: SCPlan, spec: SCSpec, what: str, shared: Sequence[str] = (),
+            directional: bool = False) -> dict:
+    """The context of ``kernel.cu.j2`` shared by every kernel."""
+    return dict(plan=plan, real=plan.real, what=what, shared=list(shared),
+                params=_params(what, len(spec.weight_shapes), directional))
+
+
+# -- kernels ---------------------------------------------------------------------------------------
 def _chunk_fence(plan: SCPlan, reload: Sequence[str], serial: int) -> List[str]:
     """Start of a weight chunk: a compiler memory fence, then the inputs loaded (from L1).
 
@@ -358,7 +385,7 @@ def render_forward(plan: SCPlan, spec: SCSpec) -> str:
         body.append(f"  real* o = out + (long long)node * DIM_OUT + {offset} + c * {output.dim};")
         body += [f"  o[{m}] = acc{m};" for m in range(output.dim)]
         body.append("}")
-    return render("symmetric_contraction/forward.cu.j2", name=forward_name(plan), body=body,
+    return render("symmetric_contraction/kernel.cu.j2", name=forward_name(plan), body=body,
                   **_header(plan, spec, "forward"))
 
 
@@ -387,7 +414,7 @@ def render_backward(plan: SCPlan, spec: SCSpec) -> str:
         body += _indent(_chunked_parts(plan, spec, output, "backward", visit_for, serial))
         body.append("}")
     body += _store_components(plan, "gx", "gxr")
-    return render("symmetric_contraction/backward.cu.j2", name=backward_name(plan), body=body,
+    return render("symmetric_contraction/kernel.cu.j2", name=backward_name(plan), body=body,
                   **_header(plan, spec, "backward", decls))
 
 
@@ -431,9 +458,9 @@ def render_weight_grad(plan: SCPlan, spec: SCSpec, directional: bool = False) ->
                 body.append("  }")
             k_offset += part.num_params
         body.append("}")
-    return render("symmetric_contraction/weight_grad.cu.j2",
-                  name=weight_grad_name(plan, directional), body=body, directional=directional,
-                  k_total=k_offset, **_header(plan, spec, "weight_grad"))
+    return render("symmetric_contraction/kernel.cu.j2",
+                  name=weight_grad_name(plan, directional), body=body, k_total=k_offset,
+                  **_header(plan, spec, "weight_grad", directional=directional))
 
 
 def double_backward_name(plan: SCPlan, need_x: bool, need_g: bool) -> str:
@@ -476,9 +503,9 @@ def render_double_backward(plan: SCPlan, spec: SCSpec, need_x: bool, need_g: boo
         body.append("}")
     if need_x:
         body += _store_components(plan, "dx", "dxr")
-    return render("symmetric_contraction/double_backward.cu.j2",
-                  name=double_backward_name(plan, need_x, need_g), body=body, need_x=need_x,
-                  need_g=need_g, **_header(plan, spec, "double_backward", decls))
+    return render("symmetric_contraction/kernel.cu.j2",
+                  name=double_backward_name(plan, need_x, need_g), body=body,
+                  **_header(plan, spec, "double_backward", decls))
 
 
 def _output_offset(spec: SCSpec, output_index: int) -> int:
