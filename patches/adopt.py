@@ -40,9 +40,15 @@ class FusedModule(torch.nn.Module):
 
     Class attributes:
         part: the :data:`~mace_accel.options.PARTS` entry this module fuses.
+        register_spec: where the module's op takes its spec as a registry key, the op
+            family's registration of a spec (a staticmethod, e.g. of
+            :func:`mace_accel.ops.conv_tp.autograd.register_spec`): :meth:`_use_spec` then
+            keeps ``_key`` the key of ``spec``, and unpickling registers it again (a new
+            process has an empty registry).
     """
 
     part = "conv"
+    register_spec: Optional[Callable[[Any], str]] = None
 
     def __init__(self, original: torch.nn.Module, options: AccelOptions) -> None:
         super().__init__()
@@ -99,6 +105,15 @@ class FusedModule(torch.nn.Module):
         self.__dict__.update(state)
         for name, m in self.original._modules.items():
             self._modules[name] = m
+        if self.register_spec is not None:
+            self._key = self.register_spec(self.spec)
+
+    def _use_spec(self, spec: Any) -> None:
+        """Make ``spec`` this module's, with its registry key ``_key`` where the op takes one
+        (:attr:`register_spec`)."""
+        self.spec = spec
+        if self.register_spec is not None:
+            self._key = self.register_spec(spec)
 
     def _derived(self, name: str, params: List[torch.Tensor], dtype: torch.dtype,
                  build: Callable[[torch.dtype], Any]) -> Any:
@@ -115,26 +130,27 @@ class FusedModule(torch.nn.Module):
                 cached = self._kernels[name] = (key, build(dtype))
         return cached[1]
 
-    def _spec_reread(self, seen: Tuple, read: Callable[[], Tuple[Any, Optional[str]]],
+    def _reread_spec(self, seen: Tuple, read: Callable[[], Tuple[Any, Optional[str]]],
                      what: str) -> Any:
-        """None while ``seen`` (what the spec was read from: its tensors' identities and
-        versions, ``load_state_dict`` or ``copy_`` bumps them, ``.to()`` makes new ones) is as
-        at the last call (the first call records it); else the spec ``read()`` makes of the
-        module as it is now, for the caller to use instead of the stale one.
+        """``spec`` as the module is now: while ``seen`` (what the spec was read from: its
+        tensors' identities and versions, ``load_state_dict`` or ``copy_`` bumps them, ``.to()``
+        makes new ones) is as at the last call (the first call records it), the spec as it
+        was; else the one ``read()`` makes of the module, made the module's
+        (:meth:`_use_spec`) instead of the stale one.
 
         Raises:
             InputError: ``read()`` says ``what`` cannot be fused any more (``(None, reason)``).
         """
         if self._kernels.get("seen") == seen:
-            return None
-        spec = None
+            return self.spec
         if "seen" in self._kernels:
             spec, reason = read()
             if spec is None:
                 raise InputError(f"{what} changed since it was fused and cannot be fused any "
                                  f"more: {reason}; revert the model")
+            self._use_spec(spec)
         self._kernels["seen"] = seen
-        return spec
+        return self.spec
 
     def live_parameters(self, *others: torch.nn.Module) -> List[torch.Tensor]:
         """The parameters of this module and of the modules ``others``, as

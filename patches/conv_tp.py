@@ -40,17 +40,17 @@ class FusedConvTP(FusedModule):
     """
 
     part = "conv"
+    register_spec = staticmethod(autograd.register_spec)
 
     def __init__(self, original: torch.nn.Module, spec: TPSpec, options: AccelOptions,
                  radial: Optional[FusedRadialMLP] = None) -> None:
         super().__init__(original, options)
-        self.spec = spec
+        self._use_spec(spec)
         self.irreps_in1 = getattr(original, "irreps_in1", None)
         self.irreps_in2 = getattr(original, "irreps_in2", None)
         self.irreps_out = getattr(original, "irreps_out", None)
         self.weight_numel = spec.weight_numel
         object.__setattr__(self, "radial", radial)  # not a child: no second state-dict entry
-        self._key = autograd.register_spec(spec)
 
     def describe(self) -> str:
         if self.radial is not None:
@@ -110,4 +110,3 @@ class FusedConvTP(FusedModule):
     def __setstate__(self, state) -> None:
         state.setdefault("radial", None)  # saved before the fold existed
         super().__setstate__(state)
-        self._key = autograd.register_spec(self.spec)  # a new process has an empty registry

@@ -61,14 +61,14 @@ class FusedSphericalHarmonics(FusedModule):
     """
 
     part = PART
+    register_spec = staticmethod(autograd.register_sh)
 
     def __init__(self, original: torch.nn.Module, spec: SHSpec, options: AccelOptions) -> None:
         super().__init__(original, options)
-        self.spec = spec
+        self._use_spec(spec)
         for attr in ("irreps_in", "irreps_out", "normalize", "normalization"):
             if hasattr(original, attr):
                 setattr(self, attr, getattr(original, attr))
-        self._key = autograd.register_sh(spec)
 
     def describe(self) -> str:
         return self.spec.describe()
@@ -84,10 +84,6 @@ class FusedSphericalHarmonics(FusedModule):
         _check_floating("vectors", x, 3)
         out = autograd.spherical_harmonics(self._key, x.reshape(-1, 3), self.backend)
         return out.reshape(*x.shape[:-1], self.spec.dim)
-
-    def __setstate__(self, state) -> None:
-        super().__setstate__(state)
-        self._key = autograd.register_sh(self.spec)  # a new process has an empty registry
 
 
 class FusedRadialEmbedding(FusedModule):
@@ -116,17 +112,17 @@ class FusedRadialEmbedding(FusedModule):
     """
 
     part = PART
+    register_spec = staticmethod(autograd.register_radial)
 
     def __init__(self, original: torch.nn.Module, spec: RadialSpec,
                  options: AccelOptions, atomic_numbers: Tuple[int, ...] = ()) -> None:
         super().__init__(original, options)
-        self.spec = spec
+        self._use_spec(spec)
         self.out_dim = getattr(original, "out_dim", spec.num_basis)
         self.atomic_numbers_seen = tuple(atomic_numbers)
         self.pair_kind: Optional[str] = None
         self.pairs: Optional[PairSet] = None
         self.generation = 0  # bumped whenever the pairs change (the tables are then rebuilt)
-        self._key = autograd.register_radial(spec)
 
     def describe(self) -> str:
         text = self.spec.describe()
@@ -162,14 +158,12 @@ class FusedRadialEmbedding(FusedModule):
             glue.start_compiles(dtype, device)  # the edges' pairs (and the blocks' densities)
 
     def _current_key(self) -> str:
-        if torch.compiler.is_compiling():  # no _version guards in a graph: the spec as fused
-            return self._key
-        spec = self._spec_reread(
-            self._buffers_seen(),
-            lambda: radial_spec_from_module(self.sync_original(), self.atomic_numbers_seen or None),
-            "the radial embedding")
-        if spec is not None:
-            self.spec, self._key = spec, autograd.register_radial(spec)
+        if not torch.compiler.is_compiling():  # no _version guards in a graph: as fused
+            self._reread_spec(
+                self._buffers_seen(),
+                lambda: radial_spec_from_module(self.sync_original(),
+                                                self.atomic_numbers_seen or None),
+                "the radial embedding")
         return self._key
 
     def forward(self, edge_lengths: torch.Tensor, node_attrs: Optional[torch.Tensor] = None,
@@ -310,7 +304,6 @@ class FusedRadialEmbedding(FusedModule):
         state.setdefault("pairs", None)
         state.setdefault("generation", 0)
         super().__setstate__(state)
-        self._key = autograd.register_radial(self.spec)
 
 
 class TableInput(NamedTuple):
@@ -347,7 +340,7 @@ class EdgeFeaturesPatch(SubmodulePatch):
 
     def plan_parts(self, module: torch.nn.Module, options: AccelOptions) -> List[PartPlan]:
         if not options.fuses(PART):
-            return [PartPlan(PART, reason="not asked for (options.parts)")]
+            return [PartPlan.not_asked(PART)]
         sh, radial = module.spherical_harmonics, module.radial_embedding
         sh_spec, sh_reason = sh_spec_from_module(sh)
         numbers = model_numbers(module)

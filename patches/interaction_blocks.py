@@ -74,7 +74,7 @@ class InteractionBlockPatch(SubmodulePatch):
         if not isinstance(skip, torch.nn.Module):
             return PartPlan("skip", reason="the block has no skip_tp module")
         if not options.fuses("skip"):
-            return PartPlan("skip", reason="not asked for (options.parts)")
+            return PartPlan.not_asked("skip")
         if linear_reason(skip) is None:  # the skip of the non-linear blocks is a plain linear
             return PartPlan("skip", children={"skip_tp": lambda: FusedLinear(skip, options)},
                             detail="skip_tp: " + linear_spec(skip).describe())
@@ -86,7 +86,7 @@ class InteractionBlockPatch(SubmodulePatch):
 
     def _plan_radial(self, module: torch.nn.Module, options: AccelOptions) -> PartPlan:
         if not options.fuses(RADIAL):
-            return PartPlan(RADIAL, reason="not asked for (options.parts)")
+            return PartPlan.not_asked(RADIAL)
         net = getattr(module, "conv_tp_weights", None)
         if not isinstance(net, torch.nn.Module):
             return PartPlan(RADIAL, reason="the block has no conv_tp_weights module")
@@ -99,7 +99,7 @@ class InteractionBlockPatch(SubmodulePatch):
 
     def _plan_conv(self, module: torch.nn.Module, options: AccelOptions) -> PartPlan:
         if not options.fuses("conv"):
-            return PartPlan("conv", reason="not asked for (options.parts)")
+            return PartPlan.not_asked("conv")
         reason = conv_skip_reason(module)
         if reason is not None:
             return PartPlan("conv", reason=reason)
@@ -186,7 +186,7 @@ def plan_linears(module: torch.nn.Module, names, options: AccelOptions) -> PartP
     """Part ``linears``: each e3nn ``o3.Linear`` child of ``names`` becomes a
     :class:`~mace_accel.patches.linears.FusedLinear`; the detail names any left and why."""
     if not options.fuses("linears"):
-        return PartPlan("linears", reason="not asked for (options.parts)")
+        return PartPlan.not_asked("linears")
     children, details, left = {}, [], []
     for name in names:
         child = getattr(module, name, None)

@@ -36,14 +36,14 @@ def check_one_hot(y: torch.Tensor, who: str) -> None:
 
 class _FusedLinearBase(FusedModule):
     part = "linears"
+    register_spec = staticmethod(autograd.register_spec)
 
     def __init__(self, original: torch.nn.Module, spec: LinearSpec, scales: List[float],
                  z_inside: bool, options: AccelOptions) -> None:
         super().__init__(original, options)
-        self.spec = spec
+        self._use_spec(spec)
         self.irreps_in = getattr(original, "irreps_in", getattr(original, "irreps_in1", None))
         self.irreps_out = getattr(original, "irreps_out", None)
-        self._key = autograd.register_spec(spec)
         self._scales, self._z_inside = list(scales), z_inside
 
     def describe(self) -> str:
@@ -80,10 +80,6 @@ class _FusedLinearBase(FusedModule):
                              f"{self.describe()}, got {tuple(x.shape)}")
         w, wt = self._weights(x.dtype)
         return autograd.irreps_linear(key or self._key, x, w, wt, elem, self.backend)
-
-    def __setstate__(self, state) -> None:
-        super().__setstate__(state)
-        self._key = autograd.register_spec(self.spec)  # a new process has an empty registry
 
 
 class FusedLinear(_FusedLinearBase):

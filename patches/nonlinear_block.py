@@ -68,7 +68,7 @@ def plan_radial(block: torch.nn.Module, options: AccelOptions) -> Optional[PartP
                                            "density_fn", "conv_tp_weights")):
         return None
     if not options.fuses(PART):
-        return PartPlan(PART, reason="not asked for (options.parts)")
+        return PartPlan.not_asked(PART)
     nets = {"conv_tp_weights": WEIGHTS, "density_fn": DENSITY}
     for name in nets:
         reason = layer_norm_mlp_reason(getattr(block, name))

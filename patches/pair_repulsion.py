@@ -46,12 +46,11 @@ class FusedPairRepulsion(FusedModule):
         autograd.start_compiles(self.spec, dtype, device)
 
     def _current_spec(self) -> ZBLSpec:
-        spec = self._spec_reread(tuple((id(t), t._version) for t in self._buffers.values()),
-                                 lambda: zbl_spec_from_module(self.sync_original(),
-                                                              self.spec.numbers),
-                                 "the ZBL pair repulsion")
-        if spec is not None:
-            self.spec = spec
+        if not torch.compiler.is_compiling():  # no _version guards in a graph: as fused
+            self._reread_spec(tuple((id(t), t._version) for t in self._buffers.values()),
+                              lambda: zbl_spec_from_module(self.sync_original(),
+                                                           self.spec.numbers),
+                              "the ZBL pair repulsion")
         return self.spec
 
     def forward(self, x: torch.Tensor, node_attrs: torch.Tensor, edge_index: torch.Tensor,
@@ -72,7 +71,7 @@ class PairRepulsionPatch(SubmodulePatch):
 
     def plan_parts(self, module: torch.nn.Module, options: AccelOptions) -> List[PartPlan]:
         if not options.fuses(PART):
-            return [PartPlan(PART, reason="not asked for (options.parts)")]
+            return [PartPlan.not_asked(PART)]
         zbl = module.pair_repulsion_fn
         spec, reason = zbl_spec_from_module(zbl, model_numbers(module))
         if spec is None:

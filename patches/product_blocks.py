@@ -40,13 +40,13 @@ class FusedSymmetricContraction(FusedModule):
     """
 
     part = PART
+    register_spec = staticmethod(autograd.register_spec)
 
     def __init__(self, original: torch.nn.Module, spec: SCSpec, options: AccelOptions) -> None:
         super().__init__(original, options)
-        self.spec = spec
+        self._use_spec(spec)
         self.irreps_in = getattr(original, "irreps_in", None)
         self.irreps_out = getattr(original, "irreps_out", None)
-        self._key = autograd.register_spec(spec)
 
     def describe(self) -> str:
         return self.spec.describe()
@@ -64,13 +64,10 @@ class FusedSymmetricContraction(FusedModule):
         """The registry key of the spec as the buffers are now: read again from the module
         when they changed since the last call (a state dict with other U matrices gets kernels
         of its own), never a stale one."""
-        if torch.compiler.is_compiling():  # no _version guards in a graph: the spec as fused
-            return self._key
-        spec = self._spec_reread(self._buffers_seen(),
-                                 lambda: _contraction_spec(self.sync_original()),
-                                 "the symmetric contraction")
-        if spec is not None:
-            self.spec, self._key = spec, autograd.register_spec(spec)
+        if not torch.compiler.is_compiling():  # no _version guards in a graph: as fused
+            self._reread_spec(self._buffers_seen(),
+                              lambda: _contraction_spec(self.sync_original()),
+                              "the symmetric contraction")
         return self._key
 
     def weights(self) -> List[torch.Tensor]:
@@ -95,10 +92,6 @@ class FusedSymmetricContraction(FusedModule):
         weights = [w.to(x.dtype) for w in self.weights()]
         return autograd.symmetric_contraction(key, x, elem, weights, self.backend)
 
-    def __setstate__(self, state) -> None:
-        super().__setstate__(state)
-        self._key = autograd.register_spec(self.spec)  # a new process has an empty registry
-
 
 class ProductBlockPatch(SubmodulePatch):
     """Fuses the symmetric contraction of each MACE product block."""
@@ -116,7 +109,7 @@ class ProductBlockPatch(SubmodulePatch):
 
     def _plan_contraction(self, module: torch.nn.Module, options: AccelOptions) -> PartPlan:
         if not options.fuses(PART):
-            return PartPlan(PART, reason="not asked for (options.parts)")
+            return PartPlan.not_asked(PART)
         original = module.symmetric_contractions
         spec, reason = _spec_or_reason(module)
         if spec is None:

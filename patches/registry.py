@@ -229,3 +229,8 @@ class PartPlan:
     children: dict = dataclasses.field(default_factory=dict)
     detail: str = ""
     reason: Optional[str] = None
+
+    @classmethod
+    def not_asked(cls, part: str) -> "PartPlan":
+        """The plan of a part the options leave out (``options.parts``)."""
+        return cls(part, reason="not asked for (options.parts)")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import random_problem
+from gpu_helpers import pass_error, random_problem
 
+from mace_accel.bench.timing import capture_graph
 from mace_accel.errors import KernelError
 from mace_accel.ops.conv_tp import autograd as ops
 from mace_accel.ops.conv_tp import reference
@@ -13,15 +14,11 @@ from mace_accel.ops.conv_tp.catalog import CATALOG
 from mace_accel.ops.conv_tp.spec import make_e3nn_conv_tp, spec_from_e3nn
 from mace_accel.ops.graph import KernelGraph
 from mace_accel.options import AccelOptions
-from mace_accel.tolerances import PASS_TOL, rel_linf_error, rel_norm_error
+from mace_accel.tolerances import PASS_TOL, rel_norm_error
 
 pytestmark = pytest.mark.gpu
 DTYPES = (torch.float32, torch.float64)
 N_NODES, N_EDGES = 64, 1500
-
-
-def _err(dtype):
-    return rel_norm_error if dtype == torch.float64 else rel_linf_error
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +72,7 @@ def test_forward_backward_vs_reference(specs, name, dtype):
     spec = specs[name]
     graph, x, y, w = random_problem(spec, N_NODES, N_EDGES, dtype, "cuda", seed=1)
     cuda, ref = _prims(spec, dtype), _Reference(spec)
-    err, tol = _err(dtype), PASS_TOL[dtype]
+    err, tol = pass_error(dtype), PASS_TOL[dtype]
     out = cuda.forward(graph, x, y, w)
     out_ref = ref.forward(graph, *_upcast(x, y, w))
     assert err(out, out_ref) < tol["forward"], err(out, out_ref)
@@ -107,7 +104,8 @@ def test_double_backward_vs_reference(specs, name, dtype):
     got = second("cuda", x, y, w, r)
     want = second("reference", *_upcast(x, y, w, r))
     for label, a, b in zip(("node_feats", "edge_attrs", "tp_weights"), got, want):
-        assert _err(dtype)(a, b) < PASS_TOL[dtype]["double_backward"], (label, _err(dtype)(a, b))
+        err = pass_error(dtype)(a, b)
+        assert err < PASS_TOL[dtype]["double_backward"], (label, err)
 
 
 @pytest.mark.parametrize("name", ["mp-medium-l2", "l3-feats", "odd-mul"])
@@ -144,7 +142,8 @@ def test_backward_edge_chunks_bit_identical(specs, name, dtype, monkeypatch):
     graph, x, y, w = random_problem(spec, N_NODES, N_EDGES, dtype, "cuda", seed=5)
     g = torch.randn(N_NODES, spec.dim_out, dtype=dtype, device="cuda")
     prims = _prims(spec, dtype)
-    assert edge_chunks(N_NODES, 256, prims.prims._sms, prims.prims._threads_per_sm) > 1
+    limits = prims.prims.limits
+    assert edge_chunks(N_NODES, 256, limits.multiprocessors, limits.threads_per_sm) > 1
     chunked = prims.backward(graph, x, y, w, g, (True, True, True))
     monkeypatch.setattr(conv_cuda, "edge_chunks", lambda *args: 1)
     whole = prims.backward(graph, x, y, w, g, (True, True, True))
@@ -199,15 +198,11 @@ def test_cuda_graph_capture(specs):
     prims = _prims(spec, torch.float32)
     g = torch.randn(N_NODES, spec.dim_out, device="cuda")
     graph.csr("receiver"), graph.csr("sender"), graph.index32("sender"), graph.index32("receiver")
-    eager = [prims.forward(graph, x, y, w), *prims.backward(graph, x, y, w, g, (True,) * 3)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        prims.forward(graph, x, y, w)
-    torch.cuda.current_stream().wait_stream(stream)
-    cg = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cg):
-        captured = [prims.forward(graph, x, y, w), *prims.backward(graph, x, y, w, g, (True,) * 3)]
+
+    def run():
+        return [prims.forward(graph, x, y, w), *prims.backward(graph, x, y, w, g, (True,) * 3)]
+    eager = run()
+    cg, captured = capture_graph(run)
     x.mul_(2.0)
     cg.replay()
     torch.cuda.synchronize()
@@ -227,4 +222,5 @@ def test_atomic_backward_matches_reference(specs, name, dtype):
     got = prims.backward(graph, x, y, w, g, (True, True, True))
     want = _Reference(spec).backward(graph, *_upcast(x, y, w, g), (True,) * 3)
     for label, a, b in zip(("node_feats", "edge_attrs", "tp_weights"), got, want):
-        assert _err(dtype)(a, b) < PASS_TOL[dtype]["backward"], (label, _err(dtype)(a, b))
+        err = pass_error(dtype)(a, b)
+        assert err < PASS_TOL[dtype]["backward"], (label, err)

@@ -102,8 +102,6 @@ def test_the_convolution_starts_every_kernel_a_forces_call_launches(dtype, deter
     launches pick for a forces call (the forward; the backward of a first layer, without the
     node features' gradient, and of a later one) on a small and a large graph, on an sm_90
     device stood in for on the CPU."""
-    import types
-
     import torch
 
     from mace_accel.ops.conv_tp import cuda
@@ -112,15 +110,14 @@ def test_the_convolution_starts_every_kernel_a_forces_call_launches(dtype, deter
     from mace_accel.ops.conv_tp.staged import STAGED_MIN_EDGES
     from mace_accel.ops.limits import DeviceLimits
 
-    monkeypatch.setattr(cuda, "kernel_device", lambda dtype_, device: torch.device("cpu"))
-    monkeypatch.setattr(cuda, "device_limits", lambda device: DeviceLimits())
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
-        multi_processor_count=132, max_threads_per_multi_processor=2048))
+    monkeypatch.setattr(runtime, "kernel_device", lambda dtype_, device: torch.device("cpu"))
+    monkeypatch.setattr(runtime, "device_limits", lambda device: DeviceLimits())
     started, launched = set(), set()
     monkeypatch.setattr(cuda, "compile_soon",
                         lambda source, arch, later=False: started.add(source))
     conv = cuda.CudaConvPrimitives(make_spec(*CATALOG["mp-medium-l2"].irreps),
                                    getattr(torch, dtype), torch.device("cpu"), deterministic)
+    assert conv.staged_min_edges == STAGED_MIN_EDGES  # small graphs run the plain kernels
     monkeypatch.setattr(conv, "_kernel", lambda name, render, shared=0: launched.add(render()))
     conv.start_compiles()
     for n_edges in (1_000, STAGED_MIN_EDGES):

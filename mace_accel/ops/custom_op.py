@@ -8,6 +8,10 @@ dispatcher hands them over. :func:`custom_op` keeps the registered op and adds a
 with the same function, the same ``setup_context`` and the same backward, run as a plain
 ``torch.autograd.Function``: same results and derivatives of every order, less host time.
 What it saves is in ``docs/performance.md`` ("The architectures users run today").
+
+The helpers below are what the families' autograd formulas share: the empty tensor that stands
+for a tensor not there, the upstream gradients as a formula takes them, the backend check, and
+the formula of an op that is not differentiated again.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import functools
 from typing import Any, Callable, Optional, Sequence, Type
 
 import torch
+
+from mace_accel.errors import KernelError
+from mace_accel.options import BACKENDS
 
 Tensor = torch.Tensor
 
@@ -98,3 +105,40 @@ def _autograd_function(name: str, fn: Callable[..., Any], backward: Callable[...
 
     return type(f"Eager_{name.replace('::', '_')}", (torch.autograd.Function,),
                 {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+
+
+def placeholder(like: Tensor) -> Tensor:
+    """The empty tensor an op takes or returns for a tensor not there (a gradient not asked
+    for, an absent input): an op's arguments and results are tensors, never None."""
+    return like.new_empty((0,))
+
+
+def upstream_grad(a: Optional[Tensor]) -> Optional[Tensor]:
+    """An upstream gradient as a formula takes it (contiguous), or None for an output nobody
+    used (None, or an empty :func:`placeholder`)."""
+    return None if a is None or a.numel() == 0 else a.contiguous()
+
+
+def check_backend(backend: str) -> None:
+    """Raise :class:`KernelError` unless ``backend`` is a fused one
+    (:data:`mace_accel.options.BACKENDS`)."""
+    if backend not in BACKENDS:
+        raise KernelError(f"backend must be 'cuda' or 'reference', got {backend!r}")
+
+
+def refuse_derivatives(op: EagerCustomOp, family: str) -> None:
+    """Register on ``op``, a second derivative of the fused ``family`` ops, an autograd
+    formula that raises :class:`KernelError`: energies, forces, stresses and training on forces
+    need no third derivative, and the fused ops provide none."""
+    def refuse(ctx, *grads):
+        raise KernelError(
+            f"{op._name} cannot be differentiated again: the fused {family} ops provide first "
+            "and second derivatives (energy, forces, stress, training on forces); third "
+            "derivatives are not supported: run the model unpatched (mace_accel.revert(model)) "
+            "for them")
+
+    op.register_autograd(refuse, setup_context=_no_context)
+
+
+def _no_context(ctx, inputs, output) -> None:
+    """The context of a formula that needs none."""

@@ -24,8 +24,7 @@ import torch
 
 from mace_accel.errors import KernelError
 from mace_accel.ops import glue, registry
-from mace_accel.ops.limits import resident_blocks
-from mace_accel.ops.runtime import Kernel, check_tensor, device_limits, i32, kernel_device, ptr
+from mace_accel.ops.runtime import CudaKernels, i32, ptr
 from mace_accel.ops.templates import literal, render
 from mace_accel.options import dtype_name
 
@@ -117,30 +116,21 @@ def render_kernels(spec: GateSpec, dtype: str) -> str:
                   scalar_cst=literal(spec.scalar_cst), gate_cst=literal(spec.gate_cst))
 
 
-class CudaGate:
+class CudaGate(CudaKernels):
     """The forward and backward kernels of one :class:`GateSpec` and dtype on one device."""
 
     def __init__(self, spec: GateSpec, dtype: torch.dtype, device: torch.device) -> None:
-        self.spec, self.dtype = spec, dtype
-        self.device = kernel_device(dtype, device)
-        arch = device_limits(self.device).arch
-        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        super().__init__(dtype, device, f"gate ({spec.describe()})")
+        self.spec = spec
         source = render_kernels(spec, dtype_name(dtype))
         self.forward_kernel, self.backward_kernel = (
-            Kernel(source, name, self.device, arch) for name in kernel_names(spec,
-                                                                              dtype_name(dtype)))
-
-    def _check(self, name: str, t: Tensor, shape: Tuple[int, ...]) -> None:
-        check_tensor(name, t, shape, self.dtype, self.device, f"gate ({self.spec.describe()})")
-
-    def _blocks(self, n: int) -> int:
-        return resident_blocks(n, self.sms)
+            self._load(source, name) for name in kernel_names(spec, dtype_name(dtype)))
 
     def forward(self, x: Tensor, d: Tensor, res: Tensor) -> Tuple[Tensor, Tensor]:
         """``(y [N, d_out], q = x / d [N, d_in])``."""
         n = int(x.shape[0])
-        self._check("x", x, (n, self.spec.d_in))
-        self._check("d", d, (n, 1))
+        self._check_tensor("x", x, (n, self.spec.d_in))
+        self._check_tensor("d", d, (n, 1))
         r = self._residual_width(res, n)
         q = torch.empty_like(x)
         y = x.new_empty((n, self.spec.d_out))
@@ -153,10 +143,10 @@ class CudaGate:
                  ) -> Tuple[Tensor, Tensor, Tensor]:
         """``(gx [N, d_in], gd [N, 1], gres [N, r])`` from ``g = dL/dy [N, d_out]``."""
         n = int(q.shape[0])
-        self._check("g", g, (n, self.spec.d_out))
-        self._check("q", q, (n, self.spec.d_in))
+        self._check_tensor("g", g, (n, self.spec.d_out))
+        self._check_tensor("q", q, (n, self.spec.d_in))
         r = self._residual_width(res, n)
-        self._check("d", d, (n, 1))
+        self._check_tensor("d", d, (n, 1))
         gx, gres = torch.empty_like(q), torch.empty_like(res)
         gd = q.new_empty((n, 1))
         if n:
@@ -170,8 +160,8 @@ class CudaGate:
         r = int(res.shape[1]) if res.dim() == 2 else -1
         if not 0 <= r <= self.spec.d_in:
             raise KernelError(f"res: expected shape [{n}, r] with r <= {self.spec.d_in}, got "
-                              f"{tuple(res.shape)} (gate ({self.spec.describe()}))")
-        self._check("res", res, (n, r))
+                              f"{tuple(res.shape)} ({self.what})")
+        self._check_tensor("res", res, (n, r))
         return r
 
 

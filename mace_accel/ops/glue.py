@@ -19,9 +19,9 @@ import torch
 
 from mace_accel.errors import KernelSizeError
 from mace_accel.ops import registry
-from mace_accel.ops.limits import DeviceLimits, resident_blocks
-from mace_accel.ops.runtime import INT32_MAX, Kernel, check_tensor, compile_soon, \
-    device_limits, i32, kernel_device, ptr
+from mace_accel.ops.limits import DeviceLimits
+from mace_accel.ops.runtime import INT32_MAX, CudaKernels, compile_soon, device_limits, i32, \
+    kernel_device, ptr
 from mace_accel.ops.templates import render
 from mace_accel.options import dtype_name
 
@@ -51,28 +51,17 @@ def catalog_sources(limits: DeviceLimits) -> Iterator[Tuple[str, str]]:
         yield f"glue/{dtype}", render_kernels(dtype)
 
 
-class CudaGlue:
+class CudaGlue(CudaKernels):
     """The kernels for ``dtype`` on ``device``."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype = dtype
-        self.device = kernel_device(dtype, device)
-        self.arch = device_limits(self.device).arch
-        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        super().__init__(dtype, device, WHAT)
         source = render_kernels(dtype_name(dtype))
-        self.kernels = {k: Kernel(source, kernel_name(k, dtype_name(dtype)), self.device,
-                                  self.arch) for k in KERNELS}
+        self.kernels = {k: self._load(source, kernel_name(k, dtype_name(dtype))) for k in KERNELS}
         self._real = np.float64 if dtype == torch.float64 else np.float32
 
     def _grid(self, threads: int) -> int:
         return self._blocks(-(-threads // THREADS))
-
-    def _blocks(self, blocks: int) -> int:
-        return resident_blocks(blocks, self.sms)
-
-    def _check(self, name: str, t: Tensor, shape: Tuple[int, ...],
-               dtype: Optional[torch.dtype] = None) -> None:
-        check_tensor(name, t, shape, dtype or self.dtype, self.device, WHAT)
 
     def receiver_sums(self, values: Tensor, row_ptr: Tensor, perm: Tensor) -> Tensor:
         """``[N, k]``: ``values [E, k]`` summed over each receiver's edges (the int32 receiver
@@ -80,13 +69,13 @@ class CudaGlue:
         they are the graph's own), in float64."""
         e, k = int(values.shape[0]), int(values.shape[1])
         n = int(row_ptr.shape[0]) - 1
-        self._check("values", values, (e, k))
-        self._check("row_ptr", row_ptr, (n + 1,), torch.int32)
-        self._check("perm", perm, (e,), torch.int32)
+        self._check_tensor("values", values, (e, k))
+        self._check_tensor("row_ptr", row_ptr, (n + 1,), torch.int32)
+        self._check_tensor("perm", perm, (e,), torch.int32)
         if e * max(k, 1) > INT32_MAX:
             raise KernelSizeError(f"{e} edges x {k} values exceed the receiver sums' int32 "
                                   "range")
-        out = torch.empty((n, k), dtype=self.dtype, device=self.device)
+        out = self._empty(n, k)
         if n and k:
             self.kernels["receiver_sums"].launch(self._grid(32 * n), THREADS, (
                 ptr(values), ptr(row_ptr), ptr(perm), ptr(out), i32(n), i32(k)))
@@ -100,15 +89,15 @@ class CudaGlue:
         (radii[a] + radii[b])`` where ``radii`` (per element) is given, the slot
         ``slot_map[a n_elements + b]`` (int32 ``[n_elements^2]``) where that is."""
         n, e = int(elements.shape[0]), int(sender.shape[0])
-        self._check("elements", elements, (n,), torch.int64)
-        self._check("sender", sender, (e,), torch.int32)
-        self._check("receiver", receiver, (e,), torch.int32)
+        self._check_tensor("elements", elements, (n,), torch.int64)
+        self._check_tensor("sender", sender, (e,), torch.int32)
+        self._check_tensor("receiver", receiver, (e,), torch.int32)
         r0 = slots = None
         if radii is not None:
-            self._check("radii", radii, (int(radii.shape[0]),))
-            r0 = torch.empty((e, 1), dtype=self.dtype, device=self.device)
+            self._check_tensor("radii", radii, (int(radii.shape[0]),))
+            r0 = self._empty(e, 1)
         if slot_map is not None:
-            self._check("slot_map", slot_map, (n_elements * n_elements,), torch.int32)
+            self._check_tensor("slot_map", slot_map, (n_elements * n_elements,), torch.int32)
             slots = torch.empty((e,), dtype=torch.int32, device=self.device)
         if e and (r0 is not None or slots is not None):
             self.kernels["edge_pairs"].launch(self._grid(e), THREADS, (
@@ -122,11 +111,11 @@ class CudaGlue:
         out [N, k]``, ``d [N, 1]``) from ``g = dL/dout [N, k]``: ``g / d`` (where ``want_x``)
         and ``-<g, out> / d``, the dot summed in float64 in a fixed order."""
         n, k = int(out.shape[0]), int(out.shape[1])
-        self._check("g", g, (n, k))
-        self._check("out", out, (n, k))
-        self._check("d", d, (n, 1))  # rows index with size_t: no int32 bound on n k
+        self._check_tensor("g", g, (n, k))
+        self._check_tensor("out", out, (n, k))
+        self._check_tensor("d", d, (n, 1))  # rows index with size_t: no int32 bound on n k
         grad_x = torch.empty_like(out) if want_x else None
-        grad_d = torch.empty((n, 1), dtype=self.dtype, device=self.device)
+        grad_d = self._empty(n, 1)
         if n:
             self.kernels["divide_rows_backward"].launch(self._blocks(n), THREADS, (
                 ptr(g), ptr(out), ptr(d), ptr(grad_x), ptr(grad_d), i32(n), i32(k)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 WARP = 32
-DEFAULT_SMS = 132   # what a device without a known SM count gets (an H100/H200 has 132)
+DEFAULT_SMS = 132   # the SMs of an H100/H200 (DeviceLimits' default: the pins, the CPU tests)
 BLOCKS_PER_SM = 16  # resident blocks enough to hide latency; grid-stride loops do the rest
 
 # The sm_90 (H100/H200) limits: what the kernels' plans, the pinned sources and the CPU tests
@@ -24,9 +24,7 @@ OPTIN_SHARED = 227 * 1024
 SM_SHARED = 228 * 1024
 # shared memory the system reserves per resident block (sm_80 and later), on top of its own
 RESERVED_SHARED = 1024
-SM_REGISTERS = 64 * 1024  # 32-bit registers of one SM (every architecture since sm_50)
-SM_THREADS = 2048         # resident threads of one SM
-MAX_THREAD_REGISTERS = 255  # the most registers a thread may have
+SM_THREADS = 2048  # resident threads of one SM
 
 # Graphs from this many edges count as large: the staged conv (ops/conv_tp/staged.py) switches
 # on here. Its extra set-up per block pays off only once the graph gives every SM of an
@@ -50,6 +48,5 @@ class DeviceLimits:
     max_shared_per_block: int = STATIC_SHARED  # static shared memory limit without opt-in
     warp_size: int = WARP
     max_shared_per_block_optin: int = OPTIN_SHARED  # dynamic shared memory, opted in
-    shared_per_sm: int = SM_SHARED
-    registers_per_sm: int = SM_REGISTERS
     threads_per_sm: int = SM_THREADS
+    multiprocessors: int = DEFAULT_SMS  # SMs (launch grids only: no source depends on it)

@@ -20,20 +20,18 @@ import queue
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
 
 from mace_accel.errors import KernelError, KernelSizeError
 from mace_accel.ops.limits import (
-    MAX_THREAD_REGISTERS,
     OPTIN_SHARED,
-    SM_REGISTERS,
-    SM_SHARED,
     SM_THREADS,
     STATIC_SHARED,
     DeviceLimits,
+    resident_blocks,
 )
 
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -71,7 +69,7 @@ def cache_dir() -> Path:
 
 def device_limits(device: torch.device) -> DeviceLimits:
     """Read the schedule's limits off ``device`` (compute capability, block, SM and smem
-    limits). What torch does not report falls back to the sm_90 values of
+    limits, the SM count). What torch does not report falls back to the sm_90 values of
     :mod:`mace_accel.ops.limits`; the opt-in shared memory of a device other than sm_90 to
     the limit without opt-in, which every device allows."""
     import cupy
@@ -89,12 +87,9 @@ def device_limits(device: torch.device) -> DeviceLimits:
                         max_shared_per_block_optin=int(getattr(
                             props, "shared_memory_per_block_optin",
                             OPTIN_SHARED if arch == "sm_90" else static)),
-                        shared_per_sm=int(getattr(props, "shared_memory_per_multiprocessor",
-                                                  SM_SHARED)),
-                        registers_per_sm=int(getattr(props, "regs_per_multiprocessor",
-                                                     SM_REGISTERS)),
                         threads_per_sm=int(getattr(props, "max_threads_per_multi_processor",
-                                                   SM_THREADS)))
+                                                   SM_THREADS)),
+                        multiprocessors=int(props.multi_processor_count))
 
 
 def kernel_device(dtype: torch.dtype, device: torch.device) -> torch.device:
@@ -327,16 +322,6 @@ class Kernel:
             if self.dynamic_shared > STATIC_SHARED:
                 _opt_in_shared(self._function, self.dynamic_shared, name)
 
-    def registers(self) -> int:
-        """Registers per thread of the loaded function (the most a thread may have,
-        :data:`~mace_accel.ops.limits.MAX_THREAD_REGISTERS`, if the driver does not say)."""
-        from cupy_backends.cuda.api import driver
-
-        try:
-            return int(driver.funcGetAttribute(_NUM_REGS_ATTRIBUTE, self._function.ptr))
-        except Exception:  # an older cupy without the call: assume the worst
-            return MAX_THREAD_REGISTERS
-
     def launch(self, grid, block: int, args: tuple) -> None:
         """``grid``: blocks along x, or a tuple (x, y[, z]), on torch's current stream of the
         kernel's device."""
@@ -354,9 +339,7 @@ class Kernel:
             self._function(grid, (block,), args, shared_mem=self.dynamic_shared, stream=stream)
 
 
-# CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, CU_FUNC_ATTRIBUTE_NUM_REGS
-_MAX_DYNAMIC_SHARED_ATTRIBUTE = 8
-_NUM_REGS_ATTRIBUTE = 4
+_MAX_DYNAMIC_SHARED_ATTRIBUTE = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 def _opt_in_shared(function, size: int, name: str) -> None:
@@ -369,6 +352,54 @@ def _opt_in_shared(function, size: int, name: str) -> None:
         raise KernelError(f"kernel {name} needs {size} bytes of shared memory per block, which "
                           f"this GPU does not allow ({exc}); it is built for sm_80 or newer "
                           "(A100, H100, H200)") from exc
+
+
+class CudaKernels:
+    """The base of an op family's CUDA side for one dtype on one device: what every family's
+    starts from. The device its kernels run on (checked by :func:`kernel_device`) and its
+    limits (:func:`device_limits`), the kernels loaded so far, and what a launch checks and
+    allocates before it runs.
+
+    Args:
+        dtype: ``torch.float32`` or ``torch.float64``.
+        device: a CUDA device.
+        what: names the problem in a failed check (a spec's description, say).
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, what: str = "") -> None:
+        self.dtype = dtype
+        self.device = kernel_device(dtype, device)
+        self.limits = device_limits(self.device)
+        self.arch = self.limits.arch
+        self.what = what
+        self._kernels: Dict[str, Kernel] = {}
+
+    def _kernel(self, name: str, render: Callable[[], str], dynamic_shared: int = 0) -> Kernel:
+        """The kernel ``name`` of the source ``render()`` gives, loaded on first use."""
+        kernel = self._kernels.get(name)
+        if kernel is None:
+            kernel = self._kernels[name] = self._load(render(), name, dynamic_shared)
+        return kernel
+
+    def _load(self, source: str, name: str, dynamic_shared: int = 0) -> Kernel:
+        """The kernel ``name`` of ``source``, compiled for this device and loaded on it."""
+        return Kernel(source, name, self.device, self.arch, dynamic_shared=dynamic_shared)
+
+    def _check_tensor(self, name: str, t: torch.Tensor, shape: Tuple[int, ...],
+                      dtype: Optional[torch.dtype] = None) -> None:
+        """:func:`check_tensor` on this device, of the kernels' dtype unless ``dtype`` is
+        given."""
+        check_tensor(name, t, shape, self.dtype if dtype is None else dtype, self.device,
+                     self.what)
+
+    def _empty(self, *shape: int) -> torch.Tensor:
+        """An uninitialised output ``[*shape]`` of the kernels' dtype on their device."""
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _blocks(self, blocks: int) -> int:
+        """The grid of a grid-stride launch of ``blocks`` blocks on this device
+        (:func:`~mace_accel.ops.limits.resident_blocks`)."""
+        return resident_blocks(blocks, self.limits.multiprocessors)
 
 
 @functools.lru_cache(maxsize=64)

@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from mace_accel.ops import registry
-from mace_accel.ops.custom_op import custom_op
+from mace_accel.ops.custom_op import custom_op, placeholder, upstream_grad
 from mace_accel.ops.conv_tp import reference
 from mace_accel.ops.conv_tp.spec import TPSpec
 from mace_accel.ops.graph import ConvGraph, KernelGraph
@@ -52,10 +52,6 @@ def start_compiles(key: str, dtype: torch.dtype, device: torch.device,
                    deterministic: bool) -> None:
     """Start compiling the CUDA kernels of the spec under ``key`` that a forces call launches."""
     _cuda(key, torch.empty(0, dtype=dtype, device=device), deterministic).start_compiles()
-
-
-def _empty(like: Tensor) -> Tensor:
-    return like.new_empty((0,))
 
 
 # -- forward ---------------------------------------------------------------------------------------
@@ -91,16 +87,16 @@ def conv_tp_backward_op(x: Tensor, y: Tensor, w: Tensor, g: Tensor, graph: List[
     else:
         grads = _cuda(key, x, deterministic).backward(n_nodes, KernelGraph(*graph), x, y, w, g,
                                                       needs)
-    return tuple(t if t is not None else _empty(x) for t in grads)
+    return tuple(t if t is not None else placeholder(x) for t in grads)
 
 
 @conv_tp_backward_op.register_fake
 def _(x, y, w, g, graph, n_nodes, key, backend, deterministic, need_x, need_y, need_w):
     spec = registry.lookup(key)
     n_edges = y.shape[0]
-    return (x.new_empty((n_nodes, spec.dim_in1)) if need_x else _empty(x),
-            x.new_empty((n_edges, spec.dim_in2)) if need_y else _empty(x),
-            x.new_empty((n_edges, spec.weight_numel)) if need_w else _empty(x))
+    return (x.new_empty((n_nodes, spec.dim_in1)) if need_x else placeholder(x),
+            x.new_empty((n_edges, spec.dim_in2)) if need_y else placeholder(x),
+            x.new_empty((n_edges, spec.weight_numel)) if need_w else placeholder(x))
 
 
 # -- autograd ------------------------------------------------------------------------------------
@@ -137,7 +133,7 @@ def _setup_backward(ctx, inputs, output) -> None:
 def _backward_of_backward(ctx, ax, ay, aw):
     x, y, w, g = ctx.saved_tensors
     static = _static(ctx)
-    ax, ay, aw = (_upstream(a) for a in (ax, ay, aw))
+    ax, ay, aw = (upstream_grad(a) for a in (ax, ay, aw))
     want_x, want_y, want_w, want_g = ctx.needs_input_grad[:4]
     dx = dy = dw = dg = None
 
@@ -166,11 +162,6 @@ def _backward_of_backward(ctx, ax, ay, aw):
 
 def _grad(t: Tensor, needed: bool) -> Optional[Tensor]:
     return t if needed else None
-
-
-def _upstream(a: Optional[Tensor]) -> Optional[Tensor]:
-    """An upstream gradient, or None for an output nobody used (or an empty placeholder)."""
-    return None if a is None or a.numel() == 0 else a.contiguous()
 
 
 conv_tp_op.register_autograd(_backward_of_forward, setup_context=_setup_forward)

@@ -24,16 +24,7 @@ from mace_accel.ops.conv_tp.staged import DEFAULT_STAGING, STAGED_MIN_EDGES
 from mace_accel.ops.conv_tp.schedule import ConvPlan, KernelPlan, edge_chunks, plan_kernels
 from mace_accel.ops.conv_tp.spec import TPSpec
 from mace_accel.ops.graph import KernelGraph, ReceiverRows
-from mace_accel.ops.runtime import (
-    INT32_MAX,
-    Kernel,
-    check_tensor,
-    compile_soon,
-    kernel_device,
-    device_limits,
-    i32,
-    ptr,
-)
+from mace_accel.ops.runtime import INT32_MAX, CudaKernels, Kernel, compile_soon, i32, ptr
 from mace_accel.options import dtype_name
 
 
@@ -54,44 +45,32 @@ class BackwardBuffers(NamedTuple):
     gy: Optional[torch.Tensor]
 
 
-class CudaConvPrimitives:
+class CudaConvPrimitives(CudaKernels):
     """The generated forward and backward kernels of one spec, dtype and device.
 
     Called by the custom ops of :mod:`mace_accel.ops.conv_tp.autograd`. Kernels are compiled
-    lazily (the backward for each selection of gradients on first use). ``deterministic=False`` selects the atomic
-    backward: d(node_feats) is added into the sender rows with float atomics, which skips the
-    per-edge message buffer and the per-sender sum (faster, not bit-reproducible).
+    lazily (the backward for each selection of gradients on first use).
+    ``deterministic=False`` selects the atomic backward: d(node_feats) is added into the sender
+    rows with float atomics, which skips the per-edge message buffer and the per-sender sum
+    (faster, not bit-reproducible).
     """
 
     def __init__(self, spec: TPSpec, dtype: torch.dtype, device: torch.device,
                  deterministic: bool = True,
                  staging: Optional[Dict[str, Optional[staged.Staging]]] = None) -> None:
-        self.spec, self.dtype = spec, dtype
+        super().__init__(dtype, device)
+        self.spec = spec
         self.deterministic = deterministic
         self.staging = dict(DEFAULT_STAGING[dtype_name(dtype)] if staging is None else staging)
         self.staged_min_edges = STAGED_MIN_EDGES
-        self.device = kernel_device(dtype, device)
-        limits = device_limits(self.device)
-        self.arch = limits.arch
-        self.plan: ConvPlan = plan_kernels(spec, dtype_name(dtype), limits)
-        self._segment_plan: ConvPlan = plan_kernels(spec, dtype_name(dtype), limits,
+        self.plan: ConvPlan = plan_kernels(spec, dtype_name(dtype), self.limits)
+        self._segment_plan: ConvPlan = plan_kernels(spec, dtype_name(dtype), self.limits,
                                                     by_segment=True)
-        props = torch.cuda.get_device_properties(self.device)
-        self._sms = props.multi_processor_count
-        self._threads_per_sm = props.max_threads_per_multi_processor
-        self._shared_optin = limits.max_shared_per_block_optin
+        self._shared_optin = self.limits.max_shared_per_block_optin
         self._launch_cache: Dict[tuple, list] = {}  # see _launches
-        self._kernels: Dict[str, Kernel] = {}
         # columns no path writes must read as zeros (e3nn semantics)
         self._out_all_written = {p.i_out for p in spec.paths} == set(range(len(spec.irreps_out)))
         self._in1_all_read = {p.i_in1 for p in spec.paths} == set(range(len(spec.irreps_in1)))
-
-    def _kernel(self, name: str, render, dynamic_shared: int = 0) -> Kernel:
-        k = self._kernels.get(name)
-        if k is None:
-            k = Kernel(render(), name, self.device, self.arch, dynamic_shared=dynamic_shared)
-            self._kernels[name] = k
-        return k
 
     def _staging(self, direction: str, n_edges: int) -> Optional[staged.Staging]:
         """How ``direction`` stages on a graph of ``n_edges`` edges (None: plain kernels)."""
@@ -187,7 +166,7 @@ class CudaConvPrimitives:
         rows = {"x": (n, s.dim_in1), "y": (e, s.dim_in2), "w": (e, s.weight_numel),
                 "g": (n, s.dim_out)}
         for name, t in tensors.items():
-            check_tensor(name, t, rows[name], self.dtype, self.device)
+            self._check_tensor(name, t, rows[name])
         if n > INT32_MAX or e > INT32_MAX:
             raise KernelSizeError(f"{n} nodes / {e} edges exceed the kernels' int32 indexing")
         lengths = {"sender": e, "recv_ptr": n + 1, "recv_perm": e, "send_ptr": n + 1,
@@ -238,8 +217,7 @@ class CudaConvPrimitives:
         """``(gx [N, dim_in1], gy [E, dim_in2], gw [E, weight_numel])``, None where not needed."""
         self._check(n, graph, x=x, y=y, w=w, g=g)
         acc = self.backward_buffers(n, graph, needs)
-        gw = torch.empty((graph.n_edges, self.spec.weight_numel), dtype=self.dtype,
-                         device=self.device) if needs[2] else None
+        gw = self._empty(graph.n_edges, self.spec.weight_numel) if needs[2] else None
         self._launch_backward(n, graph, (x, y, w, g), acc, gw, None)
         return (*self.finish_backward(n, graph, acc), gw)
 
@@ -286,7 +264,8 @@ class CudaConvPrimitives:
         # launch 0 writes gy, the later ones add to it
         for plan, k in self._launches("backward", needs, atomic, sorted_w, (x, y, w),
                                       graph.n_edges):
-            chunks = edge_chunks(n1 - n0, plan.threads, self._sms, self._threads_per_sm)
+            chunks = edge_chunks(n1 - n0, plan.threads, self.limits.multiprocessors,
+                                 self.limits.threads_per_sm)
             k.launch((n1 - n0) * chunks, plan.threads,
                      (ptr(x), ptr(y), ptr(w), ptr(g[n0:]), ptr(graph.sender),
                       ptr(graph.recv_ptr[n0:]), ptr(graph.recv_perm), ptr(acc.gxm),
@@ -306,5 +285,4 @@ class CudaConvPrimitives:
         if not (0 <= rows.n0 <= rows.n1 <= n_nodes and 0 <= rows.e0 <= rows.e1 <= graph.n_edges):
             raise KernelError(f"receiver rows {tuple(rows)} out of range for {n_nodes} nodes and "
                               f"{graph.n_edges} edges")
-        check_tensor("w_rows", w_rows, (rows.e1 - rows.e0, self.spec.weight_numel), self.dtype,
-                     self.device)
+        self._check_tensor("w_rows", w_rows, (rows.e1 - rows.e0, self.spec.weight_numel))

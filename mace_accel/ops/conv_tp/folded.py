@@ -26,7 +26,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from mace_accel.ops import registry
-from mace_accel.ops.custom_op import custom_op
+from mace_accel.ops.custom_op import custom_op, placeholder
 from mace_accel.ops.conv_tp import autograd as conv_autograd
 from mace_accel.ops.conv_tp import reference
 from mace_accel.ops.conv_tp.cuda import BackwardBuffers
@@ -204,17 +204,17 @@ def folded_conv_tp_backward_op(x: Tensor, y: Tensor, h: Tensor, w_last: Tensor, 
         if gw_last is not None:
             gw_last += last.weight_grad(h_rows, gw_rows)
     gx, gy = rows_of.finish_backward(acc)
-    return tuple(t if t is not None else conv_autograd._empty(x) for t in (gx, gy, gh, gw_last))
+    return tuple(t if t is not None else placeholder(x) for t in (gx, gy, gh, gw_last))
 
 
 @folded_conv_tp_backward_op.register_fake
 def _(x, y, h, w_last, g, graph, n_nodes, key, backend, deterministic, max_edges,
       need_x, need_y, need_h, need_w):
     spec = registry.lookup(key)
-    return (x.new_empty((n_nodes, spec.dim_in1)) if need_x else conv_autograd._empty(x),
-            x.new_empty((y.shape[0], spec.dim_in2)) if need_y else conv_autograd._empty(x),
-            torch.empty_like(h) if need_h else conv_autograd._empty(x),
-            torch.empty_like(w_last) if need_w else conv_autograd._empty(x))
+    return (x.new_empty((n_nodes, spec.dim_in1)) if need_x else placeholder(x),
+            x.new_empty((y.shape[0], spec.dim_in2)) if need_y else placeholder(x),
+            torch.empty_like(h) if need_h else placeholder(x),
+            torch.empty_like(w_last) if need_w else placeholder(x))
 
 
 def _setup(ctx, inputs, output) -> None:

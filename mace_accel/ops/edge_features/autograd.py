@@ -27,9 +27,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from mace_accel.errors import KernelError
 from mace_accel.ops import registry
-from mace_accel.ops.custom_op import custom_op
+from mace_accel.ops.custom_op import check_backend, custom_op, placeholder, \
+    refuse_derivatives, upstream_grad
 from mace_accel.ops.edge_features import reference
 from mace_accel.ops.edge_features.spec import RadialSpec, SHSpec
 
@@ -65,32 +65,11 @@ def start_compiles(key: str, dtype: torch.dtype, device: torch.device) -> None:
     _cuda(key, torch.empty(0, dtype=dtype, device=device)).start_compiles()
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in ("cuda", "reference"):
-        raise KernelError(f"backend must be 'cuda' or 'reference', got {backend!r}")
-
-
-def _empty(like: Tensor) -> Tensor:
-    return like.new_empty((0,))
-
-
-def _upstream(a: Optional[Tensor]) -> Optional[Tensor]:
-    """An upstream gradient, or None for an output nobody used (or an empty placeholder)."""
-    return None if a is None or a.numel() == 0 else a.contiguous()
-
-
-def _no_third_derivative(ctx, *grads):
-    raise KernelError(
-        f"{ctx.op_name} cannot be differentiated again: the fused edge-feature ops provide "
-        "first and second derivatives (energy, forces, stress, force training); for third "
-        "derivatives run the model unpatched (mace_accel.revert(model))")
-
-
 # == spherical harmonics ===========================================================================
 @custom_op("mace_accel::edge_sh")
 def sh_op(vectors: Tensor, key: str, backend: str) -> Tensor:
     """``edge_attrs [E, dim]`` of ``vectors [E, 3]`` (contiguous)."""
-    _check_backend(backend)
+    check_backend(backend)
     spec = registry.lookup(key)
     if backend == "reference":
         return reference.sh_forward(spec, vectors).contiguous()
@@ -105,7 +84,7 @@ def _(vectors, key, backend):
 @custom_op("mace_accel::edge_sh_backward")
 def sh_backward_op(vectors: Tensor, grad: Tensor, key: str, backend: str) -> Tensor:
     """``d vectors [E, 3]`` of ``<grad, Y(vectors)>``."""
-    _check_backend(backend)
+    check_backend(backend)
     spec = registry.lookup(key)
     if backend == "reference":
         return reference.sh_backward(spec, vectors, grad).contiguous()
@@ -122,7 +101,7 @@ def sh_double_backward_op(vectors: Tensor, grad: Tensor, upstream: Tensor, key: 
                           backend: str) -> Tuple[Tensor, Tensor]:
     """``(d vectors [E, 3], d grad [E, dim])`` for the upstream gradient ``[E, 3]`` of the
     backward's output."""
-    _check_backend(backend)
+    check_backend(backend)
     spec = registry.lookup(key)
     if backend == "reference":
         d_vectors, d_grad = reference.sh_double_backward(spec, vectors, grad, upstream)
@@ -155,7 +134,7 @@ def _sh_setup_backward(ctx, inputs, output) -> None:
 
 
 def _sh_backward_of_backward(ctx, upstream):
-    upstream = _upstream(upstream)
+    upstream = upstream_grad(upstream)
     want_v, want_g = ctx.needs_input_grad[:2]
     if upstream is None or not (want_v or want_g):
         return None, None, None, None
@@ -164,16 +143,9 @@ def _sh_backward_of_backward(ctx, upstream):
     return (d_vectors if want_v else None), (d_grad if want_g else None), None, None
 
 
-def _setup_last(name: str):
-    def setup(ctx, inputs, output) -> None:
-        ctx.op_name = name
-    return setup
-
-
 sh_op.register_autograd(_sh_backward_of_forward, setup_context=_sh_setup_forward)
 sh_backward_op.register_autograd(_sh_backward_of_backward, setup_context=_sh_setup_backward)
-sh_double_backward_op.register_autograd(
-    _no_third_derivative, setup_context=_setup_last("mace_accel::edge_sh_double_backward"))
+refuse_derivatives(sh_double_backward_op, "edge-feature")
 
 
 def spherical_harmonics(key: str, vectors: Tensor, backend: str = "cuda") -> Tensor:
@@ -199,13 +171,13 @@ def radial_op(lengths: Tensor, r0: Tensor, key: str, backend: str) -> Tuple[Tens
     """``(feats [E, B], cutoff [E, 1])`` of ``lengths [E, 1]`` (and each edge's ``r0 [E, 1]``
     of a distance transform, else empty); ``cutoff`` is an empty tensor when the spec applies
     it (``feats = radial * cutoff``)."""
-    _check_backend(backend)
+    check_backend(backend)
     spec = registry.lookup(key)
     if backend == "reference":
         feats, cutoff = reference.radial_forward(spec, lengths, _r0(spec, r0))
     else:
         feats, cutoff = _cuda(key, lengths).forward(lengths, _r0(spec, r0))
-    return feats.contiguous(), (_empty(lengths) if cutoff is None else cutoff.contiguous())
+    return feats.contiguous(), (placeholder(lengths) if cutoff is None else cutoff.contiguous())
 
 
 @radial_op.register_fake
@@ -213,7 +185,7 @@ def _(lengths, r0, key, backend):
     spec = registry.lookup(key)
     n = lengths.shape[0]
     return (lengths.new_empty((n, spec.num_basis)),
-            _empty(lengths) if spec.apply_cutoff else lengths.new_empty((n, 1)))
+            placeholder(lengths) if spec.apply_cutoff else lengths.new_empty((n, 1)))
 
 
 @custom_op("mace_accel::edge_radial_backward")
@@ -221,7 +193,7 @@ def radial_backward_op(lengths: Tensor, r0: Tensor, grad: Tensor, grad_cutoff: T
                        key: str, backend: str) -> Tensor:
     """``d lengths [E, 1]`` of ``<grad, feats> + <grad_cutoff, cutoff>`` (``grad_cutoff``
     empty when the cutoff is applied)."""
-    _check_backend(backend)
+    check_backend(backend)
     spec = registry.lookup(key)
     gc = None if spec.apply_cutoff else grad_cutoff
     if backend == "reference":
@@ -240,7 +212,7 @@ def radial_double_backward_op(lengths: Tensor, r0: Tensor, grad: Tensor, grad_cu
                               backend: str) -> Tuple[Tensor, Tensor, Tensor]:
     """``(d lengths [E, 1], d grad [E, B], d grad_cutoff [E, 1] or empty)`` for the upstream
     gradient ``[E, 1]`` of the backward's output."""
-    _check_backend(backend)
+    check_backend(backend)
     spec = registry.lookup(key)
     gc = None if spec.apply_cutoff else grad_cutoff
     if backend == "reference":
@@ -250,14 +222,14 @@ def radial_double_backward_op(lengths: Tensor, r0: Tensor, grad: Tensor, grad_cu
         out = _cuda(key, lengths).double_backward(lengths, grad, gc, upstream, _r0(spec, r0))
     d_lengths, d_grad, d_cutoff = out
     return (d_lengths.contiguous(), d_grad.contiguous(),
-            _empty(lengths) if d_cutoff is None else d_cutoff.contiguous())
+            placeholder(lengths) if d_cutoff is None else d_cutoff.contiguous())
 
 
 @radial_double_backward_op.register_fake
 def _(lengths, r0, grad, grad_cutoff, upstream, key, backend):
     spec = registry.lookup(key)
     return (lengths.new_empty(lengths.shape), grad.new_empty(grad.shape),
-            _empty(lengths) if spec.apply_cutoff else lengths.new_empty(lengths.shape))
+            placeholder(lengths) if spec.apply_cutoff else lengths.new_empty(lengths.shape))
 
 
 def _radial_setup_forward(ctx, inputs, output) -> None:
@@ -270,13 +242,13 @@ def _radial_setup_forward(ctx, inputs, output) -> None:
 def _cutoff_grad(ctx, lengths: Tensor, grad_cutoff: Optional[Tensor]) -> Tensor:
     """The cutoff's upstream gradient as the backward op takes it (empty / zeros if unused)."""
     if ctx.apply_cutoff:
-        return _empty(lengths)
-    grad_cutoff = _upstream(grad_cutoff)
+        return placeholder(lengths)
+    grad_cutoff = upstream_grad(grad_cutoff)
     return torch.zeros_like(lengths) if grad_cutoff is None else grad_cutoff
 
 
 def _radial_backward_of_forward(ctx, grad, grad_cutoff):
-    grad, grad_cutoff_used = _upstream(grad), _upstream(grad_cutoff)
+    grad, grad_cutoff_used = upstream_grad(grad), upstream_grad(grad_cutoff)
     if not ctx.needs_input_grad[0] or (grad is None and grad_cutoff_used is None):
         return None, None, None, None
     lengths, r0 = ctx.saved_tensors
@@ -294,7 +266,7 @@ def _radial_setup_backward(ctx, inputs, output) -> None:
 
 
 def _radial_backward_of_backward(ctx, upstream):
-    upstream = _upstream(upstream)
+    upstream = upstream_grad(upstream)
     want_r, _, want_g, want_gc = ctx.needs_input_grad[:4]
     if upstream is None or not (want_r or want_g or want_gc):
         return None, None, None, None, None, None
@@ -308,8 +280,7 @@ def _radial_backward_of_backward(ctx, upstream):
 radial_op.register_autograd(_radial_backward_of_forward, setup_context=_radial_setup_forward)
 radial_backward_op.register_autograd(_radial_backward_of_backward,
                                      setup_context=_radial_setup_backward)
-radial_double_backward_op.register_autograd(
-    _no_third_derivative, setup_context=_setup_last("mace_accel::edge_radial_double_backward"))
+refuse_derivatives(radial_double_backward_op, "edge-feature")
 
 
 def radial_embedding(key: str, lengths: Tensor, backend: str = "cuda",
@@ -322,6 +293,6 @@ def radial_embedding(key: str, lengths: Tensor, backend: str = "cuda",
         ``(radial * cutoff [E, B], None)`` if the spec applies the cutoff, else
         ``(radial [E, B], cutoff [E, 1])``, as mace's ``RadialEmbeddingBlock``.
     """
-    r0 = _empty(lengths) if r0 is None else r0.reshape(-1, 1).to(lengths.dtype).contiguous()
+    r0 = placeholder(lengths) if r0 is None else r0.reshape(-1, 1).to(lengths.dtype).contiguous()
     feats, cutoff = radial_op(lengths.contiguous(), r0, key, backend)
     return feats, (None if registry.lookup(key).apply_cutoff else cutoff)

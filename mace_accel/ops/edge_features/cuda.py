@@ -16,36 +16,25 @@ from mace_accel.errors import KernelError, KernelSizeError
 from mace_accel.ops.edge_features.codegen import kernel_name, render_radial, render_sh
 from mace_accel.ops.edge_features.schedule import EdgePlan, plan_for
 from mace_accel.ops.edge_features.spec import RadialSpec, SHSpec
-from mace_accel.ops.runtime import (
-    INT32_MAX,
-    Kernel,
-    check_tensor,
-    compile_soon,
-    kernel_device,
-    device_limits,
-    i32,
-    ptr,
-)
+from mace_accel.ops.runtime import INT32_MAX, CudaKernels, compile_soon, i32, ptr
 from mace_accel.options import dtype_name
 
 Tensor = torch.Tensor
 
 
-class _EdgeKernels:
+class _EdgeKernels(CudaKernels):
     """The three kernels (forward, backward, double backward) of one spec, dtype and device."""
 
     family = ""
 
     def __init__(self, spec: Union[SHSpec, RadialSpec], dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.device = kernel_device(dtype, device)
+        super().__init__(dtype, device, spec.describe())
         reason = spec.unsupported_reason()
         if reason is not None:
             raise KernelError(f"{spec.describe()} cannot be fused: {reason}")
-        self.spec, self.dtype = spec, dtype
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.plan: EdgePlan = plan_for(spec, dtype_name(dtype), device_limits(self.device), sms)
-        self._kernels: Dict[str, Kernel] = {}
+        self.spec = spec
+        self.plan: EdgePlan = plan_for(spec, dtype_name(dtype), self.limits)
         self._sources: Dict[str, str] = {}
 
     def _render(self, which: str) -> str:
@@ -67,11 +56,7 @@ class _EdgeKernels:
     def _launch(self, which: str, n_edges: int, args: tuple) -> None:
         if n_edges == 0:
             return
-        k = self._kernels.get(which)
-        if k is None:
-            k = self._kernels[which] = Kernel(self._source(which),
-                                              kernel_name(self.family, which), self.device,
-                                              self.plan.arch)
+        k = self._kernel(kernel_name(self.family, which), lambda: self._source(which))
         k.launch(self.plan.blocks(n_edges), self.plan.threads, args + (i32(n_edges),))
 
     def _check(self, n_edges: int, **tensors: Tuple[Tensor, Tuple[int, ...]]) -> None:
@@ -79,10 +64,7 @@ class _EdgeKernels:
         if n_edges > INT32_MAX:
             raise KernelSizeError(f"{n_edges} edges exceed the kernels' int32 edge count")
         for name, (t, shape) in tensors.items():
-            check_tensor(name, t, shape, self.dtype, self.device, self.spec.describe())
-
-    def _empty(self, *shape: int) -> Tensor:
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._check_tensor(name, t, shape)
 
 
 class CudaSphericalHarmonics(_EdgeKernels):

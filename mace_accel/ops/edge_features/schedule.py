@@ -19,7 +19,7 @@ from typing import Union
 
 from mace_accel.errors import KernelError
 from mace_accel.ops.edge_features.spec import RadialSpec, SHSpec
-from mace_accel.ops.limits import BLOCKS_PER_SM, DEFAULT_SMS, WARP, DeviceLimits
+from mace_accel.ops.limits import BLOCKS_PER_SM, WARP, DeviceLimits
 from mace_accel.ops.templates import RealType
 
 DTYPES = ("float32", "float64")
@@ -44,7 +44,7 @@ class EdgePlan(RealType):
     arch: str
     row: int
     threads: int = THREADS
-    max_blocks: int = BLOCKS_PER_SM * DEFAULT_SMS
+    max_blocks: int = BLOCKS_PER_SM * DEFAULT_LIMITS.multiprocessors
 
 
     @property
@@ -62,10 +62,9 @@ class EdgePlan(RealType):
         return max(1, min(self.max_blocks, -(-n_edges // self.threads)))
 
 
-def plan_edges(dtype: str, row: int, limits: DeviceLimits = DEFAULT_LIMITS,
-               multiprocessors: int = DEFAULT_SMS) -> EdgePlan:
-    """The plan for ``dtype`` and rows of ``row`` values on a device with ``limits`` and
-    ``multiprocessors`` SMs: 128 threads, fewer when the tile would not fit shared memory.
+def plan_edges(dtype: str, row: int, limits: DeviceLimits = DEFAULT_LIMITS) -> EdgePlan:
+    """The plan for ``dtype`` and rows of ``row`` values on a device with ``limits``: 128
+    threads, fewer when the tile would not fit shared memory.
 
     Raises:
         KernelError: an unknown dtype, or a row too wide for one warp's tile.
@@ -76,7 +75,7 @@ def plan_edges(dtype: str, row: int, limits: DeviceLimits = DEFAULT_LIMITS,
         raise KernelError(f"the kernels assume 32-thread warps, device has {limits.warp_size}")
     plan = EdgePlan(dtype=dtype, arch=limits.arch, row=int(row),
                     threads=min(THREADS, limits.max_threads_per_block),
-                    max_blocks=BLOCKS_PER_SM * max(1, int(multiprocessors)))
+                    max_blocks=BLOCKS_PER_SM * max(1, int(limits.multiprocessors)))
     while plan.tile_bytes > limits.max_shared_per_block and plan.threads > WARP:
         plan = dataclasses.replace(plan, threads=plan.threads // 2)
     if plan.tile_bytes > limits.max_shared_per_block or plan.threads < WARP:
@@ -85,8 +84,8 @@ def plan_edges(dtype: str, row: int, limits: DeviceLimits = DEFAULT_LIMITS,
     return plan
 
 
-def plan_for(spec: Union[SHSpec, RadialSpec], dtype: str, limits: DeviceLimits = DEFAULT_LIMITS,
-             multiprocessors: int = DEFAULT_SMS) -> EdgePlan:
+def plan_for(spec: Union[SHSpec, RadialSpec], dtype: str,
+             limits: DeviceLimits = DEFAULT_LIMITS) -> EdgePlan:
     """The plan of the three kernels of ``spec`` (rows: ``dim`` or ``num_basis`` values)."""
     row = spec.dim if isinstance(spec, SHSpec) else spec.num_basis
-    return plan_edges(dtype, row, limits, multiprocessors)
+    return plan_edges(dtype, row, limits)

@@ -3,47 +3,30 @@ launched on torch's current stream (allocates nothing but its output; graph-capt
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from mace_accel.errors import KernelSizeError
 from mace_accel.ops.irreps_linear import codegen, gemm
 from mace_accel.ops.irreps_linear.spec import LinearSpec
-from mace_accel.ops.runtime import (
-    INT32_MAX,
-    Kernel,
-    check_rows,
-    check_tensor,
-    compile_soon,
-    kernel_device,
-    device_limits,
-    i32,
-    ptr,
-)
+from mace_accel.ops.runtime import INT32_MAX, CudaKernels, check_rows, compile_soon, i32, ptr
 from mace_accel.options import dtype_name
 
 Tensor = torch.Tensor
 
 
-class CudaIrrepsLinear:
+class CudaIrrepsLinear(CudaKernels):
     """The kernel of one :class:`LinearSpec` (a map or its transpose) for a dtype and device."""
 
     def __init__(self, spec: LinearSpec, dtype: torch.dtype, device: torch.device) -> None:
-        self.spec, self.dtype = spec, dtype
-        self.device = kernel_device(dtype, device)
-        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.plan = codegen.plan_kernel(spec, dtype_name(dtype), device_limits(self.device).arch)
-        self._kernel: Optional[Kernel] = None
+        super().__init__(dtype, device, spec.describe())
+        self.spec = spec
+        self.plan = codegen.plan_kernel(spec, dtype_name(dtype), self.arch)
         self.gemm_min_nodes = gemm.MIN_NODES_FLOAT64  # (benchmarks set it to time the kernel)
         self._grouped_float32 = dtype == torch.float32 and gemm.grouped_in_float32(spec)
 
     def start_compiles(self) -> None:
         """Start compiling the kernel (:func:`~mace_accel.ops.runtime.compile_soon`)."""
         compile_soon(codegen.render_kernel(self.plan), self.plan.arch)
-
-    def _check(self, name: str, t: Tensor, shape, dtype: torch.dtype) -> None:
-        check_tensor(name, t, shape, dtype, self.device, self.spec.describe())
 
     def runs_gemm(self, n: int) -> bool:
         """Whether ``n`` nodes run as GEMMs on the tensor cores (:mod:`.gemm`) rather than the
@@ -56,10 +39,10 @@ class CudaIrrepsLinear:
         cores where :func:`.gemm.takes` them."""
         s = self.spec
         n = int(x.shape[0]) if x.dim() == 2 else -1
-        self._check("x", x, (n, s.dim_in), self.dtype)
-        self._check("weights", w, (s.weight_numel,), self.dtype)
+        self._check_tensor("x", x, (n, s.dim_in))
+        self._check_tensor("weights", w, (s.weight_numel,))
         if s.indexed:
-            self._check("elem", elem, (n,), torch.int32)
+            self._check_tensor("elem", elem, (n,), torch.int32)
         # node counts in int32, every global offset in 64 bits (the row width does not count)
         check_rows(n, self.plan.tile_nodes, "the linear kernel")
         if s.weight_numel > INT32_MAX:
@@ -67,12 +50,11 @@ class CudaIrrepsLinear:
                                   "weight index")
         if self.runs_gemm(n):
             return gemm.apply(s, x, w)
-        out = torch.empty((n, s.dim_out), dtype=self.dtype, device=self.device)
+        out = self._empty(n, s.dim_out)
         if n == 0:
             return out
-        if self._kernel is None:
-            self._kernel = Kernel(codegen.render_kernel(self.plan), codegen.kernel_name(self.plan),
-                                  self.device, self.plan.arch)
-        self._kernel.launch(self.plan.grid(n, self.sms), self.plan.threads,
-                            (ptr(x), ptr(w), ptr(elem if s.indexed else None), ptr(out), i32(n)))
+        kernel = self._kernel(codegen.kernel_name(self.plan),
+                              lambda: codegen.render_kernel(self.plan))
+        kernel.launch(self.plan.grid(n, self.limits.multiprocessors), self.plan.threads,
+                      (ptr(x), ptr(w), ptr(elem if s.indexed else None), ptr(out), i32(n)))
         return out

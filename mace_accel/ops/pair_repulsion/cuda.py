@@ -8,11 +8,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from mace_accel.ops.limits import resident_blocks
 from mace_accel.ops.pair_repulsion import reference
 from mace_accel.ops.pair_repulsion.codegen import THREADS, kernel_name, render_kernel
 from mace_accel.ops.pair_repulsion.spec import ZBLSpec
-from mace_accel.ops.runtime import Kernel, check_tensor, device_limits, i32, kernel_device, ptr
+from mace_accel.ops.runtime import CudaKernels, device_limits, i32, kernel_device, ptr
 from mace_accel.options import dtype_name
 
 Tensor = torch.Tensor
@@ -25,15 +24,14 @@ def kernel_source(spec: ZBLSpec, dtype: torch.dtype, device: torch.device) -> Tu
     return render_kernel(spec, dtype_name(dtype)), arch
 
 
-class CudaZBL:
+class CudaZBL(CudaKernels):
     """The ZBL kernel of ``spec`` for ``dtype`` on ``device``, with its per-element tables."""
 
     def __init__(self, spec: ZBLSpec, dtype: torch.dtype, device: torch.device) -> None:
-        self.spec, self.dtype = spec, dtype
-        self.device = kernel_device(dtype, device)
-        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        source, arch = kernel_source(spec, dtype, self.device)
-        self.kernel = Kernel(source, kernel_name(spec, dtype_name(dtype)), self.device, arch)
+        super().__init__(dtype, device, WHAT)
+        self.spec = spec
+        self.kernel = self._load(render_kernel(spec, dtype_name(dtype)),
+                                 kernel_name(spec, dtype_name(dtype)))
         numbers = torch.tensor(spec.numbers, dtype=dtype, device=self.device)
         self.zpow = torch.pow(numbers, spec.a_exp)  # mace's Z^a_exp, in the model's dtype
         self.radii = torch.tensor(spec.radii, dtype=dtype, device=self.device)
@@ -55,15 +53,14 @@ class CudaZBL:
         ``recv_perm [E]``). Indices are not range-checked here (that would synchronise): they
         come from the model's own graph."""
         n, e = int(elements.shape[0]), int(lengths.shape[0])
-        check_tensor("lengths", lengths, (e,), self.dtype, self.device, WHAT)
-        check_tensor("elements", elements, (n,), torch.int64, self.device, WHAT)
-        check_tensor("sender", sender, (e,), torch.int32, self.device, WHAT)
-        check_tensor("recv_ptr", recv_ptr, (n + 1,), torch.int32, self.device, WHAT)
-        check_tensor("recv_perm", recv_perm, (e,), torch.int32, self.device, WHAT)
-        energy = torch.empty((n,), dtype=self.dtype, device=self.device)
-        slope = torch.empty((e,), dtype=self.dtype, device=self.device)
+        self._check_tensor("lengths", lengths, (e,))
+        self._check_tensor("elements", elements, (n,), torch.int64)
+        self._check_tensor("sender", sender, (e,), torch.int32)
+        self._check_tensor("recv_ptr", recv_ptr, (n + 1,), torch.int32)
+        self._check_tensor("recv_perm", recv_perm, (e,), torch.int32)
+        energy, slope = self._empty(n), self._empty(e)
         if n:
-            grid = resident_blocks(-(-n // (THREADS // 32)), self.sms)  # a warp per atom
+            grid = self._blocks(-(-n // (THREADS // 32)))  # a warp per atom
             self.kernel.launch(grid, THREADS, (
                 ptr(lengths), ptr(elements), ptr(sender), ptr(recv_ptr), ptr(recv_perm),
                 ptr(self.zpow), ptr(self.radii), ptr(self._coulomb_factors()), ptr(energy),

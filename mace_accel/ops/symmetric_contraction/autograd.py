@@ -22,13 +22,13 @@ and is tested on the CPU.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
-from mace_accel.errors import KernelError
 from mace_accel.ops import registry
-from mace_accel.ops.custom_op import custom_op
+from mace_accel.ops.custom_op import check_backend, custom_op, placeholder, \
+    refuse_derivatives, upstream_grad
 from mace_accel.ops.symmetric_contraction import reference
 from mace_accel.ops.symmetric_contraction.spec import SCSpec
 
@@ -50,15 +50,6 @@ def _cuda(key: str, t: Tensor):
 def start_compiles(key: str, dtype: torch.dtype, device: torch.device) -> None:
     """Start compiling the CUDA kernels of the spec under ``key`` that a forces call launches."""
     _cuda(key, torch.empty(0, dtype=dtype, device=device)).start_compiles()
-
-
-def _empty(like: Tensor) -> Tensor:
-    return like.new_empty((0,))
-
-
-def _upstream(a: Optional[Tensor]) -> Optional[Tensor]:
-    """An upstream gradient, or None for an output nobody used (or an empty placeholder)."""
-    return None if a is None or a.numel() == 0 else a.contiguous()
 
 
 # -- forward ---------------------------------------------------------------------------------------
@@ -123,14 +114,14 @@ def sc_double_backward_op(x: Tensor, v: Tensor, elem: Tensor, weights: List[Tens
         dx, dg = reference.double_backward(spec, x, v, elem.long(), weights, g, need_x, need_g)
     else:
         dx, dg = _cuda(key, x).double_backward(x, v, elem, weights, g, need_x, need_g)
-    return (dx if dx is not None else _empty(x), dg if dg is not None else _empty(x))
+    return (dx if dx is not None else placeholder(x), dg if dg is not None else placeholder(x))
 
 
 @sc_double_backward_op.register_fake
 def _(x, v, elem, weights, g, key, backend, need_x, need_g):
     spec = registry.lookup(key)
-    return (torch.empty_like(x) if need_x else _empty(x),
-            x.new_empty((x.shape[0], spec.dim_out)) if need_g else _empty(x))
+    return (torch.empty_like(x) if need_x else placeholder(x),
+            x.new_empty((x.shape[0], spec.dim_out)) if need_g else placeholder(x))
 
 
 # -- autograd ------------------------------------------------------------------------------------
@@ -157,7 +148,7 @@ def _backward_of_forward(ctx, g):
     gx = sc_backward_op(x, elem, weights, g, ctx.key, ctx.backend) if need_x else None
     gw = no_w
     if need_w:
-        gw = sc_weight_grad_op(x, _empty(x), elem, weights, g, ctx.key, ctx.backend)
+        gw = sc_weight_grad_op(x, placeholder(x), elem, weights, g, ctx.key, ctx.backend)
     return gx, None, gw, None, None
 
 
@@ -171,7 +162,7 @@ def _backward_of_backward(ctx, v):
     x, elem, g, *weights = ctx.saved_tensors
     need_x, _, need_w, need_g = ctx.needs_input_grad[:4]
     need_w = _any(need_w)
-    v = _upstream(v)
+    v = upstream_grad(v)
     no_w = [None] * len(weights)
     if v is None:
         return None, None, no_w, None, None, None
@@ -184,22 +175,10 @@ def _backward_of_backward(ctx, v):
     return dx, None, dw, dg, None, None
 
 
-def _no_higher_derivative(ctx, *grads):
-    raise KernelError(
-        "the fused symmetric contraction provides first and second derivatives (energy, "
-        "forces, stress, weight gradients, training on forces); differentiating its weight "
-        "gradient or its double backward again is not supported: run the model unpatched "
-        "(mace_accel.revert(model)) for that")
-
-
-def _setup_none(ctx, inputs, output) -> None:
-    pass
-
-
 sc_op.register_autograd(_backward_of_forward, setup_context=_setup_forward)
 sc_backward_op.register_autograd(_backward_of_backward, setup_context=_setup_backward)
-sc_weight_grad_op.register_autograd(_no_higher_derivative, setup_context=_setup_none)
-sc_double_backward_op.register_autograd(_no_higher_derivative, setup_context=_setup_none)
+refuse_derivatives(sc_weight_grad_op, "symmetric contraction")
+refuse_derivatives(sc_double_backward_op, "symmetric contraction")
 
 
 def symmetric_contraction(key: str, x: Tensor, elem: Tensor, weights: Sequence[Tensor],
@@ -213,7 +192,6 @@ def symmetric_contraction(key: str, x: Tensor, elem: Tensor, weights: Sequence[T
         weights: ``[Z, K_j, C]`` per output and degree, in :attr:`SCSpec.weight_shapes` order.
         backend: ``"cuda"`` or ``"reference"``.
     """
-    if backend not in ("cuda", "reference"):
-        raise KernelError(f"backend must be 'cuda' or 'reference', got {backend!r}")
+    check_backend(backend)
     return sc_op(x.contiguous(), elem.contiguous(), [w.contiguous() for w in weights], key,
                  backend)

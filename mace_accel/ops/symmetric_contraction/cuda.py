@@ -10,21 +10,12 @@ GEMM (deterministic, no atomics).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from mace_accel.errors import KernelError, KernelSizeError
-from mace_accel.ops.runtime import (
-    INT32_MAX,
-    Kernel,
-    check_tensor,
-    compile_soon,
-    kernel_device,
-    device_limits,
-    i32,
-    ptr,
-)
+from mace_accel.ops.runtime import INT32_MAX, CudaKernels, Kernel, compile_soon, i32, ptr
 from mace_accel.ops.symmetric_contraction import codegen
 from mace_accel.ops.symmetric_contraction.spec import SCSpec
 from mace_accel.options import dtype_name
@@ -32,7 +23,7 @@ from mace_accel.options import dtype_name
 Tensor = torch.Tensor
 
 
-class CudaSymmetricContraction:
+class CudaSymmetricContraction(CudaKernels):
     """Forward, backward, weight-gradient and double-backward kernels of one :class:`SCSpec`.
 
     Args:
@@ -42,24 +33,19 @@ class CudaSymmetricContraction:
     """
 
     def __init__(self, spec: SCSpec, dtype: torch.dtype, device: torch.device) -> None:
-        self.spec, self.dtype = spec, dtype
-        self.device = kernel_device(dtype, device)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.plan = codegen.plan_kernels(spec, dtype_name(dtype), device_limits(self.device),
-                                         multiprocessors=sms)
-        self._kernels: Dict[str, Kernel] = {}
+        super().__init__(dtype, device, spec.describe())
+        self.spec = spec
+        self.plan = codegen.plan_kernels(spec, dtype_name(dtype), self.limits,
+                                         multiprocessors=self.limits.multiprocessors)
         self.k_total = sum(k for _, k, _ in spec.weight_shapes)
 
     # -- plumbing ----------------------------------------------------------------------------
-    def _kernel(self, name: str, render) -> Kernel:
-        k = self._kernels.get(name)
-        if k is None:
-            source = render()
-            # the float64 gradient accumulators live in dynamic shared memory
-            shared = self.plan.accumulator_bytes if "extern __shared__" in source else 0
-            k = self._kernels[name] = Kernel(source, name, self.device, self.plan.arch,
-                                             dynamic_shared=shared)
-        return k
+    def _load(self, source: str, name: str, dynamic_shared: int = 0) -> Kernel:
+        """As :meth:`CudaKernels._load`, with the plan's accumulators where ``source`` declares
+        dynamic shared memory (the float64 gradient accumulators live there)."""
+        if "extern __shared__" in source:
+            dynamic_shared = self.plan.accumulator_bytes
+        return super()._load(source, name, dynamic_shared)
 
     def start_compiles(self) -> None:
         """Start compiling (:func:`~mace_accel.ops.runtime.compile_soon`) what a forces call
@@ -94,16 +80,9 @@ class CudaSymmetricContraction:
             tensors.update({f"weights[{j}]": (w, shape)
                             for j, (w, shape) in enumerate(zip(weights, s.weight_shapes))})
         for name, (t, shape) in tensors.items():
-            self._check_tensor(name, t, shape, self.dtype)
+            self._check_tensor(name, t, shape)
         self._check_tensor("elem", elem, (n,), torch.int32)
         return n
-
-    def _check_tensor(self, name: str, t: Tensor, shape: Tuple[int, ...],
-                      dtype: torch.dtype) -> None:
-        check_tensor(name, t, shape, dtype, self.device, self.spec.describe())
-
-    def _empty(self, *shape: int) -> Tensor:
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     # -- the passes --------------------------------------------------------------------------
     def forward(self, x: Tensor, elem: Tensor, weights: Sequence[Tensor]) -> Tensor:

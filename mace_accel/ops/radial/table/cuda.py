@@ -4,48 +4,46 @@ synchronises, so a lookup can be captured in a CUDA graph)."""
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
 
 from mace_accel.errors import KernelError
-from mace_accel.ops.radial.table.codegen import TABLE_EDGES, TablePlan, grid, kernel_name, \
-    plan_kernel, render_kernel
-from mace_accel.ops.runtime import Kernel, check_aligned, check_rows, check_tensor, \
-    compile_soon, device_limits, i32, kernel_device, ptr
+from mace_accel.ops.radial.table.codegen import DIRECTIONS, TABLE_EDGES, TablePlan, grid, \
+    kernel_name, plan_kernel, render_kernel
+from mace_accel.ops.runtime import CudaKernels, Kernel, check_aligned, check_rows, compile_soon, \
+    i32, ptr
 from mace_accel.options import dtype_name
 
 Tensor = torch.Tensor
 WHAT = "radial table"
 
 
-class CudaRadialTable:
+class CudaRadialTable(CudaKernels):
     """Lookups of tables with ``n_out`` weights a row, of ``dtype`` and polynomial ``degree``,
     on ``device``."""
 
     def __init__(self, n_out: int, dtype: torch.dtype, degree: int,
                  device: torch.device) -> None:
-        self.n_out, self.dtype, self.degree = n_out, dtype, degree
-        self.device = kernel_device(dtype, device)
-        self.arch = device_limits(self.device).arch
-        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self._kernels: Dict[str, Tuple[Kernel, TablePlan]] = {}
+        super().__init__(dtype, device, WHAT)
+        self.n_out, self.degree = n_out, degree
 
     def start_compiles(self) -> None:
         """Start compiling the lookup and both backwards (which one a call takes depends on
         its edge count: :func:`~mace_accel.patches.radial.table.walks_sorted`)."""
-        for direction in ("forward", "backward", "sorted_backward"):
-            plan = plan_kernel(direction, self.n_out, dtype_name(self.dtype), self.degree)
-            compile_soon(render_kernel(plan), self.arch)
+        for direction in DIRECTIONS:
+            compile_soon(render_kernel(self._plan(direction)), self.arch)
 
-    def _kernel(self, direction: str) -> Tuple[Kernel, TablePlan]:
-        """The loaded kernel of ``direction`` and its plan (built on first use)."""
-        if direction not in self._kernels:
-            plan = plan_kernel(direction, self.n_out, dtype_name(self.dtype), self.degree)
-            self._kernels[direction] = (Kernel(render_kernel(plan), kernel_name(plan),
-                                               self.device, self.arch), plan)
-        return self._kernels[direction]
+    def _plan(self, direction: str) -> TablePlan:
+        """The plan of ``direction``: made when a call needs it, after the call's arguments
+        are checked (a table of a degree no kernel takes is then refused as an argument)."""
+        return plan_kernel(direction, self.n_out, dtype_name(self.dtype), self.degree)
+
+    def _kernel_of(self, direction: str) -> Tuple[Kernel, TablePlan]:
+        """The kernel of ``direction`` (loaded on first use) and its plan."""
+        plan = self._plan(direction)
+        return self._kernel(kernel_name(plan), lambda: render_kernel(plan)), plan
 
     def _real(self, v: float):
         return np.float32(v) if self.dtype == torch.float32 else np.float64(v)
@@ -54,14 +52,13 @@ class CudaRadialTable:
                coeffs: Tensor, tables: int) -> Tuple[int, int]:
         """``(E, cells per table)`` after checking every argument."""
         e = int(lengths.shape[0]) if lengths.dim() == 1 else -1
-        check_tensor("lengths", lengths, (e,), self.dtype, self.device, WHAT)
+        self._check_tensor("lengths", lengths, (e,))
         if order is not None:
-            check_tensor("order", order, (e,), torch.int64, self.device, WHAT)
+            self._check_tensor("order", order, (e,), torch.int64)
         if slots is not None:
-            check_tensor("slots", slots, (e,), torch.int32, self.device, WHAT)
+            self._check_tensor("slots", slots, (e,), torch.int32)
         rows = int(coeffs.shape[0]) if coeffs.dim() == 3 else -1
-        check_tensor("table", coeffs, (rows, self.degree + 1, self.n_out), self.dtype,
-                     self.device, WHAT)
+        self._check_tensor("table", coeffs, (rows, self.degree + 1, self.n_out))
         if tables < 1 or rows < tables or rows % tables:
             raise KernelError(f"{WHAT}: {rows} table rows do not make {tables} tables of "
                               "whole cells")
@@ -80,11 +77,11 @@ class CudaRadialTable:
         this one the speed; None: the edges as they come). ``order`` and ``slots`` are not
         range-checked (that would synchronise): the caller makes them."""
         e, cells = self._check(lengths, order, slots, coeffs, tables)
-        w = torch.empty((e, self.n_out), dtype=self.dtype, device=self.device)
+        w = self._empty(e, self.n_out)
         if e:
-            kernel, plan = self._kernel("forward")
+            kernel, plan = self._kernel_of("forward")
             kernel.launch(
-                grid(plan, e, self.sms), plan.threads,
+                grid(plan, e, self.limits.multiprocessors), plan.threads,
                 (ptr(lengths), ptr(order), ptr(slots), ptr(coeffs), ptr(w), self._real(inv_h),
                  i32(cells), i32(e)))
         return w
@@ -97,12 +94,12 @@ class CudaRadialTable:
         deterministic (the same bits on a repeat); the two differ in the last bits (their sums
         run in different orders)."""
         e, cells = self._check(lengths, order, slots, coeffs, tables)
-        check_tensor("d w", grad, (e, self.n_out), self.dtype, self.device, WHAT)
+        self._check_tensor("d w", grad, (e, self.n_out))
         check_aligned("d w", grad, WHAT)
-        dr = torch.empty((e,), dtype=self.dtype, device=self.device)
+        dr = self._empty(e)
         if e:
-            kernel, plan = self._kernel("backward" if order is None else "sorted_backward")
-            kernel.launch(grid(plan, e, self.sms), plan.threads,
+            kernel, plan = self._kernel_of("backward" if order is None else "sorted_backward")
+            kernel.launch(grid(plan, e, self.limits.multiprocessors), plan.threads,
                           (ptr(lengths), ptr(order), ptr(slots), ptr(coeffs), ptr(grad),
                            ptr(dr), self._real(inv_h), i32(cells), i32(e)))
         return dr

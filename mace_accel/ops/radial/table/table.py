@@ -52,7 +52,6 @@ SPECS: Dict[torch.dtype, TableSpec] = {
     dtype: TableSpec(degree, TABLE_TOL[dtype]["value"], TABLE_TOL[dtype]["slope"])
     for dtype, degree in ((torch.float32, CUBIC), (torch.float64, QUINTIC))
 }
-TOLERANCE = SPECS[torch.float32].tolerance  # float32's, the default of build_table
 
 
 class TableError(ValueError):
@@ -127,12 +126,6 @@ def derivatives(f: Callable[[Tensor], Tensor], r: Tensor, order: int) -> List[Te
             out.append(fn(r))
             fn = _forward_derivative(fn)
     return [t.detach() for t in out]
-
-
-def values_and_slopes(f: Callable[[Tensor], Tensor], r: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(f(r), f'(r))`` (:func:`derivatives` of order 1)."""
-    values, slopes = derivatives(f, r, 1)
-    return values, slopes
 
 
 def hermite_coefficients(values: Tensor, slopes_h: Tensor,
