@@ -21,7 +21,7 @@ import torch
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from mace_accel.capture import GRAPH_MAX_EDGES, CaptureError, PinnedResults, unpack
+from mace_accel.capture import GRAPH_MAX_EDGES, CaptureError, PinnedResults, pack, unpack
 from mace_accel.errors import ConfigError, InputError
 from mace_accel.models.atoms_state import changed_properties
 from mace_accel.models.batch import model_info
@@ -248,9 +248,9 @@ class MACEAccelCalculator(Calculator):
                                           out["n_pad"], want_stress)
                 return _ase_results(packed, want_stress), shortest
         out = evaluate_model(self.model, batch, want_stress)
-        results, values = _results(out, n_atoms, want_stress,
-                                   [self._resident.shortest_distance(batch)])
-        return results, float(values[0])
+        packed = pack(batch, out, want_stress).cpu().numpy()
+        results, shortest = unpack(packed, n_atoms, n_atoms, want_stress)
+        return _ase_results(results, want_stress), shortest
 
 
 @dataclasses.dataclass
@@ -283,24 +283,6 @@ class CallTimings:
             return {}
         return {name: 1e3 * getattr(self, f"{name}_s") / self.calls
                 for name in ("checks", "neighbours", "model")}
-
-
-def _results(out, n_atoms: int, with_stress: bool,
-             extra: Sequence[torch.Tensor] = ()) -> Tuple[dict, np.ndarray]:
-    """ASE results from the model's outputs, and the values of the 0-dim tensors ``extra``,
-    with one copy from the device."""
-    parts = [out["energy"].detach().reshape(-1)[:1], out["node_energy"].detach().reshape(-1),
-             out["forces"].detach().reshape(-1)]
-    if with_stress:
-        parts.append(out["stress"].detach().reshape(-1)[:9])
-    parts += [t.reshape(1) for t in extra]
-    flat = torch.cat([p.to(torch.float64) for p in parts]).cpu().numpy()
-    values, flat = flat[len(flat) - len(extra):], flat[:len(flat) - len(extra)]
-    out = {"energy": float(flat[0]), "node_energy": flat[1:1 + n_atoms],
-           "forces": flat[1 + n_atoms:1 + 4 * n_atoms].reshape(n_atoms, 3)}
-    if with_stress:
-        out["stress"] = flat[1 + 4 * n_atoms:].reshape(3, 3)
-    return _ase_results(out, with_stress), values
 
 
 def _ase_results(out: dict, with_stress: bool) -> dict:

@@ -117,10 +117,13 @@ class _Captured:
 
 
 def shortest_edge(inputs: Dict[str, Tensor]) -> Tensor:
-    """``[1]`` float64: the shortest edge of a padded batch, padding included (padding edges
-    are longer than the cutoff), so the real structure's shortest interatomic distance."""
+    """``[1]`` float64: the shortest edge of a batch (inf without edges), padding included
+    (padding edges are longer than the cutoff), so the real structure's shortest interatomic
+    distance: any pair closer than the cutoff is an edge. O(edges), no synchronisation."""
     pos = inputs["positions"].detach().to(torch.float64)
     ei = inputs["edge_index"]
+    if ei.shape[1] == 0:
+        return torch.full((1,), math.inf, dtype=torch.float64, device=ei.device)
     vectors = pos[ei[1]] - pos[ei[0]] + inputs["shifts"].to(torch.float64)
     return vectors.norm(dim=1).min().reshape(1)
 

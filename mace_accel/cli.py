@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
 from mace_accel.errors import InputError, Interrupted, MaceAccelError, OutputError
-from mace_accel.files import NO_ROOM_ERRNOS, os_error_reason, read_only_filesystem
+from mace_accel.files import NO_ROOM_ERRNOS, folder_problem, os_error_reason
 from mace_accel.options import BACKENDS, DTYPE_NAMES
 
 EXIT_OK, EXIT_OS_ERROR, EXIT_USER_ERROR, EXIT_NOT_CONVERGED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -75,19 +75,17 @@ def check_output_file(dst: Path, force: bool, src: Optional[Path] = None,
             raise OutputError(f"output {str(dst)!r} {what}; choose another path or pass --force "
                               "to overwrite it")
     folder = dst.absolute().parent
-    existing = folder
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
+    existing, problem = folder_problem(folder)
+    if problem == "not a folder":
         raise OutputError(f"cannot write {str(dst)!r}: {str(existing)!r} is a file, not a "
                           "folder; choose another output path")
     if existing != folder:
         raise OutputError(f"cannot write {str(dst)!r}: folder {str(folder)!r} does not exist; "
                           f"create it first (mkdir -p {folder}) or choose another output path")
-    if read_only_filesystem(folder):  # os.access says "no" too: name the real reason
+    if problem == "read-only":
         raise OutputError(f"cannot write {str(dst)!r}: folder {str(folder)!r} is on a read-only "
                           "filesystem; choose an output path on a writable one")
-    if not os.access(folder, os.W_OK | os.X_OK):
+    if problem == "no permission":
         raise OutputError(f"cannot write {str(dst)!r}: no permission to write in folder "
                           f"{str(folder)!r}; choose another output path or fix its permissions")
 

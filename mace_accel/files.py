@@ -13,7 +13,8 @@ the end of the file; a write that fails part-way (disk full) is cut back, so the
 with its last whole record and stays readable.
 
 The OS errors of both name the file they were writing (``exc.filename``);
-:func:`os_error_reason` says in words what a filesystem error means.
+:func:`os_error_reason` says in words what a filesystem error means, and :func:`folder_problem`
+why an output could not be created where the user asked, before anything is written.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import IO, Iterator, Optional, Union
+from typing import IO, Iterator, Optional, Tuple, Union
 
 _UMASK_LOCK = threading.Lock()
 # errors that mean the filesystem has no room for the data: freeing space (or writing elsewhere)
@@ -53,6 +54,28 @@ def read_only_filesystem(path: Union[str, Path]) -> bool:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except (OSError, AttributeError):  # no statvfs (not POSIX): os.access still answers
         return False
+
+
+def folder_problem(path: Path) -> Tuple[Path, Optional[str]]:
+    """Where creating ``path`` (a file or a folder, with any missing parents) would start, and
+    why nothing can be created there.
+
+    Returns:
+        ``(existing, problem)``: ``path`` itself or its nearest existing parent, and
+        ``"not a folder"``, ``"read-only"`` (on a filesystem mounted read-only, where
+        ``os.access`` says "no" too: this names the real reason), ``"no permission"``, or None
+        where files can be created.
+    """
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return existing, "not a folder"
+    if read_only_filesystem(existing):
+        return existing, "read-only"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return existing, "no permission"
+    return existing, None
 
 
 def current_umask() -> int:

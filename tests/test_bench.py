@@ -1,5 +1,6 @@
 """CPU tests of ``mace-accel bench``: structures, backends' statuses, timing, bisection,
-speedups, report/JSON schema, profile, MD and the command line."""
+speedups, report/JSON schema, profile, MD and the command line (through the main CLI: CPU-sized
+defaults that it announces, an honest message when interrupted, one error line)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,21 @@ import numpy as np
 import pytest
 import torch
 
+from mace_accel import cli
 from mace_accel.bench import backends as bench_backends
+from mace_accel.bench import cli as bench_cli
 from mace_accel.bench.backends import (
     REFERENCE_NAME,
     ModelSource,
-    prepare_backend,
     preserve_default_dtype,
 )
-from mace_accel.bench.cli import add_bench_parser, config_from_args, run_from_args
+from mace_accel.bench.cli import (
+    CPU_DEFAULTS,
+    GPU_DEFAULTS,
+    add_bench_parser,
+    config_from_args,
+    run_from_args,
+)
 from mace_accel.bench.maxsize import CONVERGED, NOTHING_FITS, TIME_LIMIT, UPPER_BOUND, find_max_size
 from mace_accel.bench.report import (
     JSON_NAME,
@@ -195,15 +203,6 @@ def test_is_out_of_memory_recognises_torch_and_text():
 
 
 # -- backends ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("backend,package", [("cueq", "cuequivariance"),
-                                             ("oeq", "openequivariance")])
-def test_missing_package_is_reported_not_installed(monkeypatch, tiny_model, backend, package):
-    monkeypatch.setattr(bench_backends, "_import", _missing(package))
-    prepared = prepare_backend(backend, tiny_model, "cpu")
-    assert prepared.status.startswith("not installed: ") and package in prepared.status
-    assert prepared.model is None and not prepared.ok
-
-
 def test_model_sources_resolve_names_and_checkpoints(tmp_path, tiny_model):
     from mace_accel.bench.backends import resolve_model_source
 
@@ -286,8 +285,8 @@ def test_runner_reports_every_backend_and_writes_schema(tmp_path, monkeypatch, t
     assert by["e3nn"].ok and by["e3nn"].clock == "perf_counter" and by["e3nn"].median_ms > 0
     assert by["e3nn"].edges == 32 * 18 and by["e3nn"].atoms == 32  # fcc shells within 4 Å
     assert by["e3nn"].edges_per_s == pytest.approx(576 / (by["e3nn"].median_ms * 1e-3))
-    assert by["cueq"].status.startswith("not installed") and "cuequivariance" in by["cueq"].status
-    assert by["oeq"].status.startswith("not installed")
+    assert by["cueq"].status.startswith("not installed: ") and "cuequivariance" in by["cueq"].status
+    assert by["oeq"].status.startswith("not installed: ") and "openequivariance" in by["oeq"].status
     assert by["mace-accel"].status.startswith("unavailable: ")
     write_outputs(result, tmp_path)
     doc = json.loads((tmp_path / JSON_NAME).read_text())
@@ -295,7 +294,9 @@ def test_runner_reports_every_backend_and_writes_schema(tmp_path, monkeypatch, t
     assert all(tuple(r) == RECORD_FIELDS for r in doc["records"])
     assert {"records", "max_size", "md", "environment", "config"} <= set(doc)
     assert load_json(tmp_path / JSON_NAME).records[0].median_ms == by["e3nn"].median_ms
-    assert (tmp_path / "bench_table.txt").read_text().count("tiny") == 4
+    assert doc["train"] == []  # no --train: no training rows
+    table = (tmp_path / "bench_table.txt").read_text()
+    assert table.count("tiny") == 4 and "Training" not in table
 
 
 def test_runner_allow_reference_times_the_reference_backend(tiny_source):
@@ -520,17 +521,110 @@ def test_cli_parses_and_validates(capsys, tmp_path):
         config_from_args(_parse("--device", "cpu", "--max-size"))
     with pytest.raises(ConfigError, match="positive"):
         config_from_args(_parse("--device", "cpu", "--sizes", "0"))
-    code = run_from_args(_parse("--device", "cpu", "--models", str(tmp_path / "nope.model"),
-                                "--out", str(tmp_path / "o")))
+    code = cli.main(["bench", "--device", "cpu", "--models", str(tmp_path / "nope.model"),
+                     "--out", str(tmp_path / "o")])
     assert code == 2 and "neither a known architecture" in capsys.readouterr().err
+
+
+def test_cpu_gets_cpu_sized_defaults_and_given_options_are_kept():
+    config = config_from_args(_parse("--device", "cpu"))
+    assert (list(config.dtypes), list(config.sizes), config.warmup, config.repeats) == (
+        CPU_DEFAULTS["dtypes"], CPU_DEFAULTS["sizes"], CPU_DEFAULTS["warmup"],
+        CPU_DEFAULTS["repeats"])
+    assert max(config.sizes) < 200 and GPU_DEFAULTS["sizes"][-1] == 6912
+    config = config_from_args(_parse("--device", "cpu", "--sizes", "500", "--repeats", "7"))
+    assert list(config.sizes) == [500] and config.repeats == 7 and config.warmup == 1
+
+
+def test_cpu_run_says_what_it_will_run(model_file, tmp_path, capsys, monkeypatch):
+    seen = {}
+
+    def fake_run_bench(config, sources, log, on_update, environment):
+        seen["config"] = config
+        raise KeyboardInterrupt  # stop before any measurement
+
+    monkeypatch.setattr("mace_accel.bench.runner.run_bench", fake_run_bench)
+    out = tmp_path / "bench_out"
+    code = cli.main(["bench", "--device", "cpu", "--models", str(model_file), "--out", str(out)])
+    stdout, err = capsys.readouterr()
+    assert "note: benchmarking on the CPU" in err and "32, 108 atoms" in err
+    assert "CPU-sized defaults" in err and "would take hours" in err
+    assert "note" not in stdout  # notes go to stderr
+    assert list(seen["config"].sizes) == [32, 108]
+    # interrupted before any measurement: no claim that files were kept, and no empty folder
+    assert code == 130
+    assert err.strip().splitlines()[-1] == ("error: interrupted; nothing was written (no "
+                                            "measurement had finished)")
+    assert not out.exists()
+
+
+def test_large_cpu_sizes_come_with_a_time_warning():
+    args = _parse("--device", "cpu", "--sizes", "6912")
+    note = bench_cli.cpu_plan_note(config_from_args(args), args)
+    assert "6912 atoms" in note and "--time-limit" in note and "minutes" in note
+
+
+def test_interrupted_bench_points_to_the_results_so_far(model_file, tmp_path, capsys,
+                                                        monkeypatch):
+    from mace_accel.bench.runner import BenchResult
+
+    def one_record_then_ctrl_c(config, sources, log, on_update, environment):
+        on_update(BenchResult(config.to_dict(), {}))  # writes bench.json
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("mace_accel.bench.runner.run_bench", one_record_then_ctrl_c)
+    out = tmp_path / "bench_out"
+    code = cli.main(["bench", "--device", "cpu", "--models", str(model_file), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert err.strip().splitlines()[-1] == (f"error: interrupted; the results measured so far "
+                                            f"are in {out / JSON_NAME}")
+    assert (out / JSON_NAME).is_file()
+
+
+def test_out_that_is_a_file_is_one_error_line(model_file, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    code = cli.main(["bench", "--device", "cpu", "--models", str(model_file),
+                     "--out", str(a_file)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [
+        f"error: --out folder {str(a_file)!r} is a file, not a folder; "
+        "choose another folder with --out DIR"]
+
+
+@pytest.mark.parametrize("value,message", [
+    ("0", "error: --train-size must be a positive atom count, got 0"),
+    ("-5", "error: --train-size must be a positive atom count, got -5"),
+    ("many", "error: argument --train-size: invalid int value: 'many'; see mace-accel bench "
+             "--help")])
+def test_bad_train_size_is_one_error_line(model_file, tmp_path, capsys, value, message):
+    try:
+        code = cli.main(["bench", "--device", "cpu", "--models", str(model_file), "--train",
+                         "--train-size", value, "--out", str(tmp_path / "o")])
+    except SystemExit as exc:  # argparse's own errors exit (one line, through cli._Parser)
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [message]
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_options_reach_the_config():
+    config = config_from_args(_parse("--device", "cpu", "--train", "--train-size", "500",
+                                     "--train-steps", "4", "--train-warmup", "0"))
+    assert (config.train, config.train_size, config.train_steps, config.train_warmup) == (
+        True, 500, 4, 0)
+    config = config_from_args(_parse("--device", "cpu"))
+    assert (config.train, config.train_size, config.train_steps, config.train_warmup) == (
+        False, 864, 10, 3)
 
 
 # -- training step -----------------------------------------------------------------------------
 def test_train_rows_from_the_command_line(tmp_path, tiny_model):
     """--train with e3nn and mace-accel (its reference backend on the CPU): both rows OK, the
     same first loss to 1e-9 in float64, in bench.json and bench_table.txt."""
-    from mace_accel import cli
-
     model_file = tmp_path / "tiny.model"
     torch.save(tiny_model, model_file)
     out = tmp_path / "out"
@@ -556,15 +650,6 @@ def test_train_rows_from_the_command_line(tmp_path, tiny_model):
     assert "Training step" in table and f"{e3nn['first_loss']:.10g}" in table
     train_rows = table.split("Training step")[1].split("\n\n")[0]
     assert "e3nn" in train_rows and REFERENCE_NAME in train_rows
-
-
-def test_bench_without_train_writes_no_train_rows(tmp_path, tiny_source):
-    config = BenchConfig(models=["tiny"], dtypes=["float64"], sizes=[4], backends=["e3nn"],
-                         device="cpu", warmup=0, repeats=1)
-    result = run_bench(config, [tiny_source], log=lambda line: None)
-    write_outputs(result, tmp_path)
-    assert json.loads((tmp_path / JSON_NAME).read_text())["train"] == []
-    assert "Training" not in (tmp_path / "bench_table.txt").read_text()
 
 
 def _train(backend, median, loss=1.5, status="ok", dtype="float32"):

@@ -225,8 +225,9 @@ def test_verlet_list_rebuilds_when_the_system_changes():
 
 
 def test_verlet_list_notices_a_cell_changed_in_place():
-    """The list keeps its own copy of the cell: the caller's cell tensor changed in place
-    rebuilds; a caller's host verdict reuses without a device check."""
+    """The list keeps its own copy of the geometry: the caller's cell tensor changed in place
+    rebuilds; a caller's host copies are what the reuse is decided from, and changing them in
+    place afterwards rebuilds too."""
     atoms, cutoff = CASES["fcc-supercell"]
     pos, cell, pbc = _geometry(atoms)
     nl = VerletNeighbourList(cutoff, skin=0.5)
@@ -234,8 +235,11 @@ def test_verlet_list_notices_a_cell_changed_in_place():
     assert not nl.update(pos, cell, pbc)[2]
     cell[0, 1] += 1e-9
     assert nl.update(pos, cell, pbc)[2] and nl.n_builds == 2
-    assert not nl.update(pos + 1.0, cell, pbc, known_within_skin=True)[2]
+    host_pos, host_cell = pos.numpy().copy(), cell.numpy().copy()
+    assert not nl.update(pos + 1.0, cell, pbc, host=(host_pos, host_cell))[2]
     assert nl.n_builds == 2
+    host_pos[0] += 1.0
+    assert nl.update(pos, cell, pbc, host=(host_pos, host_cell))[2] and nl.n_builds == 3
 
 
 def test_verlet_list_on_a_molecule_and_a_slab():

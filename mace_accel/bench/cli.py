@@ -1,9 +1,9 @@
 """``mace-accel bench``: the side-by-side benchmark of e3nn, cuEquivariance, OpenEquivariance
 and mace-accel on the same batches, in one process.
 
-The main CLI registers it with :func:`add_bench_parser`; ``python -m mace_accel.bench`` runs
-:func:`main`, which goes through the main CLI. Both end in :func:`run_from_args`, which returns
-the exit code.
+The main CLI registers it with :func:`add_bench_parser`; ``python -m mace_accel.bench`` goes
+through the main CLI too (:func:`mace_accel.cli.main`). Both end in :func:`run_from_args`, which
+returns the exit code; the main CLI reports its errors as one ``error:`` line (exit 2).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, List, Sequence
 
 from mace_accel.bench.choices import BACKENDS, DEFAULT_MODEL, DTYPES, SYSTEM_KINDS
-from mace_accel.errors import Interrupted, MaceAccelError
+from mace_accel.errors import Interrupted
 from mace_accel.runs.outputs import check_output_dir
 
 if TYPE_CHECKING:
@@ -213,8 +213,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run the benchmark; 0 on success, 2 for invalid options, 3 if it finished but a backend
-    failed (its error is in the table and JSON)."""
+    """Run the benchmark; 0 on success, 3 if it finished but a backend failed (its error is in
+    the table and JSON). Invalid options raise :class:`~mace_accel.errors.MaceAccelError`, which
+    the main CLI (:func:`mace_accel.cli.main`) reports as one ``error:`` line, exit 2."""
     import torch
 
     from mace_accel.bench.backends import resolve_model_source
@@ -229,24 +230,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     from mace_accel.bench.runner import run_bench
 
     if args.summarize is not None:
-        try:
-            print(render_summary(load_json(args.summarize)))
-        except MaceAccelError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        print(render_summary(load_json(args.summarize)))
         return 0
-    try:
-        config = config_from_args(args)
-        sources = [resolve_model_source(spec) for spec in config.models]
-    except MaceAccelError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    config = config_from_args(args)
+    sources = [resolve_model_source(spec) for spec in config.models]
     out: Path = args.out
-    try:
-        check_output_dir(out, "--out folder", fix="choose another folder with --out DIR")
-    except MaceAccelError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    check_output_dir(out, "--out folder", fix="choose another folder with --out DIR")
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     if torch.device(config.device).type == "cpu":

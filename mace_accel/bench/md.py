@@ -103,14 +103,10 @@ def bench_head(model: torch.nn.Module) -> str:
 
 
 def _thermalize(atoms, temperature_K: float, seed: int) -> None:
-    """Maxwell-Boltzmann velocities (ase >= 3.27 renamed the function)."""
-    from ase.md import velocitydistribution as vd
+    """Maxwell-Boltzmann velocities drawn from ``seed``."""
+    from mace_accel.runs.tasks import maxwell_boltzmann
 
-    rng = np.random.default_rng(seed)
-    if hasattr(vd, "thermalize_momenta"):
-        vd.thermalize_momenta(atoms, temperature_K, rng=rng)
-    else:
-        vd.MaxwellBoltzmannDistribution(atoms, temperature_K=temperature_K, rng=rng)
+    maxwell_boltzmann(atoms, temperature_K, np.random.default_rng(seed))
 
 
 def _steps(atoms, calc, n: int, timestep_fs: float) -> float:

@@ -25,7 +25,7 @@ import torch
 from mace_accel.bench.backends import OK, failure_status, missing_requirement, mace_device
 from mace_accel.bench.md import DTYPE_NAMES
 from mace_accel.bench.systems import FCC_A, FCC_ELEMENTS, substitute
-from mace_accel.bench.timing import free_memory
+from mace_accel.bench.timing import free_memory, synchronize
 from mace_accel.models.batch import model_info
 
 # (a, b, c) repeats of the 4-atom fcc cell giving 64..256 atoms
@@ -81,11 +81,6 @@ def _finish(record: ThroughputRecord, seconds: float, calls: Optional[int]) -> T
     return record
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_batched(model: torch.nn.Module, frames: Sequence, device, label: str,
                 warmup_frames: int = 8) -> ThroughputRecord:
     """Frames/s of :class:`~mace_accel.batched.BatchEvaluator` over ``frames``."""
@@ -99,10 +94,10 @@ def run_batched(model: torch.nn.Module, frames: Sequence, device, label: str,
                                        default_dtype=DTYPE_NAMES[dtype], fallback="error")
             evaluator.evaluate(frames[:warmup_frames])  # compiles kernels, measures memory
             calls = evaluator.n_calls
-            _sync(dev)
+            synchronize(dev)
             t0 = time.perf_counter()
             evaluator.evaluate(frames)
-            _sync(dev)
+            synchronize(dev)
             seconds = time.perf_counter() - t0
             record.detail = (f"up to {evaluator.budget.max_edges} edges per call "
                              f"({evaluator.budget.source})")

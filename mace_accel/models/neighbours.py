@@ -23,6 +23,7 @@ import math
 import threading
 from typing import Any, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from mace_accel.errors import InputError
@@ -268,9 +269,10 @@ class VerletNeighbourList:
     closer than ``cutoff`` (two atoms close in by at most ``skin`` together), plus some pairs
     between ``cutoff`` and ``cutoff + skin``. It is rebuilt when the cell (compared exactly),
     periodicity or atom count changes, when positions come in another dtype or on another
-    device, and on every call with ``skin == 0``. Each reuse costs one number from the device
-    (the largest displacement, fused with the cell comparison where the cell is on the same
-    device).
+    device, and on every call with ``skin == 0``. Whether to reuse it is decided on the host (an
+    O(N) numpy pass) from float64 copies of the positions and cell: the caller's where it has
+    them there (the calculator: what it copies to the device; no wait for the device), else
+    copies of the tensors given.
 
     The extra pairs contribute exactly zero to a standard MACE model: the polynomial cutoff
     envelope, ``envelope(r) * (r < r_max)``, and its derivative are exactly zero there, it
@@ -302,27 +304,28 @@ class VerletNeighbourList:
         self.skin = skin
         self.n_builds = 0
         self._calculator = None  # vesin NeighborList at cutoff + skin, made on first build
-        self._reference: Optional[Tensor] = None  # positions at the last build, detached
-        self._cell: Optional[Tensor] = None  # cell at the last build, as given, detached
-        self._pbc: Optional[Pbc] = None
+        # positions [N, 3] and cell [3, 3] at the last build, float64 on the host (own copies)
+        self._built_for: Optional[Tuple[np.ndarray, np.ndarray]] = None
+        self._layout: Optional[Tuple] = None  # _layout() at the last build
         self._edges: Optional[Tuple[Tensor, Tensor]] = None
 
     def reset(self) -> None:
         """Forget the list: the next :meth:`update` rebuilds."""
-        self._reference = self._cell = self._pbc = self._edges = None
+        self._built_for = self._layout = self._edges = None
 
     def update(self, positions: Tensor, cell: Tensor, pbc: Pbc,
-               known_within_skin: bool = False) -> Tuple[Tensor, Tensor, bool]:
+               host: Optional[Tuple[np.ndarray, np.ndarray]] = None
+               ) -> Tuple[Tensor, Tensor, bool]:
         """The list for the current geometry, rebuilt only if needed.
 
         Args:
             positions: ``[N, 3]`` floating, CPU or CUDA.
             cell: ``[3, 3]`` rows are the cell vectors.
             pbc: periodicity along a, b, c.
-            known_within_skin: the caller has checked (on the host, from the same float64
-                positions) that no atom moved more than ``skin / 2`` since the last build and
-                that the cell is the one it was built for: reuse the list without a device
-                check (the layout is still checked).
+            host: ``(positions [N, 3], cell [3, 3])`` as float64 numpy arrays holding the same
+                values as ``positions`` and ``cell``, where the caller has them on the host: the
+                reuse check then reads nothing from the device. Default: copies of
+                ``positions`` and ``cell`` (on a GPU, a wait for the device).
 
         Returns:
             ``(edge_index [2, E] int64, unit_shifts [E, 3], rebuilt)`` on positions' device,
@@ -335,16 +338,15 @@ class VerletNeighbourList:
         """
         _check_positions_shape(positions)
         pbc = _check_pbc(pbc)
-        if self._same_layout(positions, cell, pbc):
-            if known_within_skin:
+        if self._edges is not None and self.skin > 0.0 \
+                and self._layout == _layout(positions, pbc):
+            if self._within_skin(*(host if host is not None else _on_host(positions, cell))):
                 edge_index, unit_shifts = self._edges
                 return edge_index, unit_shifts, False
-            if self._can_reuse(positions, cell):
-                edge_index, unit_shifts = self._edges
-                return edge_index, unit_shifts, False
-        return (*self._build(positions, cell, pbc), True)
+        return (*self._build(positions, cell, pbc, host), True)
 
-    def _build(self, positions: Tensor, cell: Tensor, pbc: Pbc) -> Tuple[Tensor, Tensor]:
+    def _build(self, positions: Tensor, cell: Tensor, pbc: Pbc,
+               host: Optional[Tuple[np.ndarray, np.ndarray]]) -> Tuple[Tensor, Tensor]:
         """Build at ``cutoff + skin`` and remember the geometry it was built for."""
         self.reset()
         cell64 = _check_cell(cell, pbc)
@@ -355,39 +357,31 @@ class VerletNeighbourList:
             if self._calculator is None:
                 self._calculator = _vesin_calculator(self.cutoff + self.skin)
             edges = _compute(self._calculator, positions, cell64, pbc)
-        self._reference = positions.detach().clone()
-        self._cell = torch.as_tensor(cell).detach().clone()
-        self._pbc = pbc
+        built_for = host if host is not None else _on_host(positions, cell64)
+        self._built_for = tuple(np.array(a, dtype=np.float64) for a in built_for)  # copies
+        self._layout = _layout(positions, pbc)
         self._edges = edges
         self.n_builds += 1
         return edges
 
-    def _same_layout(self, positions: Tensor, cell: Tensor, pbc: Pbc) -> bool:
-        """Host-side conditions of a reuse: a list exists, a skin, the same periodicity, atom
-        count, dtypes and devices."""
-        ref, ref_cell = self._reference, self._cell
-        if ref is None or self.skin == 0.0 or pbc != self._pbc:
+    def _within_skin(self, positions: np.ndarray, cell: np.ndarray) -> bool:
+        """True if the cell is the one the list was built for (compared exactly) and no atom
+        has moved more than ``skin / 2`` since (NaN counts as moved)."""
+        built_positions, built_cell = self._built_for
+        if not np.array_equal(cell, built_cell):
             return False
-        if (positions.shape != ref.shape or positions.dtype != ref.dtype
-                or positions.device != ref.device):
-            return False
-        cell = torch.as_tensor(cell)
-        return (cell.shape == ref_cell.shape and cell.dtype == ref_cell.dtype
-                and cell.device == ref_cell.device)
+        delta = positions - built_positions
+        return bool(np.einsum("ij,ij->i", delta, delta).max(initial=0.0) <= (0.5 * self.skin) ** 2)
 
-    def _stale(self, positions: Tensor, cell: Tensor) -> Tensor:
-        """0-dim bool on the device: an atom moved more than ``skin / 2`` since the build, or
-        the cell changed (NaN positions count as moved)."""
-        moved = (positions.detach() - self._reference).square().sum(dim=1).amax()
-        stale = ~(moved <= (0.5 * self.skin) ** 2)
-        cell = torch.as_tensor(cell)
-        if cell.device == positions.device:
-            return stale | (cell.detach() != self._cell).any()
-        return stale | (not torch.equal(cell, self._cell))
 
-    def _can_reuse(self, positions: Tensor, cell: Tensor) -> bool:
-        """Whether the last list still holds every pair closer than ``cutoff`` (layout checked
-        by :meth:`_same_layout`): one number back from the device."""
-        if positions.shape[0] == 0:
-            return torch.equal(torch.as_tensor(cell), self._cell)
-        return not bool(self._stale(positions, cell))
+def _layout(positions: Tensor, pbc: Pbc) -> Tuple:
+    """What a reuse needs unchanged besides the geometry: the periodicity, and the atom count,
+    dtype and device of the positions (the list's tensors are in their dtype, on their
+    device)."""
+    return pbc, positions.shape, positions.dtype, positions.device
+
+
+def _on_host(positions: Tensor, cell: Tensor) -> Tuple[np.ndarray, np.ndarray]:
+    """``(positions, cell)`` as float64 numpy arrays on the host."""
+    return (positions.detach().to("cpu", torch.float64).numpy(),
+            torch.as_tensor(cell).detach().to("cpu", torch.float64).numpy())

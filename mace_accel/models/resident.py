@@ -1,7 +1,8 @@
 """A structure's batch kept on the model's device between calls (MD, optimisation).
 
 The first call, and every call after the atoms' numbers, count or periodicity changed, builds
-mace's full batch dict through mace's own data path (:func:`~mace_accel.models.batch.atoms_to_batch`).
+mace's full batch dict through mace's own data path
+(:func:`~mace_accel.models.batch.atoms_to_batch`).
 Later calls copy only the geometry in (positions and cell, float64 on the host -> the device)
 and take the edges from a Verlet neighbour list on the device (vesin, rebuilt only when an atom
 has moved more than half the skin): no mace ``AtomicData``, no Python per atom or edge.
@@ -89,8 +90,6 @@ class ResidentBatch:
         self._edges: Optional[Tuple] = None
         # positions on the host (pinned on a GPU: an asynchronous copy) and on the device
         self._staging: Optional[Tuple[Tensor, Tensor]] = None
-        # positions and cell (float64, host) the neighbour list was last built for
-        self._built_for: Optional[Tuple[np.ndarray, np.ndarray]] = None
 
     @staticmethod
     def topology(atoms) -> Tuple:
@@ -101,8 +100,8 @@ class ResidentBatch:
         """The batch dict for ``atoms`` (validated by the caller).
 
         Whether the neighbour list may be reused is decided on the host, from the same float64
-        positions the device gets (an O(N) numpy pass, no synchronisation); a list that may not
-        is rebuilt on the device before the batch is returned."""
+        positions and cell the device gets (an O(N) numpy pass in the list, no synchronisation);
+        a list that may not is rebuilt on the device before the batch is returned."""
         topology = self.topology(atoms)
         if self._template is None or topology != self._topology:
             self._template = atoms_to_batch(atoms, self.info, head=self.head, dtype=self.dtype,
@@ -118,11 +117,8 @@ class ResidentBatch:
         if self._cell is None or not np.array_equal(cell_np, self._cell[0]):
             self._cell = (cell_np.copy(), self._cell_fields(cell_np))
         cell64 = self._cell[1]["cell64"]
-        edge_index, unit_shifts, rebuilt = self.neighbours.update(
-            positions64, cell64, tuple(bool(p) for p in atoms.pbc),
-            known_within_skin=self._within_skin(positions, cell_np))
-        if rebuilt:
-            self._built_for = (positions.copy(), cell_np.copy())
+        edge_index, unit_shifts, _ = self.neighbours.update(
+            positions64, cell64, tuple(bool(p) for p in atoms.pbc), host=(positions, cell_np))
         too_many = (self.skin_edges_up_to is not None
                     and edge_index.shape[1] > self.skin_edges_up_to)
         if (not self.exact_skin or too_many) and self.skin > 0:
@@ -140,21 +136,6 @@ class ResidentBatch:
         out.update({k: v for k, v in self._cell[1].items() if k in out})
         out["positions"] = positions64.to(self.dtype)
         return out
-
-    def _within_skin(self, positions: np.ndarray, cell: np.ndarray) -> bool:
-        """True if the list was built for this cell and atom count and no atom has moved more
-        than ``skin / 2`` since (NaN counts as moved); else the list is dropped (rebuilt)."""
-        built = self._built_for
-        if built is None or self.skin == 0.0 or built[0].shape != positions.shape \
-                or not np.array_equal(built[1], cell):
-            self.neighbours.reset()
-            return False
-        delta = positions - built[0]
-        moved = np.einsum("ij,ij->i", delta, delta).max(initial=0.0)
-        if moved <= (0.5 * self.skin) ** 2:
-            return True
-        self.neighbours.reset()
-        return False
 
     def _positions_to_device(self, positions: np.ndarray) -> Tensor:
         """``[N, 3]`` float64 positions on the device, copied through a pinned host buffer (the
@@ -184,16 +165,3 @@ class ResidentBatch:
             fields["rcell"] = torch.from_numpy(rcell).to(self.device, self.dtype).reshape(
                 t["rcell"].shape)
         return fields
-
-    def shortest_distance(self, batch: Dict[str, Tensor]) -> Tensor:
-        """The shortest interatomic distance (periodic images included) among the edges of
-        ``batch``, in Å (inf without edges), as a 0-dim float64 tensor on the device: O(edges),
-        no synchronisation (the caller copies it out with the results). Any pair closer than
-        the cutoff is an edge, so this is the structure's shortest one."""
-        edge_index = batch["edge_index"]
-        if edge_index.shape[1] == 0:
-            return torch.full((), math.inf, dtype=torch.float64, device=edge_index.device)
-        pos = batch["positions"].detach().to(torch.float64)
-        vectors = (pos[edge_index[1]] - pos[edge_index[0]]
-                   + batch["shifts"].detach().to(torch.float64))
-        return vectors.norm(dim=1).min()

@@ -135,57 +135,31 @@ def _check_cell(cell: np.ndarray, pbc: np.ndarray) -> None:
 
 
 def _check_distances(atoms, min_distance: float) -> None:
-    """Closest pair below ``min_distance``, periodic images included, via a k-d tree."""
-    from ase.geometry import complete_cell, minkowski_reduce
-    from scipy.spatial import cKDTree
+    """Closest pair below ``min_distance``, periodic images included, from a neighbour list
+    with ``min_distance`` as its cutoff (:func:`~mace_accel.models.neighbours.neighbour_list`)."""
+    import torch
 
-    pbc = np.asarray(atoms.pbc, dtype=bool)
-    positions = np.asarray(atoms.positions, dtype=np.float64)
-    cell = complete_cell(np.asarray(atoms.cell.array, dtype=np.float64))
-    offsets = np.zeros_like(positions)  # integer cell offsets removed by wrapping
-    if pbc.any():
-        # a reduced basis keeps the lattice but has short, near-orthogonal vectors, so only
-        # images a cell or two away can be within min_distance, however skewed the input cell
-        cell = minkowski_reduce(cell, pbc=pbc)[0]
-        frac = np.linalg.solve(cell.T, positions.T).T
-        offsets[:, pbc] = np.floor(frac[:, pbc])
-        positions = (frac - offsets) @ cell
-    heights = 1.0 / np.linalg.norm(np.linalg.inv(cell), axis=0)  # distances between lattice planes
-    reach = np.array([int(np.ceil(min_distance / heights[k])) if pbc[k] else 0 for k in range(3)])
-    tree = cKDTree(positions)
-    best = None  # (distance, a, b, image shift in the reduced cell)
-    n_pairs = 0
-    for index in np.ndindex(*(2 * reach + 1)):
-        s = np.asarray(index) - reach
-        if tuple(s) < (0, 0, 0):
-            continue  # the image at -s gives the same pairs as +s
-        if not s.any():
-            pairs = tree.query_pairs(min_distance, output_type="ndarray")
-            if len(pairs) == 0:
-                continue
-            a_idx, b_idx = pairs[:, 0], pairs[:, 1]
-            d = np.linalg.norm(positions[a_idx] - positions[b_idx], axis=1)
-        else:
-            found = tree.sparse_distance_matrix(cKDTree(positions + s @ cell), min_distance,
-                                                output_type="ndarray")
-            if len(found) == 0:
-                continue
-            a_idx, b_idx, d = found["i"], found["j"], found["v"]
-        n_pairs += len(d)
-        k = int(np.argmin(d))
-        if best is None or d[k] < best[0]:
-            best = (float(d[k]), int(a_idx[k]), int(b_idx[k]), s)
-    if best is None:
+    from mace_accel.models.neighbours import neighbour_list
+
+    positions = torch.from_numpy(np.asarray(atoms.positions, dtype=np.float64))
+    cell = torch.from_numpy(np.asarray(atoms.cell.array, dtype=np.float64))
+    edge_index, unit_shifts = neighbour_list(positions, cell, tuple(bool(p) for p in atoms.pbc),
+                                             min_distance)
+    if edge_index.shape[1] == 0:
         return
-    dist, a, b, s = best
-    crosses = np.any(s - offsets[b] + offsets[a])  # image shift between the unwrapped positions
+    sender, receiver = edge_index
+    distances = (positions[receiver] - positions[sender] + unit_shifts @ cell).norm(dim=1)
+    # the list holds each pair in both directions, (a, b, shift) and (b, a, -shift): name a <= b
+    distances[sender > receiver] = np.inf
+    k = int(torch.argmin(distances))
+    a, b, dist = int(sender[k]), int(receiver[k]), float(distances[k])
     where = ("an atom and its own periodic image" if a == b else
-             "across a periodic boundary" if crosses else "in the same cell")
+             "across a periodic boundary" if bool(unit_shifts[k].any()) else "in the same cell")
     symbols = atoms.get_chemical_symbols()
     raise InputError(
         f"atoms {a} ({symbols[a]}) and {b} ({symbols[b]}) are {dist:.4f} Å apart ({where}), "
-        f"closer than min_distance={min_distance} Å ({n_pairs} such pair(s)); the structure "
-        "has overlapping atoms (check units and the cell), or lower min_distance")
+        f"closer than min_distance={min_distance} Å ({edge_index.shape[1] // 2} such pair(s)); "
+        "the structure has overlapping atoms (check units and the cell), or lower min_distance")
 
 
 def _few(indices: np.ndarray, limit: int = 10) -> str:

@@ -230,7 +230,7 @@ class GeomOptOptions(_Section):
     fmax: float = _opt(0.05, "force convergence threshold, eV/Å", gt=0)
     steps: int = _opt(1000, "maximum optimizer steps", ge=0, le=STEPS_MAX)
     optimizer: Literal["FIRE", "BFGS", "LBFGS"] = _opt("FIRE", "ASE optimizer")
-    relax_cell: bool = _opt(False, "also relax the cell (FrechetCellFilter / ExpCellFilter)")
+    relax_cell: bool = _opt(False, "also relax the cell (FrechetCellFilter)")
     traj_every: int = _opt(1, "write a trajectory frame every N steps (0: none)", ge=0)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import List, Optional, Union
 
 from mace_accel.errors import OutputError
-from mace_accel.files import os_error_reason, read_only_filesystem
+from mace_accel.files import folder_problem, os_error_reason
 
 try:
     import fcntl
@@ -58,17 +58,15 @@ def check_output_dir(path: Union[str, Path], what: str = "outputs folder",
     path = Path(path).expanduser().absolute()
     if path.exists() and not path.is_dir():
         raise OutputError(f"{what} {str(path)!r} is a file, not a folder; {fix}")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
+    existing, problem = folder_problem(path)
+    if problem == "not a folder":
         raise OutputError(f"cannot create the {what} {str(path)!r}: {str(existing)!r} is a "
                           f"file, not a folder; {fix}")
-    if read_only_filesystem(existing):  # os.access says "no" too: name the real reason
+    if problem == "read-only":
         where = "" if existing == path else f" ({str(existing)!r}, where it would be created)"
         raise OutputError(f"cannot write to the {what} {str(path)!r}: it is on a read-only "
                           f"filesystem{where}; {fix}, on a writable filesystem")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if problem == "no permission":
         where = "in it" if existing == path else f"in {str(existing)!r} to create it"
         raise OutputError(f"no permission to write to the {what} {str(path)!r} ({where}); "
                           f"fix the permissions or {fix}")

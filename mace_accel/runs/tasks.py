@@ -420,7 +420,6 @@ def check_task_inputs(cfg: RunConfig, structures: Structures) -> None:
             raise InputError(f"geomopt.relax_cell needs a structure with a 3D periodic cell "
                              f"({structures.where(0)} has pbc={atoms.pbc.tolist()}); set "
                              "relax_cell: false or give the structure a cell and pbc")
-        _cell_filter_class()
     if cfg.task == "md" and len(atoms) < 2:
         raise InputError(f"md needs at least 2 atoms ({structures.where(0)} has 1): the run "
                          "holds the centre of mass at rest, which leaves a single atom nothing to "
@@ -595,43 +594,21 @@ def _make_optimizer(name: str):
     return {"FIRE": optimize.FIRE, "BFGS": optimize.BFGS, "LBFGS": optimize.LBFGS}[name]
 
 
-def _cell_filter_class():
-    try:
-        from ase.filters import FrechetCellFilter
-
-        return FrechetCellFilter
-    except ImportError:
-        pass
-    try:
-        from ase.filters import ExpCellFilter
-    except ImportError:
-        try:
-            from ase.constraints import ExpCellFilter  # ase < 3.23
-        except ImportError:
-            raise InputError("geomopt.relax_cell needs ase's FrechetCellFilter or "
-                             "ExpCellFilter; upgrade ase (pip install -U ase)") from None
-    return ExpCellFilter
-
-
-def _cell_filter(atoms):
-    return _cell_filter_class()(atoms)
-
-
 def run_geomopt(cfg: RunConfig, frames: List[Any], calc, outputs: RunFiles,
                 progress_stream: Optional[TextIO] = None):
-    """Relax one frame with an ASE optimizer; trajectory as it goes, final frame atomically."""
+    """Relax one frame with an ASE optimizer (its structure checked by
+    :func:`check_task_inputs`); trajectory as it goes, final frame atomically."""
+    from ase.filters import FrechetCellFilter
+
     opts = cfg.geomopt
     log = outputs.log
     atoms = frames[0]
     atoms.calc = calc
-    if opts.relax_cell and not _periodic(atoms):
-        raise InputError("geomopt.relax_cell needs a structure with a 3D periodic cell; set "
-                         "relax_cell: false or give the structure a cell and pbc")
     files: Dict[str, Path] = {}
     fmax0 = _max_force(atoms)
     log.write(f"geomopt: {opts.optimizer}, fmax {opts.fmax} eV/Å, at most {opts.steps} steps, "
               f"relax_cell {opts.relax_cell}; initial max force {fmax0:.6g} eV/Å")
-    target = _cell_filter(atoms) if opts.relax_cell else atoms
+    target = FrechetCellFilter(atoms) if opts.relax_cell else atoms
     opt = _make_optimizer(opts.optimizer)(target, logfile=log.stream())
     if opts.traj_every:
         traj = outputs.frames("trajectory", "trajectory.extxyz")
@@ -688,6 +665,7 @@ def _check_npt_cell(atoms, where: str) -> None:
 
 
 def _make_dynamics(cfg: RunConfig, atoms, rng: np.random.Generator):
+    """The run's ASE integrator (the structure checked by :func:`check_task_inputs`)."""
     from ase import units
 
     md = cfg.md
@@ -707,11 +685,20 @@ def _make_dynamics(cfg: RunConfig, atoms, rng: np.random.Generator):
         atoms.set_constraint(list(atoms.constraints) + [FixCom()])
         return Langevin(atoms, timestep=dt, temperature_K=md.temperature,
                         friction=md.friction / units.fs, rng=rng, fixcm=False)
-    _check_npt_cell(atoms, "the structure")
     pfactor = (md.taup * units.fs) ** 2 * md.bulk_modulus * units.GPa
     return _npt_class()(atoms, timestep=dt, temperature_K=md.temperature,
                         externalstress=md.pressure * units.bar, ttime=md.taut * units.fs,
                         pfactor=pfactor)
+
+
+def maxwell_boltzmann(atoms, temperature_K: float, rng: np.random.Generator) -> None:
+    """Momenta of ``atoms`` drawn from the Maxwell-Boltzmann distribution at ``temperature_K``
+    with ``rng`` (the run's MD and the bench's)."""
+    from ase.md import velocitydistribution as vd
+
+    # ase >= 3.29 names it thermalize_momenta (and deprecates MaxwellBoltzmannDistribution)
+    thermalize = getattr(vd, "thermalize_momenta", vd.MaxwellBoltzmannDistribution)
+    thermalize(atoms, temperature_K=temperature_K, rng=rng)
 
 
 def _init_velocities(atoms, temperature: float, seed: int, rng: np.random.Generator,
@@ -721,9 +708,7 @@ def _init_velocities(atoms, temperature: float, seed: int, rng: np.random.Genera
     if atoms.has("momenta") and np.any(atoms.get_momenta() != 0):
         log.write("md: starting from the momenta stored in the structure")
         return
-    # ase >= 3.29 names it thermalize_momenta (and deprecates MaxwellBoltzmannDistribution)
-    thermalize = getattr(vd, "thermalize_momenta", vd.MaxwellBoltzmannDistribution)
-    thermalize(atoms, temperature_K=temperature, rng=rng)
+    maxwell_boltzmann(atoms, temperature, rng)
     vd.Stationary(atoms)  # no drift of the centre of mass
     log.write(f"md: Maxwell-Boltzmann velocities at {temperature} K (seed {seed})")
 
