@@ -1,11 +1,13 @@
-"""Random convolution problems for the GPU tests (never zeros; MACE-like edge order), and the
-comparison of two calls' results bit for bit."""
+"""Random convolution problems for the GPU tests (never zeros; MACE-like edge order), the
+tolerance table's error measure of a dtype, and the comparison of two calls' results bit for
+bit."""
 
 from __future__ import annotations
 
 import torch
 
 from mace_accel.ops.graph import ConvGraph
+from mace_accel.tolerances import rel_linf_error, rel_norm_error
 
 
 def random_problem(spec, n_nodes: int, n_edges: int, dtype: torch.dtype, device, seed: int = 0,
@@ -26,6 +28,12 @@ def random_problem(spec, n_nodes: int, n_edges: int, dtype: torch.dtype, device,
     graph = ConvGraph(sender=sender.to(device), receiver=receiver.to(device), n_nodes=n_nodes)
     cast = dict(dtype=dtype, device=device)
     return graph, x.to(**cast), y.to(**cast), w.to(**cast)
+
+
+def pass_error(dtype: torch.dtype):
+    """The measure the tolerance table's per-pass tolerances of ``dtype`` are in: the relative
+    norm error (float64), the relative L-infinity error (float32, as OpenEquivariance)."""
+    return rel_norm_error if dtype == torch.float64 else rel_linf_error
 
 
 def assert_same_results(got: dict, want: dict, keys, n_atoms: int) -> None:

@@ -314,7 +314,10 @@ RUN_CASES = [
     ("override-into-a-value", {}, ["--set", "device.x=1"], ["'device' is not a section"]),
     ("gpus-zero", {}, ["--gpus", "0"], ["argument --gpus: must be at least 1",
                                         "see mace-accel run --help"]),
-    ("gpus-for-md", {}, ["--gpus", "2"], ["task md runs in one process"]),
+    ("gpus-for-md", {}, ["--gpus", "2"], ["task md runs in one process; only singlepoint is "
+                                          "shared"]),
+    ("gpus-for-geomopt", {"task": "geomopt", "md": DROP}, ["--gpus", "2"],
+     ["task geomopt runs in one process; only singlepoint is shared"]),
 ]
 if not torch.cuda.is_available():  # the messages shown on a machine without a GPU
     RUN_CASES += [
@@ -351,9 +354,11 @@ COMMAND_CASES = [
     ("convert-float16", ["convert", "{in}/cuni.model", "{in}/o.model", "--dtype", "float16"],
      ["argument --dtype: invalid choice: 'float16'"]),
     ("convert-a-text-file", ["convert", "{in}/notes.model", "{in}/o.model", "--device", "cpu",
-                             "--backend", "reference"], ["not a torch file"]),
+                             "--backend", "reference"], ["notes.model", "not a torch file"]),
     ("revert-a-plain-model", ["revert", "{in}/cuni.model", "{in}/p.model"],
      ["is not accelerated", "nothing to revert"]),
+    ("revert-a-folder", ["revert", "{in}", "{in}/p.model"], ["is a folder, not a model file"]),
+    ("info-missing-file", ["info", "{in}/nope.model"], ["nope.model", "not found"]),
     ("info-of-a-state-dict", ["info", "{in}/weights.pt"], ["holds a state dict"]),
     ("info-of-a-folder", ["info", "{in}"], ["is a folder, not a model file"]),
 ]
@@ -452,6 +457,9 @@ API_CASES = [
     ("calculator-negative-skin", lambda d: MACEAccelCalculator(d / "cuni.model", device="cpu",
                                                                skin=-1),
      ConfigError, "skin must be a finite number of Å >= 0"),
+    ("calculator-graphs-on-the-cpu", lambda d: MACEAccelCalculator(d / "cuni.model", device="cpu",
+                                                                   graphs=True),
+     ConfigError, "graphs=True needs a CUDA device, the calculator runs on cpu"),
     ("calculator-options-as-a-dict",
      lambda d: MACEAccelCalculator(d / "cuni.model", device="cpu", options={"radial_table": 0}),
      ConfigError, "options must be an AccelOptions, got dict"),
@@ -484,9 +492,9 @@ API_CASES = [
         d / "cuni.model", device="cpu", max_edges=0),
      ConfigError, "max_edges must be a positive number of edges"),
     ("mace-mp-unknown-name", lambda d: __import__("mace_accel").mace_mp("huge", device="cpu"),
-     InputError, "unknown MACE-MP model 'huge'"),
+     InputError, "unknown MACE-MP model 'huge'; choose one of ['"),
     ("mace-off-unknown-name", lambda d: __import__("mace_accel").mace_off("xl", device="cpu"),
-     InputError, "unknown MACE-OFF model 'xl'"),
+     InputError, "unknown MACE-OFF model 'xl'; choose one of ['"),
     ("run-a-built-config-with-overrides", lambda d: _run_built_config(d),
      ConfigError, "overrides apply to a run file"),
     ("run-file-override-typo", lambda d: _run_tasks().run(

@@ -3,8 +3,9 @@
 1. ``torch.library.opcheck`` of every custom op of the three families (conv_tp,
    symmetric_contraction, edge features): schema, fake (meta) implementation against the real
    kernel, autograd registration, and AOTAutograd with dynamic shapes.
-2. ``torch.compile`` of the fused ops alone with inductor (``fullgraph=True``: no graph break at
-   any of them), forces-style (first derivative through the registered backward ops).
+2. ``torch.compile`` of the fused ops alone with inductor and with ``aot_eager``
+   (``fullgraph=True``: no graph break at any of them), forces-style (first derivative through the
+   registered backward ops).
 3. ``torch.compile`` of a whole accelerated MACE model (``aot_eager``; why not inductor: see
    :func:`test_compiled_model_gives_the_eager_energy_and_forces`): the same energy and forces as
    eager to 1e-10, every forward op a single node of the compiled forward graphs and the
@@ -39,6 +40,7 @@ import shutil
 
 import pytest
 import torch
+from helpers import default_dtype
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.optests import OpCheckError
@@ -86,7 +88,7 @@ def _conv_problem(seed: int = 0):
 
 
 def _sc_problem(name: str = "small-l2-corr3", n: int = 5, seed: int = 0):
-    """``(spec, key, x [N, C, D], elem int32, weights, g, v)``, as tests/test_compile_ops.py."""
+    """``(spec, key, x [N, C, D], elem int32, weights, g, v)``."""
     _, spec = build_sc(name)
     gen = torch.Generator().manual_seed(seed)
     x = _rand(gen, n, spec.num_features, spec.num_components)
@@ -114,7 +116,8 @@ def _conv_case(which: str):
     if which == "forward":
         return conv_ops.conv_tp_op.op, (_grad(x), _grad(y), _grad(w)) + static
     needs = {"backward": (True, True, True), "backward-y-only": (False, True, False)}[which]
-    return conv_ops.conv_tp_backward_op.op, (_grad(x), _grad(y), _grad(w), _grad(g)) + static + needs
+    return conv_ops.conv_tp_backward_op.op, \
+        (_grad(x), _grad(y), _grad(w), _grad(g)) + static + needs
 
 
 def _sc_case(which: str, requires_grad: bool = True):
@@ -282,13 +285,17 @@ def _fresh_dynamo():
         torch._dynamo.reset()
 
 
-@pytest.mark.skipif(not _has_cxx(), reason="inductor on the CPU needs a C++ compiler")
-def test_inductor_fullgraph_forces_through_all_three_families():
+@pytest.mark.parametrize("backend", [
+    pytest.param("inductor", marks=pytest.mark.skipif(
+        not _has_cxx(), reason="inductor on the CPU needs a C++ compiler")),
+    "aot_eager"])
+def test_inductor_fullgraph_forces_through_all_three_families(backend):
     """An energy of positions through the edge features, the conv and the symmetric contraction
-    (as one MACE layer chains them), compiled whole by the default backend (inductor) with
-    ``fullgraph=True``: dynamo traces every op as one node (no graph break), inductor runs them
-    as opaque calls (their fake implementations give it the shapes) and the compiled backward
-    calls our registered backward ops. Energy and forces equal eager to 1e-10."""
+    (as one MACE layer chains them), compiled whole with ``fullgraph=True``: dynamo traces every
+    op as one node (no graph break), inductor runs them as opaque calls (their fake
+    implementations give it the shapes) and the compiled backward calls our registered backward
+    ops. Energy and forces equal eager to 1e-10. ``aot_eager`` (everything up to code
+    generation) needs no C++ compiler, so the check runs without one too."""
     sh, sh_key, radial, radial_key, _, _ = _edge_problem("lmax2-small")
     conv = make_spec("4x0e", "1x0e+1x1o+1x2e", "4x0e+4x1o+4x2e")
     conv_key = conv_ops.register_spec(conv)
@@ -327,7 +334,7 @@ def test_inductor_fullgraph_forces_through_all_three_families():
 
     want = energy_and_forces(energy)
     with _fresh_dynamo():
-        got = energy_and_forces(torch.compile(energy, fullgraph=True))
+        got = energy_and_forces(torch.compile(energy, backend=backend, fullgraph=True))
     assert want[1].norm() > 0
     for g, w in zip(got, want):
         assert rel_norm_error(g, w) <= COMPILE_RTOL
@@ -371,13 +378,8 @@ def compilable_model():
     import_mace()
     from mace.tools.compile import disable_e3nn_codegen, simplify
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(F64)
-    try:
-        with disable_e3nn_codegen():
-            model = small_test_model("RealAgnosticResidualInteractionBlock", dtype=F64)
-    finally:
-        torch.set_default_dtype(previous)
+    with default_dtype(F64), disable_e3nn_codegen():
+        model = small_test_model("RealAgnosticResidualInteractionBlock", dtype=F64)
     report = mace_accel.accelerate(model, backend=REF)
     fused = {p.part for r in report.records for p in r.parts if p.fused}
     assert {"edge_features", "conv", "symmetric_contraction"} <= fused, report

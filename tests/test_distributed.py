@@ -98,15 +98,6 @@ def test_a_failure_on_one_rank_stops_all_and_writes_nothing(model_file, tmp_path
     assert not (tmp_path / "out").exists()  # no results, no .partial, not even the folder
 
 
-@pytest.mark.parametrize("task", ["geomopt", "md"])
-def test_only_singlepoint_is_shared(model_file, tmp_path, task):
-    path = _run_file(tmp_path, model_file, _frames(1), task=task)
-    done = _cli("run", path, "--gpus", 2)
-    assert done.returncode == 2
-    assert f"task {task} runs in one process; only singlepoint is shared" in done.stderr
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without GPUs")
 def test_gpus_needs_that_many_gpus_unless_cpu(model_file, tmp_path):
     path = _run_file(tmp_path, model_file, _frames(2), device="auto")
@@ -116,12 +107,6 @@ def test_gpus_needs_that_many_gpus_unless_cpu(model_file, tmp_path):
     assert "`device: cpu`" in done.stderr
     assert "torchrun" not in done.stderr.replace("start at most", "")  # nothing was started
     assert not (tmp_path / "out").exists()
-
-
-def test_gpus_must_be_a_positive_number(model_file, tmp_path):
-    path = _run_file(tmp_path, model_file, _frames(1))
-    done = _cli("run", path, "--gpus", 0)
-    assert done.returncode == 2 and "--gpus: must be at least 1" in done.stderr
 
 
 @pytest.fixture

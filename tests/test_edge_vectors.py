@@ -6,10 +6,9 @@ tests/test_gpu_edge_vectors.py.
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
+from helpers import save_and_load
 
 import mace.modules.models as mace_models
 import mace.modules.utils as mace_utils
@@ -194,10 +193,7 @@ def test_the_mark_is_undone_when_the_call_raises(tiny_model):
 def test_hooks_survive_pickling(tiny_model):
     model, batch = _model_and_batch(tiny_model)
     accelerate(model, backend="reference")
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = save_and_load(model)
     assert patch.is_installed(loaded)
     assert torch.equal(evaluate(loaded, batch, False)["forces"],
                        evaluate(model, batch, False)["forces"])

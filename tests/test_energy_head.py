@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from ase.build import bulk, molecule
+from helpers import default_dtype
 
 import mace_accel
 from mace_accel.errors import VerificationError
@@ -41,23 +42,20 @@ def _batch(model, head=None):
     return batcher.collate([host_frame(a, info, table) for a in frames])
 
 
-def _model(interaction="RealAgnosticResidualInteractionBlock", scale_shift=True, heads=("Default",)):
+def _model(interaction="RealAgnosticResidualInteractionBlock", scale_shift=True,
+           heads=("Default",)):
     arch = Architecture(hidden_irreps="8x0e+8x1o", r_max=4.0, elements=(1, 6, 8, 29), max_ell=2,
                         correlation=2, num_bessel=4, radial_mlp=(16, 16), mlp_irreps="4x0e",
                         interaction=interaction, interaction_first=interaction,
                         avg_num_neighbors=8.0, heads=tuple(heads))
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with default_dtype(torch.float64):
         model = build_model(arch, dtype=torch.float64, scale_shift=scale_shift)
-    finally:
-        torch.set_default_dtype(previous)
     for p in model.parameters():
         p.requires_grad_(False)
     if scale_shift:  # a scale-shift that changes the numbers (built as 1 and 0)
-        n = model.scale_shift.scale.numel()
-        model.scale_shift.scale.copy_(torch.linspace(1.3, 0.7, n).reshape(model.scale_shift.scale.shape))
-        model.scale_shift.shift.copy_(torch.linspace(-0.4, 0.2, n).reshape(model.scale_shift.shift.shape))
+        scale, shift = model.scale_shift.scale, model.scale_shift.shift
+        scale.copy_(torch.linspace(1.3, 0.7, scale.numel()).reshape(scale.shape))
+        shift.copy_(torch.linspace(-0.4, 0.2, scale.numel()).reshape(shift.shape))
     return model
 
 
@@ -102,12 +100,8 @@ def test_pair_repulsion_is_part_of_the_head():
     from mace.modules.radial import ZBLBasis
 
     model = _model()
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with default_dtype(torch.float64):
         model.pair_repulsion_fn = ZBLBasis(p=5)
-    finally:
-        torch.set_default_dtype(previous)
     model.pair_repulsion = True
     mace_accel.accelerate(model, backend="reference")
     assert energy_head.lean_plan(model).pair_repulsion
@@ -237,7 +231,6 @@ def _cuda_batch(model):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 def test_gpu_lean_head_matches_and_repeats_bit_for_bit(dtype):
     from mace_accel.tolerances import MODEL_TOL
@@ -260,7 +253,6 @@ def test_gpu_lean_head_matches_and_repeats_bit_for_bit(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_lean_head_launches_fewer_kernels(monkeypatch):
     from torch.profiler import ProfilerActivity, profile
 

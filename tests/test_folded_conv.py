@@ -5,10 +5,10 @@ the per-edge weights recomputed equal the unpatched ones (CPU, reference backend
 
 from __future__ import annotations
 
-import io
 
 import pytest
 import torch
+from helpers import save_and_load
 
 from mace_accel.errors import ConfigError
 from mace_accel.ops.conv_tp import autograd
@@ -179,10 +179,7 @@ def test_folded_models_match_unpatched(case, recompute, tiny_model):
     for key in ("energy", "forces", "stress"):
         assert rel_norm_error(after[key], before[key]) <= MODEL_TOL[dtype], key
     # the sibling reference survives pickling; revert hands back the e3nn modules
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
+    loaded = save_and_load(model)
     for block in loaded.interactions:
         assert block.conv_tp.radial is block.conv_tp_weights
     again = evaluate(loaded, batch, compute_stress=True)
@@ -216,10 +213,7 @@ def test_models_saved_before_the_fold_still_load(tiny_model):
     for block in model.interactions:  # make them look like the older modules
         block.conv_tp.__dict__.pop("radial")
         block.conv_tp_weights.__dict__.pop("fold_last")
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
+    loaded = save_and_load(model)
     for block in loaded.interactions:
         assert block.conv_tp.radial is None and block.conv_tp_weights.fold_last is False
     got = evaluate(loaded, batch, False)

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_helpers import pass_error
 
+from mace_accel.bench.timing import capture_graph
 from mace_accel.errors import KernelError
 from mace_accel.ops.edge_features import autograd as ops
 from mace_accel.ops.edge_features import reference
 from mace_accel.ops.edge_features.catalog import CATALOG, select, unique_radial, unique_sh
 from mace_accel.options import AccelOptions
-from mace_accel.tolerances import MODEL_TOL, PASS_TOL, rel_linf_error, rel_norm_error
+from mace_accel.tolerances import MODEL_TOL, PASS_TOL, rel_norm_error
 
 pytestmark = pytest.mark.gpu
 F32, F64 = torch.float32, torch.float64
@@ -22,10 +24,6 @@ DTYPES = (F32, F64)
 N_EDGES = 5000
 SH_NAMES = [p.name for p in unique_sh(select())]
 RADIAL_NAMES = [p.name for p in unique_radial(select())]
-
-
-def _err(dtype):
-    return rel_norm_error if dtype == F64 else rel_linf_error
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -85,7 +83,7 @@ def _radial_prims(spec, dtype):
 @pytest.mark.parametrize("name", SH_NAMES)
 def test_sh_kernels_vs_reference(name, dtype):
     spec = CATALOG[name].sh_spec()
-    prims, err, tol = _sh_prims(spec, dtype), _err(dtype), PASS_TOL[dtype]
+    prims, err, tol = _sh_prims(spec, dtype), pass_error(dtype), PASS_TOL[dtype]
     v, g, a = sh_inputs(spec, N_EDGES, dtype, seed=1)
     vd, gd, ad = _up(v), _up(g), _up(a)
     out = prims.forward(v)
@@ -105,7 +103,7 @@ def test_sh_kernels_vs_reference(name, dtype):
 @pytest.mark.parametrize("name", RADIAL_NAMES)
 def test_radial_kernels_vs_reference(name, dtype):
     spec = CATALOG[name].radial_spec()
-    prims, err, tol = _radial_prims(spec, dtype), _err(dtype), PASS_TOL[dtype]
+    prims, err, tol = _radial_prims(spec, dtype), pass_error(dtype), PASS_TOL[dtype]
     r, g, gc, a = radial_inputs(spec, N_EDGES, dtype, seed=2)
     r0 = radial_r0(spec, N_EDGES, dtype, seed=3)
     rd, gd, gcd, ad, r0d = _up(r), _up(g), _up(gc), _up(a), _up(r0)
@@ -149,7 +147,7 @@ def test_ops_autograd_cuda_vs_reference(dtype):
     want = _second(lambda x: ops.spherical_harmonics(key, x, "reference"), v.double(), 4)
     for i, (a, b) in enumerate(zip(got, want)):
         tol = PASS_TOL[dtype]["backward" if i == 0 else "double_backward"]
-        assert _err(dtype)(a, b) < tol, (i, _err(dtype)(a, b))
+        assert pass_error(dtype)(a, b) < tol, (i, pass_error(dtype)(a, b))
     for name in ("mp", "no-cutoff", "agnesi", "soft"):
         spec = CATALOG[name].radial_spec()
         rkey = ops.register_radial(spec)
@@ -163,7 +161,7 @@ def test_ops_autograd_cuda_vs_reference(dtype):
         want = _second(lambda x: fused(x, "reference"), r.double(), 6)
         for i, (a, b) in enumerate(zip(got, want)):
             tol = PASS_TOL[dtype]["backward" if i == 0 else "double_backward"]
-            assert _err(dtype)(a, b) < tol, (name, i, _err(dtype)(a, b))
+            assert pass_error(dtype)(a, b) < tol, (name, i, pass_error(dtype)(a, b))
 
 
 # ----- determinism, grid-stride, CUDA graphs, edge cases, checks ----------------------------------
@@ -216,14 +214,7 @@ def test_cuda_graph_capture_and_replay():
     def run():
         return [sp.forward(v), sp.backward(v, g), *sp.double_backward(v, g, a), *rp.forward(r),
                 rp.backward(r, rg, gc), *rp.double_backward(r, rg, gc, ra)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # compiles and loads every kernel outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
+    graph, captured = capture_graph(run)  # after a warm-up call: every kernel loaded
     v.mul_(-1.5)
     r.add_(0.25)
     g.mul_(0.5)

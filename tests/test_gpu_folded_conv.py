@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import random_problem
+from gpu_helpers import pass_error, random_problem
 
 from mace_accel.bench.timing import capture_graph
 from mace_accel.ops.conv_tp import autograd
 from mace_accel.ops.conv_tp.catalog import CATALOG
 from mace_accel.ops.conv_tp.folded import folded_conv_tp
 from mace_accel.ops.conv_tp.spec import make_e3nn_conv_tp, spec_from_e3nn
-from mace_accel.tolerances import PASS_TOL, rel_linf_error, rel_norm_error
+from mace_accel.tolerances import PASS_TOL, rel_linf_error
 
 pytestmark = pytest.mark.gpu
 HIDDEN = 16
@@ -43,7 +43,7 @@ def test_cuda_fold_matches_reference(name, dtype, max_edges):
     got = _run(key, graph, inputs, "cuda", max_edges)
     want = _run(key, graph, [t.detach().double().requires_grad_() for t in inputs],
                 "reference", 100000)
-    err = rel_norm_error if dtype == torch.float64 else rel_linf_error
+    err = pass_error(dtype)
     tols = [PASS_TOL[dtype]["forward"]] + [PASS_TOL[dtype]["backward"]] * 4
     for what, a, b, tol in zip(("out", "x", "y", "h", "w"), got, want, tols):
         assert err(a.double(), b) < tol, what

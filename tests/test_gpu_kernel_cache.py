@@ -11,8 +11,7 @@ import pytest
 import torch
 from ase.build import bulk
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("arch", [None, "mpa0-medium"])

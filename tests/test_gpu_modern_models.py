@@ -18,8 +18,7 @@ from mace_accel.models.architectures import build_architecture
 from mace_accel.models.batch import atoms_to_batch, model_info
 from mace_accel.tolerances import MODEL_TOL, rel_norm_error
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float64]
 IDS = ["fp32", "fp64"]
 # Cr Mn Fe Co Ni Cu and a little H and O: several covalent radii, so several pairs' tables

@@ -15,8 +15,7 @@ from mace_accel.ops.radial.table import autograd as table_ops
 from mace_accel.ops.radial.table.table import SPECS, build_table, evaluate
 from mace_accel.tolerances import MODEL_TOL, rel_linf_error, rel_norm_error
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 R_MAX = 5.0
 
 

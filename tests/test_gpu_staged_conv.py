@@ -146,20 +146,3 @@ def test_misaligned_view_runs_the_plain_kernel():
     _assert_identical(_run(staged, graph.n_nodes, kg, x, y, shifted, g, [(True, True, True)]),
                       _run(plain, graph.n_nodes, kg, x, y, w, g, [(True, True, True)]))
     assert not any("_st" in name for name in staged._kernels)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_small_graphs_run_the_plain_kernels(dtype):
-    """Below STAGED_MIN_EDGES the defaults launch the plain kernels, above it the staged ones
-    (float64's forward stays plain)."""
-    from mace_accel.ops.conv_tp.cuda import STAGED_MIN_EDGES
-
-    spec, graph, kg, x, y, w, g = _problem("mp-medium-l2", dtype)
-    assert kg.n_edges < STAGED_MIN_EDGES
-    prims = CudaConvPrimitives(spec, dtype, x.device)
-    _run(prims, graph.n_nodes, kg, x, y, w, g, [(True, True, True)])
-    assert not any("_st" in name for name in prims._kernels)
-    prims.staged_min_edges = kg.n_edges
-    _run(prims, graph.n_nodes, kg, x, y, w, g, [(True, True, True)])
-    staged = {name.split("_")[2] for name in prims._kernels if "_st" in name}
-    assert staged == ({"fwd", "bwd"} if dtype == torch.float32 else {"bwd"})

@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_helpers import pass_error
 
 from mace_accel.ops.symmetric_contraction import autograd as ops
 from mace_accel.ops.symmetric_contraction import reference
 from mace_accel.ops.symmetric_contraction.catalog import build, select
-from mace_accel.tolerances import PASS_TOL, rel_linf_error, rel_norm_error
+from mace_accel.tolerances import PASS_TOL, rel_norm_error
 
 pytestmark = pytest.mark.gpu
 F32, F64 = torch.float32, torch.float64
 NAMES = [p.name for p in select()]
 N_NODES = 300
-
-
-def _err(dtype):
-    return rel_norm_error if dtype == F64 else rel_linf_error
 
 
 def _inputs(spec, n: int, seed: int = 0):
@@ -60,7 +57,7 @@ def test_every_pass_matches_reference(name, dtype):
             else (t.cuda() if isinstance(t, torch.Tensor) else [w.to("cuda", dtype) for w in t])
             for t in cpu]
     got = _passes(spec, *cast, backend="cuda")
-    err = _err(dtype)
+    err = pass_error(dtype)
     for which, tensors in got.items():
         tol = PASS_TOL[dtype][which]
         for i, (a, b) in enumerate(zip(tensors, ref[which])):

@@ -16,8 +16,7 @@ from mace_accel.training import TrainingStep
 
 from fine_tuning import SMALL_DENSITY, fine_tune_losses, labelled_batch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 BOUND = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 

@@ -3,10 +3,10 @@ backward), takes its place in every interaction block, and reverts."""
 
 from __future__ import annotations
 
-import io
 
 import pytest
 import torch
+from helpers import save_and_load
 
 from mace_accel._e3nn_compat import import_mace, o3
 from mace_accel.errors import InputError
@@ -63,10 +63,7 @@ def test_in_every_interaction_block_reverted_and_pickled(tiny_model):
     assert blocks and all("reshape: to [N, 8, 9] by one gather" in r.part("linears").detail
                           for r in blocks)  # the message's 0e+1o+2e
     assert all(isinstance(b.reshape, FusedReshapeIrreps) for b in model.interactions)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = save_and_load(model)
     assert all(not b.reshape._perm for b in loaded.interactions)
     revert(model)
     assert all(type(b.reshape).__name__ == "reshape_irreps" for b in model.interactions)

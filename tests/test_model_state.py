@@ -9,11 +9,11 @@ float64 and float32 (more on the CUDA side: tests/test_gpu_modern_models.py)."""
 from __future__ import annotations
 
 import copy
-import io
 
 import numpy as np
 import pytest
 import torch
+from helpers import save_and_load
 
 import mace_accel
 from mace_accel import MACEAccelCalculator
@@ -178,10 +178,7 @@ def test_pickled_and_loaded_model_equals_the_plain_model(place):
     model = _model().to(place.device, place.dtype)
     accelerate(model, backend=place.backend)
     atoms = _atoms()
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = save_and_load(model)
     calc = _calculator(loaded, place)
     atoms.calc = calc
     assert rel_norm_error(torch.from_numpy(atoms.get_forces()),

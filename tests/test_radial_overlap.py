@@ -135,7 +135,6 @@ def _count_joins(monkeypatch) -> list:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 def test_forked_call_equals_the_serial_one_bit_for_bit(dtype, monkeypatch):
     forked, serial = _patched_pair(dtype)
@@ -149,7 +148,6 @@ def test_forked_call_equals_the_serial_one_bit_for_bit(dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_lean_head_starts_every_block_early_bit_for_bit(monkeypatch):
     """The lean energy head forks every block's radial MLP, the first block's too, as soon as
     the edge features exist; the forces are those of the serial forward, bit for bit."""
@@ -166,7 +164,6 @@ def test_the_lean_head_starts_every_block_early_bit_for_bit(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_forked_graph_replay_equals_the_serial_eager_call():
     from mace_accel.capture import GraphedCall
     from mace_accel.models.batch import model_info
@@ -182,7 +179,6 @@ def test_forked_graph_replay_equals_the_serial_eager_call():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_forked_training_step_equals_the_serial_one():
     """Training on forces: the forked radial MLPs' double backward runs on the side stream;
     the parameter gradients match the serial ones bit for bit."""
@@ -198,7 +194,6 @@ def test_forked_training_step_equals_the_serial_one():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_block_given_other_features_computes_its_own():
     forked, _ = _patched_pair(torch.float32)
     first, second = [m for m in forked.modules() if isinstance(m, FusedRadialMLP)]

@@ -21,7 +21,6 @@ import yaml
 
 from mace_accel import cli
 from mace_accel.errors import ConfigError, InputError, Interrupted, OutputError
-from mace_accel.models.architectures import small_test_model
 from mace_accel.runs import tasks as runs
 from mace_accel.runs.outputs import LOCK_NAME, RunFolder
 
@@ -169,10 +168,9 @@ def test_what_a_task_needs_of_its_structure_is_checked_first(model_file, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
-def test_a_failed_model_check_writes_nothing(tmp_path, capsys):
+def test_a_failed_model_check_writes_nothing(model_file, tmp_path, capsys):
     """A model that is itself broken (NaN weight) fails verification: no outputs folder."""
-    model = small_test_model("RealAgnosticResidualInteractionBlock", elements=(28, 29),
-                             hidden_irreps="4x0e+4x1o", seed=5)
+    model = torch.load(model_file, weights_only=False)
     with torch.no_grad():
         next(model.readouts[-1].parameters()).view(-1)[0] = float("nan")
     path = tmp_path / "nan.model"

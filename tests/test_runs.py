@@ -14,7 +14,6 @@ import yaml
 
 from mace_accel import cli
 from mace_accel.errors import BackendUnavailableError, ConfigError, Interrupted
-from mace_accel.models.architectures import small_test_model
 from mace_accel.models.batch import atoms_to_batch, model_info
 from mace_accel.runs import tasks as runs
 from mace_accel.runs.config import load_run_config
@@ -23,20 +22,6 @@ from mace_accel.surgery import evaluate
 from mace_accel.tolerances import rel_norm_error
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """A tiny fp64 Cu/Ni model (random weights) saved to disk, and the module itself.
-
-    Random weights give no physical minimum near fcc; with this seed the example structure
-    relaxes smoothly (other seeds let FIRE collapse atom pairs within a few dozen steps).
-    """
-    model = small_test_model("RealAgnosticResidualInteractionBlock", elements=(28, 29),
-                             hidden_irreps="4x0e+4x1o", seed=5)
-    path = tmp_path_factory.mktemp("model") / "cuni.model"
-    torch.save(model, path)
-    return path, model
 
 
 def run_example(name: str, tmp_path: Path, model: Path, **overrides):
@@ -56,9 +41,9 @@ def no_temp_files(directory: Path) -> bool:
     return not [p for p in directory.iterdir() if p.name.endswith((".tmp", ".partial"))]
 
 
-def test_singlepoint_matches_the_model(tiny_model, tmp_path):
-    path, model = tiny_model
-    result = run_example("singlepoint", tmp_path, path)
+def test_singlepoint_matches_the_model(model_file, tmp_path):
+    model = torch.load(model_file, weights_only=False)
+    result = run_example("singlepoint", tmp_path, model_file)
     out = result.outputs
     assert result.backend == "reference" and result.summary["frames"] == 4
     frames = ase.io.read(out / "results.extxyz", ":")
@@ -79,12 +64,11 @@ def test_singlepoint_matches_the_model(tiny_model, tmp_path):
     assert saved["task"] == "singlepoint" and saved["device"] == "cpu"
 
 
-def test_singlepoint_batches_frames_and_keeps_input_order(tiny_model, tmp_path):
+def test_singlepoint_batches_frames_and_keeps_input_order(model_file, tmp_path):
     """With a small edge budget the 4 frames take several batched calls; the results are the
     same as one call, frame by frame, in input order."""
-    path, _ = tiny_model
-    one = run_example("singlepoint", tmp_path / "one", path)
-    many = run_example("singlepoint", tmp_path / "many", path,
+    one = run_example("singlepoint", tmp_path / "one", model_file)
+    many = run_example("singlepoint", tmp_path / "many", model_file,
                        **{"singlepoint.max_edges": 2000})
     assert one.summary["model_calls"] == 1 and many.summary["model_calls"] > 1
     a = ase.io.read(one.outputs / "results.extxyz", ":")
@@ -96,13 +80,13 @@ def test_singlepoint_batches_frames_and_keeps_input_order(tiny_model, tmp_path):
         (many.outputs / "run.log").read_text()
 
 
-def test_singlepoint_without_cell_leaves_stress_out(tiny_model, tmp_path):
+def test_singlepoint_without_cell_leaves_stress_out(model_file, tmp_path):
     (tmp_path / "dimer.xyz").write_text("2\n\nCu 0 0 0\nNi 0 0 2.4\n")
     run_file = tmp_path / "sp.yaml"
     run_file.write_text(yaml.safe_dump({"task": "singlepoint", "struct": "dimer.xyz",
                                         "singlepoint": {"properties": ["energy", "stress"]}}))
     result = runs.run(run_file, {"device": "cpu", "backend": "reference",
-                                 "model": str(tiny_model[0])})
+                                 "model": str(model_file)})
     assert result.outputs == tmp_path / "sp-results"
     frame = ase.io.read(result.outputs / "results.extxyz")
     assert "stress" not in frame.calc.results and "forces" not in frame.calc.results
@@ -111,8 +95,8 @@ def test_singlepoint_without_cell_leaves_stress_out(tiny_model, tmp_path):
     assert "stress left out for 1 frame(s)" in (result.outputs / "run.log").read_text()
 
 
-def test_geomopt_reduces_the_max_force(tiny_model, tmp_path):
-    result = run_example("geomopt", tmp_path, tiny_model[0], **{"geomopt.steps": 15})
+def test_geomopt_reduces_the_max_force(model_file, tmp_path):
+    result = run_example("geomopt", tmp_path, model_file, **{"geomopt.steps": 15})
     out, s = result.outputs, result.summary
     assert s["steps"] == 15 and not s["converged"]  # fmax 0.01 is out of reach in 15 steps
     assert s["final_fmax"] < 0.5 * s["initial_fmax"]
@@ -129,9 +113,9 @@ def test_geomopt_reduces_the_max_force(tiny_model, tmp_path):
     assert "FIRE" in (out / "run.log").read_text() and no_temp_files(out)
 
 
-def test_md_nve_conserves_energy(tiny_model, tmp_path):
+def test_md_nve_conserves_energy(model_file, tmp_path):
     steps = 20
-    result = run_example("md_nve", tmp_path, tiny_model[0],
+    result = run_example("md_nve", tmp_path, model_file,
                          **{"md.steps": steps, "md.timestep": 0.25, "md.stats_every": 1,
                             "md.traj_every": 5})
     out = result.outputs
@@ -153,11 +137,11 @@ def test_md_nve_conserves_energy(tiny_model, tmp_path):
     assert result.summary["steps"] == steps and no_temp_files(out)
 
 
-def test_md_langevin_is_seeded(tiny_model, tmp_path):
+def test_md_langevin_is_seeded(model_file, tmp_path):
     over = {"md.steps": 6, "md.stats_every": 2, "md.traj_every": 3, "md.timestep": 1.0}
-    a = run_example("md_langevin", tmp_path / "a", tiny_model[0], **over)
-    b = run_example("md_langevin", tmp_path / "b", tiny_model[0], **over)
-    c = run_example("md_langevin", tmp_path / "c", tiny_model[0], **over, **{"md.seed": 7})
+    a = run_example("md_langevin", tmp_path / "a", model_file, **over)
+    b = run_example("md_langevin", tmp_path / "b", model_file, **over)
+    c = run_example("md_langevin", tmp_path / "c", model_file, **over, **{"md.seed": 7})
     _, sa = read_stats(a.outputs / "stats.dat")
     _, sb = read_stats(b.outputs / "stats.dat")
     _, sc = read_stats(c.outputs / "stats.dat")
@@ -167,8 +151,8 @@ def test_md_langevin_is_seeded(tiny_model, tmp_path):
     assert len(ase.io.read(a.outputs / "trajectory.extxyz", ":")) == 3
 
 
-def test_md_npt_writes_volume_and_pressure(tiny_model, tmp_path):
-    result = run_example("md_npt", tmp_path, tiny_model[0],
+def test_md_npt_writes_volume_and_pressure(model_file, tmp_path):
+    result = run_example("md_npt", tmp_path, model_file,
                          **{"md.steps": 4, "md.stats_every": 1, "md.traj_every": 2})
     columns, stats = read_stats(result.outputs / "stats.dat")
     assert columns == list(runs.STATS_COLUMNS + runs.NPT_STATS_COLUMNS)
@@ -180,7 +164,7 @@ def test_md_npt_writes_volume_and_pressure(tiny_model, tmp_path):
     assert final.get_volume() == pytest.approx(stats[-1, 6])
 
 
-def test_md_starts_from_stored_momenta(tiny_model, tmp_path):
+def test_md_starts_from_stored_momenta(model_file, tmp_path):
     atoms = ase.io.read(CONFIGS / "structures" / "cu_ni_fcc32.extxyz")
     rng = np.random.default_rng(0)
     atoms.set_momenta(rng.normal(0, 0.05, (len(atoms), 3)))
@@ -189,12 +173,12 @@ def test_md_starts_from_stored_momenta(tiny_model, tmp_path):
     run_file.write_text(yaml.safe_dump({"task": "md", "struct": "moving.extxyz",
                                         "md": {"steps": 1, "temperature": 5000}}))
     result = runs.run(run_file, {"device": "cpu", "backend": "reference", "progress": False,
-                                 "model": str(tiny_model[0])})
+                                 "model": str(model_file)})
     _, stats = read_stats(result.outputs / "stats.dat")
     assert stats[0, 3] == pytest.approx(atoms.get_kinetic_energy(), abs=1e-8)  # 8 decimals
 
 
-def test_interrupted_md_keeps_what_it_did(tiny_model, tmp_path, monkeypatch):
+def test_interrupted_md_keeps_what_it_did(model_file, tmp_path, monkeypatch):
     real_row = runs.StatsWriter.__call__
 
     def interrupt_after_4_rows(self):
@@ -204,7 +188,7 @@ def test_interrupted_md_keeps_what_it_did(tiny_model, tmp_path, monkeypatch):
 
     monkeypatch.setattr(runs.StatsWriter, "__call__", interrupt_after_4_rows)
     with pytest.raises(KeyboardInterrupt) as info:
-        run_example("md_nve", tmp_path, tiny_model[0],
+        run_example("md_nve", tmp_path, model_file,
                     **{"md.steps": 50, "md.stats_every": 1, "md.traj_every": 1})
     out = tmp_path / "out"
     assert isinstance(info.value, Interrupted) and str(out) in info.value.note
@@ -216,9 +200,9 @@ def test_interrupted_md_keeps_what_it_did(tiny_model, tmp_path, monkeypatch):
     assert "interrupted" in (out / "run.log").read_text()
 
 
-def test_cli_run_prints_the_summary(tiny_model, tmp_path, capsys):
+def test_cli_run_prints_the_summary(model_file, tmp_path, capsys):
     code = cli.main(["run", str(CONFIGS / "md_nve.yaml"), "--set", "device=cpu",
-                     "--set", "backend=reference", "--set", f"model={tiny_model[0]}",
+                     "--set", "backend=reference", "--set", f"model={model_file}",
                      "--set", f"outputs={tmp_path}", "--set", "md.steps=2"])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -226,12 +210,12 @@ def test_cli_run_prints_the_summary(tiny_model, tmp_path, capsys):
     assert (tmp_path / "stats.dat").is_file()
 
 
-def test_runs_refuse_a_missing_gpu_and_overrides_of_a_built_config(tiny_model, tmp_path):
+def test_runs_refuse_a_missing_gpu_and_overrides_of_a_built_config(model_file, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(BackendUnavailableError, match="device: cpu"):
             runs.run(CONFIGS / "md_nve.yaml", {"device": "cuda", "outputs": str(tmp_path)})
     cfg = load_run_config(CONFIGS / "md_nve.yaml", {"device": "cpu", "outputs": str(tmp_path),
-                                                    "model": str(tiny_model[0])})
+                                                    "model": str(model_file)})
     with pytest.raises(ConfigError, match="overrides apply to a run file"):
         runs.run(cfg, {"md.steps": 1})
 
@@ -317,10 +301,10 @@ def test_ticker_reports_a_long_start_up():
     assert quiet.getvalue() == ""
 
 
-def test_a_run_reports_its_start_up_and_steps_off_a_terminal(tiny_model, tmp_path):
+def test_a_run_reports_its_start_up_and_steps_off_a_terminal(model_file, tmp_path):
     log = io.StringIO()
     runs.run(CONFIGS / "md_nve.yaml", {"device": "cpu", "backend": "reference",
-                                       "model": str(tiny_model[0]), "md.steps": 3,
+                                       "model": str(model_file), "md.steps": 3,
                                        "outputs": str(tmp_path / "a")}, progress_stream=log)
     lines = log.getvalue().splitlines()
     assert lines[0].startswith("mace-accel: loading, accelerating and verifying the model")
@@ -329,15 +313,15 @@ def test_a_run_reports_its_start_up_and_steps_off_a_terminal(tiny_model, tmp_pat
     assert lines[-1].startswith("md nve: 3/3 steps (100%)")
 
 
-def test_progress_false_in_a_run_draws_nothing_on_a_terminal(tiny_model, tmp_path):
+def test_progress_false_in_a_run_draws_nothing_on_a_terminal(model_file, tmp_path):
     terminal = FakeTerminal()
     runs.run(CONFIGS / "md_nve.yaml", {"device": "cpu", "backend": "reference",
-                                       "model": str(tiny_model[0]), "md.steps": 2,
+                                       "model": str(model_file), "md.steps": 2,
                                        "outputs": str(tmp_path / "a"), "progress": False},
              progress_stream=terminal)
     assert terminal.getvalue() == ""
     runs.run(CONFIGS / "md_nve.yaml", {"device": "cpu", "backend": "reference",
-                                       "model": str(tiny_model[0]), "md.steps": 2,
+                                       "model": str(model_file), "md.steps": 2,
                                        "outputs": str(tmp_path / "b")},
              progress_stream=terminal)
     assert "md nve" in terminal.getvalue() and "2/2" in terminal.getvalue()

@@ -6,10 +6,9 @@ multiplicities, mixed parities and L up to 3 in edge attributes, node features a
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from helpers import default_dtype
 
 from mace_accel._e3nn_compat import o3
 from mace_accel.errors import UnsupportedModelError
@@ -25,17 +24,6 @@ TOL = PASS_TOL[F64]
 
 # the catalog's small problems (node_feats, edge_attrs, MACE target irreps)
 CASES = {p.name: p.irreps for p in select("cpu")}
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    """Build e3nn modules in ``dtype``; always restores torch's global default."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 _TPS: dict = {}
@@ -188,24 +176,6 @@ def test_reference_conv_matches_e3nn(case, built_in):
     assert theirs.norm() > 0 and torch.all(ours[0] == 0)
     assert rel_norm_error(ours, theirs) <= TOL["forward"]
     assert torch.equal(ours, reference.conv_tp_forward(spec, x, y, w, sender, receiver, 7))
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_reference_backward_matches_autograd(case):
-    _, spec = conv_tp_problem(case)
-    x, y, w, sender, receiver = random_inputs(spec, seed=1)
-    inputs = [t.clone().requires_grad_() for t in (x, y, w)]
-    out = reference.conv_tp(spec, *inputs, sender, receiver, x.shape[0])
-    grad_out = torch.randn_like(out)
-    expected = torch.autograd.grad(out, inputs, grad_out)
-    got = reference.conv_tp_backward(spec, x, y, w, grad_out, sender, receiver)
-    for name, a, b in zip(("node_feats", "edge_attrs", "tp_weights"), got, expected):
-        assert a.shape == b.shape and b.norm() > 0, name
-        assert rel_norm_error(a, b) <= TOL["backward"], name
-    partial = reference.conv_tp_backward(spec, x, y, w, grad_out, sender, receiver,
-                                         needs=(True, False, True))
-    assert partial[1] is None
-    assert torch.equal(partial[0], got[0]) and torch.equal(partial[2], got[2])
 
 
 # ----- properties -----------------------------------------------------------------------------
