@@ -20,6 +20,7 @@ import torch
 from mace_accel.errors import BackendUnavailableError, UnsupportedModelError, VerificationError
 from mace_accel import coverage, state
 from mace_accel.models import energy_head
+from mace_accel.models.batch import model_dtype
 from mace_accel.ops.runtime import cuda_unavailable_reason
 from mace_accel.options import MACE_BACKEND, AccelOptions, make_options
 from mace_accel.patches import PatchRecord, find_blocks, link_across_blocks
@@ -116,13 +117,6 @@ def _check_model(model: torch.nn.Module) -> None:
 def model_device(model: torch.nn.Module) -> torch.device:
     first = next(itertools.chain(model.parameters(), model.buffers()), None)
     return first.device if first is not None else torch.device("cpu")
-
-
-def model_dtype(model: torch.nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.get_default_dtype()
 
 
 def start_compiles(model: torch.nn.Module) -> None:
@@ -242,7 +236,7 @@ def _leave_as_mace_built(model: torch.nn.Module, requested: str,
                              if restored else []))
     report.mace_built = coverage.mace_built(model)
     if opts.verify:  # nothing to compare; a broken checkpoint is still said so at once
-        _check_finite(_plain_results(model, *_random_batch(model)))
+        _check_finite(evaluate(model, *_random_batch(model), node_energy=True))
     return report
 
 
@@ -315,8 +309,8 @@ def unpatched(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     try:
         yield model
     finally:
-        for module, patch, state in saved:
-            patch.reattach(module, state)
+        for module, patch, reverted in saved:
+            patch.reattach(module, reverted)
 
 
 def evaluate(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
@@ -344,12 +338,6 @@ def _random_batch(model: torch.nn.Module, seed: int = 0) -> Tuple[Dict[str, torc
     return batch, type(model).__name__ in ("MACE", "ScaleShiftMACE")
 
 
-def _plain_results(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
-                   stress: bool) -> Dict[str, torch.Tensor]:
-    return _kept(model(dict(batch), training=False, compute_force=True, compute_stress=stress),
-                 stress, True)
-
-
 def _check_finite(plain: Dict[str, torch.Tensor]) -> None:
     """Raise :class:`VerificationError` where the plain model's own results are not finite."""
     bad = [k for k, v in plain.items() if not torch.isfinite(v).all()]
@@ -371,7 +359,7 @@ def _evaluate_both(model: torch.nn.Module,
     # the plain model first: it runs while the kernels the patched call needs are compiling
     # (surgery.start_compiles), instead of after that call waited for them
     with unpatched(model):
-        plain = _plain_results(model, batch, stress)
+        plain = evaluate(model, batch, stress, node_energy=True)
     patched = _kept(evaluate_accelerated(model, dict(batch), stress), stress, True)
     return patched, plain
 

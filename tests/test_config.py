@@ -45,7 +45,6 @@ def test_minimal_run_resolves_paths_and_defaults(run_dir):
     assert cfg.device == "auto" and cfg.backend == "auto"  # as the calculator's defaults
     assert cfg.deterministic is True and cfg.frame is None and cfg.min_distance == 0.5
     assert cfg.md.steps == 7 and cfg.md.timestep == 1.0 and isinstance(cfg.md.timestep, float)
-    assert cfg.options is cfg.md
     dumped = cfg.to_dict()
     assert "geomopt" not in dumped and dumped["md"]["steps"] == 7
     with pytest.raises(dataclasses.FrozenInstanceError):

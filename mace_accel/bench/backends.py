@@ -81,6 +81,11 @@ def failure_status(exc: BaseException) -> str:
     return f"failed: {type(exc).__name__}: {text}"
 
 
+def join_details(*parts: str) -> str:
+    """A record's ``detail`` from its non-empty ``parts``, joined by ``"; "``."""
+    return "; ".join(filter(None, parts))
+
+
 def missing_requirement(backend: str) -> Optional[str]:
     """The import error text of the first package ``backend`` needs and lacks, or None."""
     for module in REQUIREMENTS.get(backend, ()):
@@ -182,7 +187,7 @@ def _prepare_mace_accel(source: torch.nn.Module, allow_reference: bool) -> Prepa
         reasons = "; ".join(f"{r.path}: {r.skipped}" for r in report.skipped)
         return PreparedBackend(name, f"failed: no interaction block was patched ({reasons})")
     summary = f"{len(report.patched)} of {len(report.records)} blocks patched ({report.backend})"
-    return PreparedBackend(name, OK, model.eval(), "; ".join(filter(None, [summary, detail])))
+    return PreparedBackend(name, OK, model.eval(), join_details(summary, detail))
 
 
 def expected_name(backend: str, allow_reference: bool, device: torch.device | str) -> str:

@@ -37,8 +37,8 @@ from mace_accel.bench.backends import (
 )
 from mace_accel.bench.timing import WallClock, free_memory
 from mace_accel.errors import ConfigError
-
-DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
+from mace_accel.models.batch import model_info
+from mace_accel.options import dtype_name
 
 
 @dataclasses.dataclass
@@ -81,7 +81,7 @@ def _mace_calculator(backend: str, model: torch.nn.Module, device: str, dtype: t
 
     extra = {"compile_mode": "reduce-overhead"} if backend == "cueq-compile" else {}
     return MACECalculator(models=copy.deepcopy(model), device=device,
-                          default_dtype=DTYPE_NAMES[dtype],
+                          default_dtype=dtype_name(dtype),
                           enable_cueq=backend in ("cueq", "cueq-compile"),
                           enable_oeq=backend == "oeq", head=bench_head(model), **extra)
 
@@ -90,15 +90,13 @@ def _accel_calculator(backend: str, model: torch.nn.Module, device: str, dtype: 
     from mace_accel.calculator import MACEAccelCalculator
 
     return MACEAccelCalculator(model=copy.deepcopy(model), device=device,
-                               default_dtype=DTYPE_NAMES[dtype], backend=backend,
+                               default_dtype=dtype_name(dtype), backend=backend,
                                fallback="error",  # a benchmark must not time a fallback
                                head=bench_head(model))
 
 
 def bench_head(model: torch.nn.Module) -> str:
     """The head every benchmark evaluates: the model's last (as a batch without a head does)."""
-    from mace_accel.models.batch import model_info
-
     return model_info(model).heads[-1]
 
 
@@ -121,10 +119,6 @@ def _steps(atoms, calc, n: int, timestep_fs: float) -> float:
     return time.perf_counter() - t0
 
 
-def _backend_name(backend: str) -> str:
-    return "cueq" if backend == "cueq-compile" else backend
-
-
 def run_md(backend: str, model: torch.nn.Module, atoms, device: torch.device | str,
            label: str, steps: int = 20, warmup_steps: int = 5, timestep_fs: float = 1.0,
            temperature_K: float = 300.0, allow_reference: bool = False,
@@ -143,10 +137,10 @@ def run_md(backend: str, model: torch.nn.Module, atoms, device: torch.device | s
     """
     if backend not in MD_BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(MD_BACKENDS)}")
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    record = MDRecord(label, DTYPE_NAMES[dtype], backend, OK, len(atoms), steps, warmup_steps,
+    dtype = model_info(model).dtype
+    record = MDRecord(label, dtype_name(dtype), backend, OK, len(atoms), steps, warmup_steps,
                       timestep_fs)
-    missing = missing_requirement(_backend_name(backend))
+    missing = missing_requirement("cueq" if backend == "cueq-compile" else backend)
     if missing is not None:
         record.status = f"not installed: {missing}"
         return record
@@ -233,8 +227,8 @@ def nve_drift(backend: str, model: torch.nn.Module, atoms, device: torch.device 
     if backend not in DRIFT_BACKENDS:
         raise ConfigError(f"unknown drift backend {backend!r}; choose from "
                           f"{', '.join(DRIFT_BACKENDS)}")
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    record = DriftRecord(label, DTYPE_NAMES[dtype], backend, OK, len(atoms), steps, timestep_fs,
+    dtype = model_info(model).dtype
+    record = DriftRecord(label, dtype_name(dtype), backend, OK, len(atoms), steps, timestep_fs,
                          temperature_K)
     atoms = atoms.copy()
     _thermalize(atoms, temperature_K, seed)

@@ -82,7 +82,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from mace_accel.bench.runner import BenchResult, CaseRecord
+from mace_accel.bench.md import DriftRecord, MDRecord
+from mace_accel.bench.runner import BenchResult, CaseRecord, MaxSizeRecord
+from mace_accel.bench.throughput import ThroughputRecord
+from mace_accel.bench.training import TrainRecord
+from mace_accel.errors import InputError
 
 SCHEMA = "mace-accel-bench"
 SCHEMA_VERSION = 1
@@ -93,6 +97,8 @@ VERSIONED_PACKAGES = (
     "openequivariance", "cupy-cuda12x", "cupy-cuda13x", "matplotlib",
 )
 JSON_NAME, TABLE_NAME, PLOT_NAME = "bench.json", "bench_table.txt", "bench_times.png"
+# the text columns of the tables, left-aligned; every other column holds numbers, right-aligned
+TEXT_COLUMNS = ("model", "dtype", "backend", "mode", "stopped", "vs best other", "status")
 
 
 def _version(package: str) -> Optional[str]:
@@ -153,12 +159,6 @@ def write_json(result: BenchResult, path: Path) -> Path:
 
 def load_json(path: Path) -> BenchResult:
     """Read a ``bench.json`` back (for ``--summarize``); checks the schema and its version."""
-    from mace_accel.bench.md import DriftRecord, MDRecord
-    from mace_accel.bench.throughput import ThroughputRecord
-    from mace_accel.bench.runner import MaxSizeRecord
-    from mace_accel.bench.training import TrainRecord
-    from mace_accel.errors import InputError
-
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -185,9 +185,15 @@ def _short(text: str, width: int = 70) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _table(header: Sequence[str], rows: List[Sequence[str]], right: Sequence[bool]) -> str:
+def _speedup(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _table(header: Sequence[str], rows: List[Sequence[str]]) -> str:
+    """Columns padded to their widest cell: :data:`TEXT_COLUMNS` left-aligned, numbers right."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(header)]
+    right = [h not in TEXT_COLUMNS for h in header]
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(c.rjust(w) if r else c.ljust(w)
@@ -202,24 +208,22 @@ def render_table(records: Sequence[CaseRecord]) -> str:
               "peak MB", "F rel err", "vs e3nn", "vs best other", "status")
     rows = []
     for r in records:
-        if r.ok:
-            err = "ref" if r.backend == "e3nn" else _fmt(r.force_rel_err, ".1e")
-            if r.within_tolerance is False:
-                err += " (!)"
-            best = (f"{r.speedup_vs_best_other:.2f}x ({r.best_other})"
-                    if r.speedup_vs_best_other is not None else "-")
-            rows.append((r.model, r.dtype, _fmt(r.atoms, "d"), _fmt(r.edges, ","), r.backend,
-                         f"{r.median_ms:.2f}", f"{r.p10_ms:.2f}-{r.p90_ms:.2f}",
-                         _fmt(r.peak_mem_mb, ".0f"), err, _fmt(r.speedup_vs_e3nn, ".2f") + "x"
-                         if r.speedup_vs_e3nn is not None else "-", best, "ok"))
-        else:
-            rows.append((r.model, r.dtype, _fmt(r.atoms, "d"), _fmt(r.edges, ","), r.backend,
-                         "", "", "", "", "", "", _short(r.status)))
+        case = (r.model, r.dtype, _fmt(r.atoms, "d"), _fmt(r.edges, ","), r.backend)
+        if not r.ok:
+            rows.append(case + ("",) * 6 + (_short(r.status),))
+            continue
+        err = "ref" if r.backend == "e3nn" else _fmt(r.force_rel_err, ".1e")
+        if r.within_tolerance is False:
+            err += " (!)"
+        best = (f"{r.speedup_vs_best_other:.2f}x ({r.best_other})"
+                if r.speedup_vs_best_other is not None else "-")
+        rows.append(case + (f"{r.median_ms:.2f}", f"{r.p10_ms:.2f}-{r.p90_ms:.2f}",
+                            _fmt(r.peak_mem_mb, ".0f"), err, _speedup(r.speedup_vs_e3nn), best,
+                            "ok"))
     clocks = sorted({r.clock for r in records if r.clock})
     note = f"\n(timed with {', '.join(clocks)}; F rel err vs e3nn at the same dtype, " \
            "(!) = beyond the model-level tolerance)" if clocks else ""
-    return _table(header, rows, (False, False, True, True, False, True, True, True, True,
-                                 True, False, False)) + note
+    return _table(header, rows) + note
 
 
 def render_max_size_table(records) -> str:
@@ -227,7 +231,7 @@ def render_max_size_table(records) -> str:
               "stopped", "status")
     rows = [(r.model, r.dtype, r.backend, _fmt(r.max_atoms, "d"), _fmt(r.max_edges, ","),
              _fmt(r.first_oom_cells, "d"), r.stop_reason, _short(r.status, 50)) for r in records]
-    return _table(header, rows, (False, False, False, True, True, True, False, False))
+    return _table(header, rows)
 
 
 def render_training_table(records) -> str:
@@ -242,14 +246,11 @@ def render_training_table(records) -> str:
                      _fmt(r.median_ms, ".2f"),
                      f"{r.p10_ms:.2f}-{r.p90_ms:.2f}" if timed else "",
                      _fmt(r.peak_mem_mb, ".0f"), _fmt(r.first_loss, ".10g"),
-                     _fmt(r.speedup_vs_e3nn, ".2f") + ("x" if r.speedup_vs_e3nn else ""),
-                     _fmt(r.speedup_vs_cueq, ".2f") + ("x" if r.speedup_vs_cueq else ""),
-                     _short(r.status)))
+                     _speedup(r.speedup_vs_e3nn), _speedup(r.speedup_vs_cueq), _short(r.status)))
     clocks = sorted({r.clock for r in records if r.clock})
     note = (f"\n(timed with {', '.join(clocks)}; one step = forward, forces, loss, backward, "
             "Adam; every first loss must agree with e3nn's)") if clocks else ""
-    return _table(header, rows, (False, False, True, True, False, True, True, True, True, True,
-                                 True, False)) + note
+    return _table(header, rows) + note
 
 
 def render_md_table(records) -> str:
@@ -257,11 +258,10 @@ def render_md_table(records) -> str:
               "rest ms", "nlist ms", "model ms", "status")
     rows = [(r.model, r.dtype, str(r.atoms), r.backend, _fmt(r.ms_per_step, ".2f"),
              _fmt(r.steps_per_s, ".2f"), _fmt(r.ns_per_day, ".3f"),
-             _fmt(getattr(r, "calc_ms", None), ".2f"), _fmt(getattr(r, "rest_ms", None), ".2f"),
-             _fmt(getattr(r, "neighbours_ms", None), ".2f"),
-             _fmt(getattr(r, "model_ms", None), ".2f"), _short(r.status, 50))
+             _fmt(r.calc_ms, ".2f"), _fmt(r.rest_ms, ".2f"), _fmt(r.neighbours_ms, ".2f"),
+             _fmt(r.model_ms, ".2f"), _short(r.status, 50))
             for r in records]
-    return _table(header, rows, (False, False, True, False) + (True,) * 7 + (False,))
+    return _table(header, rows)
 
 
 def render_throughput_table(records) -> str:
@@ -270,7 +270,7 @@ def render_throughput_table(records) -> str:
     rows = [(r.model, r.dtype, r.mode, str(r.frames), str(r.atoms), _fmt(r.frames_per_s, ".1f"),
              _fmt(r.atoms_per_s, ".0f"), _fmt(r.model_calls, "d"), _short(r.status, 50))
             for r in records]
-    return _table(header, rows, (False, False, False, True, True, True, True, True, False))
+    return _table(header, rows)
 
 
 def render_drift_table(records) -> str:
@@ -279,7 +279,7 @@ def render_drift_table(records) -> str:
     rows = [(r.model, r.dtype, str(r.atoms), r.backend, str(r.steps),
              _fmt(r.drift_meV_per_atom_per_ns, ".3g"), _fmt(r.max_dev_meV_per_atom, ".3g"),
              _fmt(r.steps_per_s, ".1f"), _short(r.status, 50)) for r in records]
-    return _table(header, rows, (False, False, True, False, True, True, True, True, False))
+    return _table(header, rows)
 
 
 def render_summary(result: BenchResult) -> str:

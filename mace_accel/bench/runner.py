@@ -24,9 +24,11 @@ from mace_accel.bench.backends import (
     PreparedBackend,
     expected_name,
     failure_status,
+    join_details,
     prepare_backend,
 )
 from mace_accel.bench.maxsize import MaxSizeResult, find_max_size
+from mace_accel.bench.md import DRIFT_BACKENDS, DriftRecord, MDRecord, nve_drift, run_md
 from mace_accel.bench.systems import (
     SYSTEM_KINDS,
     BenchSystem,
@@ -34,7 +36,16 @@ from mace_accel.bench.systems import (
     cells_for_atoms,
     make_batch,
 )
+from mace_accel.bench.throughput import ThroughputRecord, _line, run_throughput
 from mace_accel.bench.timing import Deadline, as_device, free_memory, time_calls, track_peak_memory
+from mace_accel.bench.training import (
+    TrainRecord,
+    check_loss,
+    compute_train_speedups,
+    make_targets,
+    reference_loss,
+    run_training_step,
+)
 from mace_accel.errors import ConfigError
 from mace_accel.models.batch import ModelInfo, model_info
 from mace_accel.models.outputs import evaluate as evaluate_accelerated
@@ -194,10 +205,10 @@ class BenchResult:
     environment: dict
     records: List[CaseRecord] = dataclasses.field(default_factory=list)
     max_size: List[MaxSizeRecord] = dataclasses.field(default_factory=list)
-    md: List[object] = dataclasses.field(default_factory=list)
-    drift: List[object] = dataclasses.field(default_factory=list)
-    throughput: List[object] = dataclasses.field(default_factory=list)
-    train: List[object] = dataclasses.field(default_factory=list)
+    md: List[MDRecord] = dataclasses.field(default_factory=list)
+    drift: List[DriftRecord] = dataclasses.field(default_factory=list)
+    throughput: List[ThroughputRecord] = dataclasses.field(default_factory=list)
+    train: List[TrainRecord] = dataclasses.field(default_factory=list)
 
 
 def compute_speedups(records: Sequence[CaseRecord]) -> None:
@@ -292,16 +303,14 @@ class BenchRunner:
             compute_speedups(self.result.records)
         elif isinstance(record, MaxSizeRecord):
             self.result.max_size.append(record)
-        elif type(record).__name__ == "DriftRecord":
+        elif isinstance(record, DriftRecord):
             self.result.drift.append(record)
-        elif type(record).__name__ == "ThroughputRecord":
+        elif isinstance(record, ThroughputRecord):
             self.result.throughput.append(record)
-        elif type(record).__name__ == "TrainRecord":
-            from mace_accel.bench.training import compute_train_speedups
-
+        elif isinstance(record, TrainRecord):
             self.result.train.append(record)
             compute_train_speedups(self.result.train)
-        else:
+        else:  # MDRecord
             self.result.md.append(record)
         self.on_update(self.result)
 
@@ -349,7 +358,7 @@ class BenchRunner:
         if cfg.md:
             self._run_md(model, info, source.label, dtype_name, systems)
         if cfg.throughput_frames and not self.deadline.expired():
-            self._run_throughput(model, source)
+            self._run_throughput(model, source, dtype_name)
         del model, cases
         free_memory(self.device)
 
@@ -422,7 +431,7 @@ class BenchRunner:
         try:
             with track_peak_memory(self.device) as memory:
                 out = backend_call(prepared.name, model, batch, stress)
-                outputs = _cpu64({k: out[k].detach() for k in (*OUTPUT_KEYS[stress], NODE_ENERGY)
+                outputs = _cpu64({k: out[k] for k in (*OUTPUT_KEYS[stress], NODE_ENERGY)
                                   if k in out})
                 timing = time_calls(lambda: backend_call(prepared.name, model, batch, stress),
                                     self.device, warmup=cfg.warmup, repeats=cfg.repeats)
@@ -443,12 +452,11 @@ class BenchRunner:
         record.edges_per_s = case.edges / (timing.median_ms * 1e-3) if timing.median_ms else None
         if prepared.name == "e3nn":
             case.reference = outputs
-            record.detail = "; ".join(filter(None, [record.detail, "reference for the errors"]))
+            record.detail = join_details(record.detail, "reference for the errors")
         elif case.reference is not None:
             self._fill_errors(record, outputs, case.reference, DTYPES[dtype_name])
         else:
-            record.detail = "; ".join(filter(None, [record.detail,
-                                                    "no e3nn reference at this size"]))
+            record.detail = join_details(record.detail, "no e3nn reference at this size")
         return record
 
     @staticmethod
@@ -522,12 +530,6 @@ class BenchRunner:
                       dtype_name: str, systems: Dict[int, BenchSystem]) -> None:
         """One training-step record per backend of ``--backends`` on one batch of
         ``--train-size`` atoms (:mod:`.training`); e3nn first, its first loss the reference."""
-        from mace_accel.bench.training import (
-            TrainRecord,
-            make_targets,
-            reference_loss,
-        )
-
         cfg, dtype = self.config, DTYPES[dtype_name]
         batch = targets = edges = None
         error = ""
@@ -576,8 +578,6 @@ class BenchRunner:
                        reference: Optional[float]) -> list:
         """The training records of ``backend``: eager, and on a CUDA device also its step
         captured as CUDA graphs (e3nn's eager first loss is the reference of the others)."""
-        from mace_accel.bench.training import check_loss, run_training_step
-
         cfg = self.config
         records = []
         for graphs in (False, True) if self.device.type == "cuda" else (False,):
@@ -591,15 +591,13 @@ class BenchRunner:
             if record.backend == "e3nn":
                 reference = record.first_loss
                 if record.first_loss is not None:
-                    record.detail = "; ".join(filter(None, [record.detail,
-                                                            "reference for the losses"]))
+                    record.detail = join_details(record.detail, "reference for the losses")
             check_loss(record, reference)
             records.append(record)
         return records
+
     def _run_md(self, model: torch.nn.Module, info: ModelInfo, label: str, dtype_name: str,
                 systems: Dict[int, BenchSystem]) -> None:
-        from mace_accel.bench.md import DRIFT_BACKENDS, MDRecord, nve_drift, run_md
-
         cfg = self.config
         backends = list(cfg.backends)
         if cfg.md_compile and "cueq" in backends:
@@ -635,10 +633,8 @@ class BenchRunner:
                         if record.status == OK else record.status))
             self._add(record)
 
-
-    def _run_throughput(self, model: torch.nn.Module, source: ModelSource) -> None:
-        from mace_accel.bench.throughput import run_throughput
-
+    def _run_throughput(self, model: torch.nn.Module, source: ModelSource,
+                        dtype_name: str) -> None:
         label = source.label
         n = self.config.throughput_frames
         self.log(f"   throughput: {n} frames of 64-256 atoms, batched vs one call per frame "
@@ -647,19 +643,18 @@ class BenchRunner:
                                      one_by_one_frames=min(n, 200), seed=self.config.seed,
                                      log=self.log):
             self._add(record)
-        if self.config.throughput_gpus:
-            from mace_accel.bench.multi_gpu import launch
-            from mace_accel.bench.throughput import _line
+        if not self.config.throughput_gpus:
+            return
+        if not source.spec:
+            self.log(f"   throughput over GPUs: {label} cannot be reloaded in other "
+                     "processes; skipped")
+            return
+        from mace_accel.bench.multi_gpu import launch
 
-            dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-            for n_gpus in self.config.throughput_gpus:
-                if not source.spec:
-                    self.log(f"   throughput over GPUs: {label} cannot be reloaded in other "
-                             "processes; skipped")
-                    break
-                record = launch(source.spec, n_gpus, n, str(dtype).split(".")[1], label)
-                self.log(_line(record))
-                self._add(record)
+        for n_gpus in self.config.throughput_gpus:
+            record = launch(source.spec, n_gpus, n, dtype_name, label)
+            self.log(_line(record))
+            self._add(record)
 
 
 def run_bench(config: BenchConfig, sources: Sequence[ModelSource],

@@ -22,11 +22,11 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from mace_accel.bench.backends import OK, failure_status, missing_requirement, mace_device
-from mace_accel.bench.md import DTYPE_NAMES
+from mace_accel.bench.backends import OK, failure_status, mace_device, missing_requirement
 from mace_accel.bench.systems import FCC_A, FCC_ELEMENTS, substitute
 from mace_accel.bench.timing import free_memory, synchronize
 from mace_accel.models.batch import model_info
+from mace_accel.options import dtype_name
 
 # (a, b, c) repeats of the 4-atom fcc cell giving 64..256 atoms
 SHAPES = tuple((a, b, c) for a in range(2, 5) for b in range(2, 5) for c in range(2, 5)
@@ -69,7 +69,7 @@ def make_frames(model: torch.nn.Module, n_frames: int, seed: int = 0) -> List[ob
 
 
 def _record(label: str, dtype: torch.dtype, mode: str, frames: Sequence) -> ThroughputRecord:
-    return ThroughputRecord(label, DTYPE_NAMES[dtype], mode, OK, len(frames),
+    return ThroughputRecord(label, dtype_name(dtype), mode, OK, len(frames),
                             sum(len(a) for a in frames))
 
 
@@ -86,12 +86,12 @@ def run_batched(model: torch.nn.Module, frames: Sequence, device, label: str,
     """Frames/s of :class:`~mace_accel.batched.BatchEvaluator` over ``frames``."""
     from mace_accel.batched import BatchEvaluator
 
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    dtype = model_info(model).dtype
     record = _record(label, dtype, "batched", frames)
     try:
         with mace_device(device) as dev:
             evaluator = BatchEvaluator(copy.deepcopy(model), device=dev,
-                                       default_dtype=DTYPE_NAMES[dtype], fallback="error")
+                                       default_dtype=dtype_name(dtype), fallback="error")
             evaluator.evaluate(frames[:warmup_frames])  # compiles kernels, measures memory
             calls = evaluator.n_calls
             synchronize(dev)
@@ -113,7 +113,7 @@ def run_one_by_one(model: torch.nn.Module, frames: Sequence, device, label: str,
                    backend: str = "mace-accel", warmup_frames: int = 4) -> ThroughputRecord:
     """Frames/s of one calculator call per frame: ``mace-accel`` (our calculator) or ``cueq``
     (mace's ``MACECalculator(enable_cueq=True)``)."""
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    dtype = model_info(model).dtype
     record = _record(label, dtype, f"{backend} one-by-one", frames)
     if backend == "cueq":
         missing = missing_requirement("cueq")

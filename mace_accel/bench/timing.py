@@ -209,13 +209,9 @@ def capture_graph(fn: Callable[[], Any], launches: int = 1) -> Tuple[Any, Any]:
     return graph, out
 
 
-def graph_replay(fn: Callable[[], Any], launches: int = 1) -> Callable[[], None]:
-    """The replay of :func:`capture_graph`: timing it takes the host's launch cost out of small
-    kernels."""
-    return capture_graph(fn, launches)[0].replay
-
-
 def graph_ms_per_launch(fn: Callable[[], Any], launches: int, repeats: int = 20) -> float:
     """Median milliseconds per call of ``fn``, ``launches`` calls captured in one CUDA graph and
-    replayed (3 warm-up replays; kernel benchmarks)."""
-    return time_calls(graph_replay(fn, launches), "cuda", 3, repeats).median_ms / launches
+    replayed (3 warm-up replays; kernel benchmarks): timing the replay takes the host's launch
+    cost out of small kernels."""
+    replay = capture_graph(fn, launches)[0].replay
+    return time_calls(replay, "cuda", 3, repeats).median_ms / launches

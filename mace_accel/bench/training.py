@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from mace_accel.bench.backends import OK, PreparedBackend, failure_status
+from mace_accel.bench.backends import OK, PreparedBackend, failure_status, join_details
 from mace_accel.bench.timing import free_memory, time_calls, track_peak_memory
 
 # relative difference of a backend's first loss from e3nn's that is reported (the loss is an
@@ -133,16 +133,11 @@ def make_trainable(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def trainable_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """:func:`make_trainable` of a deep copy (the source stays untouched)."""
-    return make_trainable(copy.deepcopy(model))
-
-
 def reference_loss(model: torch.nn.Module, batch: Dict[str, torch.Tensor],
                    targets: Dict[str, torch.Tensor]) -> float:
     """The first-step loss of ``model`` (e3nn) without timing it: what the other backends are
     compared with when e3nn itself is not among the timed backends."""
-    trainable = trainable_copy(model)
+    trainable = make_trainable(copy.deepcopy(model))  # the source stays untouched
     try:
         return float(training_loss(trainable, batch, targets).detach())
     finally:
@@ -233,7 +228,7 @@ def check_loss(record: TrainRecord, reference: Optional[float]) -> None:
     if record.status != OK or record.first_loss is None or record.backend == "e3nn":
         return
     if reference is None:
-        record.detail = "; ".join(filter(None, [record.detail, "no e3nn loss to compare"]))
+        record.detail = join_details(record.detail, "no e3nn loss to compare")
         return
     rel = abs(record.first_loss - reference) / max(abs(reference), torch.finfo(
         torch.float64).tiny)
@@ -242,8 +237,7 @@ def check_loss(record: TrainRecord, reference: Optional[float]) -> None:
         record.status = (f"{LOSS_DIFFERS}: {record.first_loss:.10g} vs {reference:.10g} "
                          f"(relative {rel:.1e} > {tolerance:.0e})")
     else:
-        record.detail = "; ".join(filter(None, [record.detail,
-                                                f"first loss within {rel:.1e} of e3nn's"]))
+        record.detail = join_details(record.detail, f"first loss within {rel:.1e} of e3nn's")
 
 
 def compute_train_speedups(records: Sequence[TrainRecord]) -> None:

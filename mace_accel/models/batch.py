@@ -32,6 +32,12 @@ class ModelInfo:
         return [chemical_symbols[z] for z in self.atomic_numbers]
 
 
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s floating parameters (torch's default dtype if it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                torch.get_default_dtype())
+
+
 def model_info(model: torch.nn.Module) -> ModelInfo:
     """Read atomic numbers, cutoff, heads and dtype off a loaded MACE model.
 
@@ -48,11 +54,7 @@ def model_info(model: torch.nn.Module) -> ModelInfo:
     zs = tuple(int(v) for v in (z.tolist() if torch.is_tensor(z) else z))
     r = float(r_max.item() if torch.is_tensor(r_max) else r_max)
     heads = tuple(getattr(model, "heads", None) or ("Default",))
-    try:
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    except StopIteration:
-        dtype = torch.get_default_dtype()
-    return ModelInfo(zs, r, heads, dtype)
+    return ModelInfo(zs, r, heads, model_dtype(model))
 
 
 def atoms_to_batch(atoms, info: ModelInfo, head: Optional[str] = None,
@@ -67,8 +69,8 @@ def atoms_to_batch(atoms, info: ModelInfo, head: Optional[str] = None,
 
     Returns:
         mace's batch dict (``positions [N,3]``, ``edge_index [2,E]``, ``shifts [E,3]``,
-        ``node_attrs [N, n_elements]``, ``cell [3,3]``, ``batch [N]``, ``ptr [2]``, ``head [1]``, ...)
-        on ``device``.
+        ``node_attrs [N, n_elements]``, ``cell [3,3]``, ``batch [N]``, ``ptr [2]``,
+        ``head [1]``, ...) on ``device``.
     """
     from mace_accel._e3nn_compat import import_mace
 

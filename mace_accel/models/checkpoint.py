@@ -20,6 +20,7 @@ from typing import Any, List, Optional, Union
 import torch
 
 from mace_accel.errors import CheckpointError, InputError, OutputError, UnsupportedModelError
+from mace_accel.models.batch import model_dtype
 from mace_accel.options import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -143,8 +144,6 @@ def _read_checkpoint(path: Path):
 
 def _is_torchscript(path: Path) -> bool:
     """A ``torch.jit.save`` archive: a zip file holding ``constants.pkl`` and ``code/``."""
-    if not zipfile.is_zipfile(path):
-        return False
     try:
         with zipfile.ZipFile(path) as zf:
             names = zf.namelist()
@@ -219,10 +218,8 @@ def upgrade_legacy_model(model: torch.nn.Module) -> List[str]:
     Returns:
         ``"path.attribute"`` for each thing added or converted (empty for a current model).
     """
-    check_mace_module(model)
     changed: List[str] = []
-    float_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
-                       torch.get_default_dtype())
+    float_dtype = model_dtype(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
     def as_buffer(name: str, value: torch.Tensor) -> None:

@@ -219,10 +219,9 @@ class FrameBatcher:
 
     def __init__(self, template_atoms, info: ModelInfo, head: str, dtype: torch.dtype,
                  device: torch.device | str) -> None:
-        self.info, self.head, self.dtype = info, head, dtype
+        self.info, self.dtype = info, dtype
         self.device = torch.device(device)
         self.defaults = BatchDefaults(template_atoms, info, head, dtype)
-        self.table = species_table(info)
 
     def collate(self, frames: Sequence[HostFrame]) -> Dict[str, Tensor]:
         """The batch dict of ``frames`` (graph ``k`` = ``frames[k]``), on the device: the

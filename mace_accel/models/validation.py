@@ -102,12 +102,12 @@ def _symbol(z: int, table: Sequence[str]) -> str:
 
 
 def _check_positions(positions: np.ndarray) -> None:
-    if np.isfinite(positions).all():
+    finite = np.isfinite(positions)
+    if finite.all():
         return
-    bad = np.nonzero(~np.isfinite(positions).all(axis=1))[0]
-    if len(bad):
-        raise InputError(f"positions of atom(s) {_few(bad)} are NaN or inf ({len(bad)} atom(s) in "
-                         "all); the structure is broken (e.g. an MD run or optimiser diverged)")
+    bad = np.nonzero(~finite.all(axis=1))[0]
+    raise InputError(f"positions of atom(s) {_few(bad)} are NaN or inf ({len(bad)} atom(s) in "
+                     "all); the structure is broken (e.g. an MD run or optimiser diverged)")
 
 
 def _check_cell(cell: np.ndarray, pbc: np.ndarray) -> None:

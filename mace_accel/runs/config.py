@@ -311,11 +311,6 @@ class RunConfig(_Section):
         return out
 
     @property
-    def options(self) -> _Section:
-        """The section of the chosen task."""
-        return getattr(self, self.task)
-
-    @property
     def model_path(self) -> Path:
         """``model``, or the bundled default model."""
         if self.model is not None:
@@ -380,9 +375,6 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".",
         base_dir: directory relative ``struct``, ``model`` and ``outputs`` are resolved against.
         stem: name the default output directory ``<stem>-results`` is derived from.
     """
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"a run file must be a mapping of keys to values, got "
-                          f"{type(raw).__name__}")
     task = raw.get("task")
     if task is None:
         raise ConfigError(f"task is required: one of {', '.join(TASKS)}")
@@ -392,11 +384,7 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".",
             raise ConfigError(f"section {other!r} is given but task is {task!r}; remove it or "
                               f"set task: {other}")
     base = Path(base_dir).resolve()
-    fixed: Dict[str, Any] = {"task": task}
-    for key in PATH_KEYS:
-        value = raw.get(key)
-        if isinstance(value, (str, Path)) and str(value):
-            fixed[key] = (base / Path(value).expanduser()).resolve()
+    fixed: Dict[str, Any] = {"task": task, **_resolve_paths(raw, base)}
     if raw.get("outputs") is None:
         fixed["outputs"] = base / f"{stem or task}-results"
     config = RunConfig.from_dict(raw, **fixed)
@@ -404,6 +392,17 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: Path | str = ".",
     if config.model is not None:
         _check_input_file("model", config.model, "the MACE .model file")
     return config
+
+
+def _resolve_paths(raw: Mapping[str, Any], base: Path) -> Dict[str, Path]:
+    """The path keys (struct, model, outputs) that ``raw`` gives, as absolute paths: a relative
+    one is taken from ``base``, ``~`` is expanded."""
+    paths: Dict[str, Path] = {}
+    for key in PATH_KEYS:
+        value = raw.get(key)
+        if isinstance(value, (str, Path)) and str(value):
+            paths[key] = (base / Path(value).expanduser()).resolve()
+    return paths
 
 
 def _check_input_file(key: str, path: Path, what: str) -> None:
@@ -450,10 +449,7 @@ def load_run_config(path: Path | str, overrides: Optional[Mapping[str, Any]] = N
                           f"{type(raw).__name__}")
     overrides = dict(overrides or {})
     if overrides_base is not None:
-        for key in PATH_KEYS:
-            value = overrides.get(key)
-            if isinstance(value, (str, Path)) and str(value):
-                overrides[key] = str((Path(overrides_base) / Path(value).expanduser()).resolve())
+        overrides.update(_resolve_paths(overrides, Path(overrides_base)))
     raw = apply_overrides(raw, overrides)
     try:
         return config_from_dict(raw, base_dir=path.parent, stem=path.stem)

@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, TextIO
 
-from mace_accel.errors import ConfigError, InputError, Interrupted, MaceAccelError
+from mace_accel.errors import ConfigError, InputError, MaceAccelError
 
 # set by ``mace-accel run --gpus N`` for the processes it starts: where rank 0 leaves the error
 # the ranks agreed on, so the launcher prints it as one line instead of torchrun's report
@@ -195,8 +195,7 @@ class _Gathered:
     def __init__(self, evaluator, results: Dict[int, dict], calls: int, n_ranks: int) -> None:
         self._results = results
         self.n_calls, self.budget = calls, evaluator.budget
-        self.backend, self.report, self.info = (evaluator.backend, evaluator.report,
-                                                evaluator.info)
+        self.backend, self.report = evaluator.backend, evaluator.report
         self.n_ranks = n_ranks
 
     def iter_results(self, frames: Sequence, progress: Optional[Callable[[int], None]] = None
@@ -257,22 +256,14 @@ def _run(group: _Group, cfg, overwrite: bool, progress_stream: Optional[TextIO])
                 lambda: tasks.validate_structures(own, evaluator.info, cfg))
     results = group.agree("evaluating", lambda: _evaluate(evaluator, own))
     gathered = group.gather((dict(zip(mine, results)), evaluator.n_calls))
-    if not lead:
-        group.agree("writing the outputs", lambda: None)
-        return None
-    merged: Dict[int, dict] = {}
-    for part, _ in gathered:
-        merged.update(part)
-    source = _Gathered(evaluator, merged, sum(n for _, n in gathered), world.size)
 
-    def write():
-        with folder:  # claimed only now: everything is checked and evaluated
-            try:
-                return tasks._run_in(folder.path, cfg, structures, source, progress_stream)
-            except KeyboardInterrupt:
-                raise Interrupted(f"the files written so far are in {folder.path} (see "
-                                  "run.log)") from None
-    return group.agree("writing the outputs", write)
+    def write():  # rank 0 alone, and only now: everything is checked and evaluated
+        merged: Dict[int, dict] = {}
+        for part, _ in gathered:
+            merged.update(part)
+        source = _Gathered(evaluator, merged, sum(n for _, n in gathered), world.size)
+        return tasks._claim_and_write(folder, cfg, structures, source, progress_stream)
+    return group.agree("writing the outputs", write if lead else lambda: None)
 
 
 def _evaluate(evaluator, own) -> List[dict]:

@@ -160,15 +160,22 @@ def run(config: RunConfig | str | Path, overrides: Optional[Mapping[str, Any]] =
                 f"{cfg.dtype}, {cfg.device})", progress_stream, enabled=cfg.progress):
         calc = make_calculator(cfg, compute_stress=_needs_stress(cfg, structures.frames))
     validate_structures(structures, calc.info, cfg)
-    with folder:  # everything is checked: from here on the run writes
-        try:
-            result = _run_in(folder.path, cfg, structures, calc, progress_stream)
-        except KeyboardInterrupt:
-            raise Interrupted(f"the files written so far are in {folder.path} (see run.log)") \
-                from None
+    result = _claim_and_write(folder, cfg, structures, calc, progress_stream)
     for text in result.warnings if warn else ():
         warnings.warn(text, RuntimeWarning, stacklevel=2)
     return result
+
+
+def _claim_and_write(folder: RunFolder, cfg: RunConfig, structures: Structures, calc,
+                     progress_stream: Optional[TextIO]) -> RunResult:
+    """Claim ``folder`` (everything is checked: from here on the run writes) and write the run
+    into it; Ctrl-C says where the files written so far are."""
+    with folder:
+        try:
+            return _run_in(folder.path, cfg, structures, calc, progress_stream)
+        except KeyboardInterrupt:
+            raise Interrupted(f"the files written so far are in {folder.path} (see run.log)") \
+                from None
 
 
 def _run_in(out: Path, cfg: RunConfig, structures: Structures, calc,
@@ -251,7 +258,7 @@ def _run_task(outputs: RunFiles, cfg: RunConfig, structures: Structures, calc,
     for text in notes:
         log.write(f"warning: {text}")
     log.write("finished: " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
-    return RunResult(cfg.task, out, files, getattr(calc, "backend", None), summary, notes)
+    return RunResult(cfg.task, out, files, backend, summary, notes)
 
 
 def _task_warnings(cfg: RunConfig, summary: Mapping[str, Any], out: Path) -> List[str]:
@@ -413,7 +420,7 @@ def validate_structures(structures: Structures, info, cfg: RunConfig) -> None:
 
 def check_task_inputs(cfg: RunConfig, structures: Structures) -> None:
     """What the task needs of its structure (a periodic cell for relax_cell and npt, a
-    triangular cell for npt) and of ase, checked before anything is written."""
+    triangular cell for npt), checked before anything is written."""
     atoms = structures.frames[0]
     if cfg.task == "geomopt" and cfg.geomopt.relax_cell:
         if not _periodic(atoms):
@@ -427,7 +434,6 @@ def check_task_inputs(cfg: RunConfig, structures: Structures) -> None:
                          "`task: singlepoint` for its energy")
     if cfg.task == "md" and cfg.md.ensemble == "npt":
         _check_npt_cell(atoms, structures.where(0))
-        _npt_class()
 
 
 def _model_file(cfg: RunConfig) -> Path:
@@ -445,27 +451,17 @@ def make_calculator(cfg: RunConfig, compute_stress: bool):
     :class:`~mace_accel.batched.BatchEvaluator` for singlepoint (many frames per model call),
     the ASE calculator for geomopt and md. Errors say their fix in run-file terms."""
     with run_file_terms():
-        return _make_calculator(cfg, compute_stress)
+        common = dict(model=_model_file(cfg), device=cfg.device, default_dtype=cfg.dtype,
+                      head=cfg.head, backend=cfg.backend, verify=cfg.verify,
+                      fallback=cfg.fallback, deterministic=cfg.deterministic,
+                      min_distance=cfg.min_distance or None, compute_stress=compute_stress)
+        if cfg.task == "singlepoint":
+            from mace_accel.batched import BatchEvaluator
 
+            return BatchEvaluator(**common, max_edges=cfg.singlepoint.max_edges)
+        from mace_accel.calculator import MACEAccelCalculator
 
-def _make_calculator(cfg: RunConfig, compute_stress: bool):
-    if cfg.task == "singlepoint":
-        from mace_accel.batched import BatchEvaluator
-
-        return BatchEvaluator(model=_model_file(cfg), device=cfg.device, default_dtype=cfg.dtype,
-                              head=cfg.head, backend=cfg.backend, verify=cfg.verify,
-                              fallback=cfg.fallback, deterministic=cfg.deterministic,
-                              min_distance=cfg.min_distance or None,
-                              max_edges=cfg.singlepoint.max_edges, compute_stress=compute_stress)
-    from mace_accel.calculator import MACEAccelCalculator
-
-    return MACEAccelCalculator(model=_model_file(cfg), device=cfg.device,
-                               default_dtype=cfg.dtype, head=cfg.head,
-                               compute_stress=compute_stress, backend=cfg.backend,
-                               verify=cfg.verify, fallback=cfg.fallback,
-                               deterministic=cfg.deterministic,
-                               min_distance=cfg.min_distance or None, graphs=cfg.graphs,
-                               skin=cfg.skin)
+        return MACEAccelCalculator(**common, graphs=cfg.graphs, skin=cfg.skin)
 
 
 def _needs_stress(cfg: RunConfig, frames: List[Any]) -> bool:
@@ -492,18 +488,14 @@ def _periodic(atoms) -> bool:
 # output helpers
 
 
-def snapshot(atoms, properties: Optional[List[str]] = None):
-    """A copy of ``atoms`` holding its calculator's results in a ``SinglePointCalculator``.
-
-    Args:
-        properties: keep only these results (default: every standard ASE property computed).
-    """
+def snapshot(atoms):
+    """A copy of ``atoms`` holding its calculator's results (every standard ASE property
+    computed) in a ``SinglePointCalculator``."""
     from ase.calculators.calculator import all_properties
     from ase.calculators.singlepoint import SinglePointCalculator
 
     results = dict(atoms.calc.results) if atoms.calc is not None else {}
-    keep = set(properties) if properties is not None else set(all_properties)
-    results = {k: v for k, v in results.items() if k in keep}
+    results = {k: v for k, v in results.items() if k in all_properties}
     copy = atoms.copy()
     copy.calc = SinglePointCalculator(copy, **{k: np.array(v) if np.ndim(v) else v
                                                for k, v in results.items()})
@@ -534,6 +526,17 @@ def _progress(cfg: RunConfig, total: int, desc: str, stream: Optional[TextIO],
               unit: str = "steps"):
     return progress_bar(total, desc=desc, stream=stream, enabled=None if cfg.progress else False,
                         unit=unit)
+
+
+def _attach_trajectory(driver, atoms, every: int, outputs: RunFiles,
+                       files: Dict[str, Path]) -> None:
+    """Append ``atoms`` to ``trajectory.extxyz`` every ``every`` steps of ``driver`` (an ASE
+    optimizer or MD integrator; 0: no trajectory), and list the file in ``files``."""
+    if not every:
+        return
+    traj = outputs.frames("trajectory", "trajectory.extxyz")
+    files["trajectory"] = traj.path
+    driver.attach(lambda: traj.write(snapshot(atoms), step=driver.nsteps), interval=every)
 
 
 def _max_force(atoms) -> float:
@@ -610,11 +613,7 @@ def run_geomopt(cfg: RunConfig, frames: List[Any], calc, outputs: RunFiles,
               f"relax_cell {opts.relax_cell}; initial max force {fmax0:.6g} eV/Å")
     target = FrechetCellFilter(atoms) if opts.relax_cell else atoms
     opt = _make_optimizer(opts.optimizer)(target, logfile=log.stream())
-    if opts.traj_every:
-        traj = outputs.frames("trajectory", "trajectory.extxyz")
-        files["trajectory"] = traj.path
-        opt.attach(lambda: traj.write(snapshot(atoms), step=opt.nsteps),
-                   interval=opts.traj_every)
+    _attach_trajectory(opt, atoms, opts.traj_every, outputs, files)
     with _progress(cfg, opts.steps, "geomopt", progress_stream) as bar:
         opt.attach(lambda: bar.update() if opt.nsteps else None, interval=1)
         try:
@@ -638,18 +637,12 @@ def _fact(exc: Exception) -> str:
 
 
 def _npt_class():
+    """ASE's Melchionna NPT integrator: ``MelchionnaNPT``, named ``NPT`` by older ase."""
     try:
         from ase.md.melchionna import MelchionnaNPT
-
-        return MelchionnaNPT
-    except ImportError:
-        pass
-    try:
-        from ase.md.npt import NPT
-    except ImportError:
-        raise InputError("md.ensemble npt needs ASE's NPT (Melchionna) integrator, which this ase "
-                         "does not have; upgrade ase (pip install -U ase)") from None
-    return NPT
+    except ImportError:  # older ase: only ase.md.npt.NPT, which every ase >= 3.23 has
+        from ase.md.npt import NPT as MelchionnaNPT
+    return MelchionnaNPT
 
 
 def _check_npt_cell(atoms, where: str) -> None:
@@ -675,13 +668,10 @@ def _make_dynamics(cfg: RunConfig, atoms, rng: np.random.Generator):
 
         return VelocityVerlet(atoms, timestep=dt)
     if md.ensemble == "nvt":
+        from ase.constraints import FixCom
         from ase.md.langevin import Langevin
 
-        try:  # ase >= 3.28 deprecates fixcm=True in favour of a FixCom constraint
-            from ase.constraints import FixCom
-        except ImportError:
-            return Langevin(atoms, timestep=dt, temperature_K=md.temperature,
-                            friction=md.friction / units.fs, rng=rng, fixcm=True)
+        # ase >= 3.28 deprecates fixcm=True in favour of a FixCom constraint
         atoms.set_constraint(list(atoms.constraints) + [FixCom()])
         return Langevin(atoms, timestep=dt, temperature_K=md.temperature,
                         friction=md.friction / units.fs, rng=rng, fixcm=False)
@@ -731,10 +721,7 @@ def run_md(cfg: RunConfig, frames: List[Any], calc, outputs: RunFiles,
     stats = outputs.stats(atoms, md.ensemble == "npt", lambda: dyn.nsteps, md.timestep)
     files: Dict[str, Path] = {"stats": stats.path}
     dyn.attach(stats, interval=md.stats_every)
-    if md.traj_every:
-        traj = outputs.frames("trajectory", "trajectory.extxyz")
-        files["trajectory"] = traj.path
-        dyn.attach(lambda: traj.write(snapshot(atoms), step=dyn.nsteps), interval=md.traj_every)
+    _attach_trajectory(dyn, atoms, md.traj_every, outputs, files)
     with _progress(cfg, md.steps, f"md {md.ensemble}", progress_stream) as bar:
         dyn.attach(lambda: bar.update() if dyn.nsteps else None, interval=1)
         try:
