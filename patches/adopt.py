@@ -131,18 +131,18 @@ class FusedModule(torch.nn.Module):
         return cached[1]
 
     def _reread_spec(self, seen: Tuple, read: Callable[[], Tuple[Any, Optional[str]]],
-                     what: str) -> Any:
-        """``spec`` as the module is now: while ``seen`` (what the spec was read from: its
+                     what: str) -> None:
+        """Keep ``spec`` as the module is now: while ``seen`` (what the spec was read from: its
         tensors' identities and versions, ``load_state_dict`` or ``copy_`` bumps them, ``.to()``
-        makes new ones) is as at the last call (the first call records it), the spec as it
-        was; else the one ``read()`` makes of the module, made the module's
-        (:meth:`_use_spec`) instead of the stale one.
+        makes new ones) is as at the last call (the first call records it), the spec stays;
+        else the one ``read()`` makes of the module becomes the module's (:meth:`_use_spec`)
+        instead of the stale one.
 
         Raises:
             InputError: ``read()`` says ``what`` cannot be fused any more (``(None, reason)``).
         """
         if self._kernels.get("seen") == seen:
-            return self.spec
+            return
         if "seen" in self._kernels:
             spec, reason = read()
             if spec is None:
@@ -150,7 +150,6 @@ class FusedModule(torch.nn.Module):
                                  f"more: {reason}; revert the model")
             self._use_spec(spec)
         self._kernels["seen"] = seen
-        return self.spec
 
     def live_parameters(self, *others: torch.nn.Module) -> List[torch.Tensor]:
         """The parameters of this module and of the modules ``others``, as

@@ -30,7 +30,7 @@ class CudaZBL(CudaKernels):
     def __init__(self, spec: ZBLSpec, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(dtype, device, WHAT)
         self.spec = spec
-        self.kernel = self._load(render_kernel(spec, dtype_name(dtype)),
+        self.kernel = self._load(kernel_source(spec, dtype, self.device)[0],
                                  kernel_name(spec, dtype_name(dtype)))
         numbers = torch.tensor(spec.numbers, dtype=dtype, device=self.device)
         self.zpow = torch.pow(numbers, spec.a_exp)  # mace's Z^a_exp, in the model's dtype

@@ -77,10 +77,9 @@ class SCPlan(RealType):
 
 
 
-def plan_kernels(spec: SCSpec, dtype: str, limits: DeviceLimits = DeviceLimits(),
-                 multiprocessors: int = DEFAULT_SMS) -> SCPlan:
-    """The plan for ``spec`` in ``dtype`` (``"float32"|"float64"``) under ``limits``, for a GPU
-    with ``multiprocessors`` SMs (the grid size; it does not change the source).
+def plan_kernels(spec: SCSpec, dtype: str, limits: DeviceLimits = DeviceLimits()) -> SCPlan:
+    """The plan for ``spec`` in ``dtype`` (``"float32"|"float64"``) under ``limits`` (whose SM
+    count sets the grid size; it does not change the source).
 
     Raises:
         KernelError: the channels do not fit one block.
@@ -99,7 +98,7 @@ def plan_kernels(spec: SCSpec, dtype: str, limits: DeviceLimits = DeviceLimits()
                   dim_out=spec.dim_out, num_elements=spec.num_elements, threads=threads,
                   vector=vector, k_chunk=_K_CHUNK[dtype], t_chunk=_T_CHUNK[dtype],
                   shared_accumulators=dtype == "float64",
-                  max_blocks=BLOCKS_PER_SM * max(1, int(multiprocessors)))
+                  max_blocks=BLOCKS_PER_SM * max(1, int(limits.multiprocessors)))
 
 
 

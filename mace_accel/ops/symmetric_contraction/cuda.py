@@ -35,8 +35,7 @@ class CudaSymmetricContraction(CudaKernels):
     def __init__(self, spec: SCSpec, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(dtype, device, spec.describe())
         self.spec = spec
-        self.plan = codegen.plan_kernels(spec, dtype_name(dtype), self.limits,
-                                         multiprocessors=self.limits.multiprocessors)
+        self.plan = codegen.plan_kernels(spec, dtype_name(dtype), self.limits)
         self.k_total = sum(k for _, k, _ in spec.weight_shapes)
 
     # -- plumbing ----------------------------------------------------------------------------

@@ -4,7 +4,7 @@ synchronises, so a lookup can be captured in a CUDA graph)."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ class CudaRadialTable(CudaKernels):
                  device: torch.device) -> None:
         super().__init__(dtype, device, WHAT)
         self.n_out, self.degree = n_out, degree
+        self._plans: Dict[str, TablePlan] = {}
 
     def start_compiles(self) -> None:
         """Start compiling the lookup and both backwards (which one a call takes depends on
@@ -36,9 +37,14 @@ class CudaRadialTable(CudaKernels):
             compile_soon(render_kernel(self._plan(direction)), self.arch)
 
     def _plan(self, direction: str) -> TablePlan:
-        """The plan of ``direction``: made when a call needs it, after the call's arguments
-        are checked (a table of a degree no kernel takes is then refused as an argument)."""
-        return plan_kernel(direction, self.n_out, dtype_name(self.dtype), self.degree)
+        """The plan of ``direction``: made when a call first needs it, after the call's
+        arguments are checked (a table of a degree no kernel takes is then refused as an
+        argument), and kept: a lookup does not plan again."""
+        plan = self._plans.get(direction)
+        if plan is None:
+            plan = self._plans[direction] = plan_kernel(direction, self.n_out,
+                                                        dtype_name(self.dtype), self.degree)
+        return plan
 
     def _kernel_of(self, direction: str) -> Tuple[Kernel, TablePlan]:
         """The kernel of ``direction`` (loaded on first use) and its plan."""
