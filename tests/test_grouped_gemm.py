@@ -121,7 +121,8 @@ def test_fp16x3_kernels_check_their_inputs_before_launch():
     wgmma = object.__new__(wg.CudaFp16x3Wgmma)
     wgmma.plan = wg.plan_wgmma(spec)
     for kernel, weights in ((mma, split), (wgmma, wg.pack_weights(wgmma.plan, split))):
-        kernel.spec, kernel.device, kernel._kernel = spec, torch.device("cpu"), None
+        kernel.spec, kernel.device, kernel.dtype = spec, torch.device("cpu"), torch.float32
+        kernel.what, kernel._kernels = kernel.label, {}
         x, out = torch.zeros(3, spec.lda), torch.zeros(3, spec.ldc)
         with pytest.raises(KernelError, match="shape"):
             kernel.apply(x[:, 4:].contiguous(), weights, out)
@@ -131,7 +132,7 @@ def test_fp16x3_kernels_check_their_inputs_before_launch():
             with pytest.raises(KernelError, match=match):
                 kernel.apply(x, wg.Packed(*bad) if kernel is wgmma else bad, out)
         kernel.apply(x[:0], weights, out[:0])  # nothing to do
-        assert kernel._kernel is None
+        assert not kernel._kernels
     with pytest.raises(KernelError, match="pack_weights"):
         wgmma.apply(x, split, out)
 

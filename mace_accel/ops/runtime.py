@@ -402,12 +402,27 @@ class CudaKernels:
         return resident_blocks(blocks, self.limits.multiprocessors)
 
 
+class _RawStream:
+    """A raw CUDA stream handle in the CUDA stream protocol, which cupy's
+    ``Stream.from_external`` reads."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> Tuple[int, int]:
+        return (0, self.handle)  # (the protocol's version, the cudaStream_t)
+
+
 @functools.lru_cache(maxsize=64)
 def _cupy_stream(handle: int, index: int):
-    """cupy's wrapper of torch's stream ``handle`` (made once per stream, not per launch)."""
+    """cupy's wrapper of torch's stream ``handle`` on device ``index`` (made once per stream,
+    not per launch)."""
     import cupy
 
-    return cupy.cuda.ExternalStream(handle, index)
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:  # cupy 13 (cupy 14 deprecates ExternalStream)
+        return cupy.cuda.ExternalStream(handle, index)
+    return from_external(_RawStream(handle))
 
 
 _SIDE_STREAMS: Dict[Tuple[str, int], "torch.cuda.Stream"] = {}

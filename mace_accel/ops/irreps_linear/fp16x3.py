@@ -27,8 +27,7 @@ import torch
 
 from mace_accel.ops import registry
 from mace_accel.ops.irreps_linear.grouped import GroupedSpec
-from mace_accel.ops.runtime import Kernel, check_aligned, check_rows, check_tensor, \
-    device_limits, i32, kernel_device, ptr
+from mace_accel.ops.runtime import CudaKernels, check_aligned, check_rows, i32, ptr
 from mace_accel.ops.templates import render
 
 Tensor = torch.Tensor
@@ -145,24 +144,22 @@ def split_weights(spec: GroupedSpec, w: Tensor) -> Tuple[Tensor, Tensor, Tensor]
     return hi, lo, 1.0 / torch.stack(scales).float()
 
 
-class CudaFp16x3:
+class CudaFp16x3(CudaKernels):
     """The grouped 3xFP16 kernel of one :class:`GroupedSpec` on one device (``mma.sync``; the
     checks and launch of its wgmma form too)."""
 
     label = "3xFP16"
+    _render = staticmethod(render_kernel)
+    _name = staticmethod(kernel_name)
 
     def __init__(self, spec: GroupedSpec, device: torch.device) -> None:
+        super().__init__(torch.float32, device, f"{spec.describe()} ({self.label})")
         self.spec = spec
-        self.device = kernel_device(torch.float32, device)
-        self.plan = self._plan(device_limits(self.device).arch)
-        self._kernel: Optional[Kernel] = None
+        self.plan = self._plan(self.arch)
+        self.arch = self.plan.arch  # the wgmma kernel's is sm_90a, not the device's sm_90
 
     def _plan(self, arch: str) -> Fp16x3Plan:
         return plan_fp16x3(self.spec, arch)
-
-    def _source(self) -> Tuple[str, str]:
-        """``(source, kernel name)`` of the plan."""
-        return render_kernel(self.plan), kernel_name(self.plan)
 
     def _weights_numel(self) -> int:
         """Halves of each of the weights' hi and lo parts the kernel reads."""
@@ -176,26 +173,23 @@ class CudaFp16x3:
         Raises:
             KernelError: a tensor of the wrong shape, dtype, device or alignment.
         """
-        s, what = self.spec, f"{self.spec.describe()} ({self.label})"
-        hi, lo, inv = weights
+        s, hi, lo, inv = self.spec, *weights
         nodes = int(x.shape[0]) if x.dim() == 2 else -1
-        check_tensor("x", x, (nodes, s.lda), torch.float32, self.device, what)
-        check_tensor("out", out, (nodes, s.ldc), torch.float32, self.device, what)
+        self._check_tensor("x", x, (nodes, s.lda))
+        self._check_tensor("out", out, (nodes, s.ldc))
         for name, t in (("hi", hi), ("lo", lo)):
-            check_tensor(name, t, (self._weights_numel(),), torch.float16, self.device, what)
-            check_aligned(name, t, what)
-        check_tensor("inv", inv, (len(s.blocks),), torch.float32, self.device, what)
+            self._check_tensor(name, t, (self._weights_numel(),), torch.float16)
+            check_aligned(name, t, self.what)
+        self._check_tensor("inv", inv, (len(s.blocks),))
         for name, t in (("x", x), ("out", out)):
-            check_aligned(name, t, what)
-        check_rows(nodes * max(b.d for b in s.blocks), self.plan.bm, what)
+            check_aligned(name, t, self.what)
+        check_rows(nodes * max(b.d for b in s.blocks), self.plan.bm, self.what)
         if nodes == 0:
             return
-        if self._kernel is None:
-            source, name = self._source()
-            self._kernel = Kernel(source, name, self.device, self.plan.arch,
-                                  self.plan.shared_bytes)
-        self._kernel.launch(self.plan.grid(nodes), self.plan.threads,
-                            (ptr(x), ptr(hi), ptr(lo), ptr(inv), ptr(out), i32(nodes)))
+        kernel = self._kernel(self._name(self.plan), lambda: self._render(self.plan),
+                              self.plan.shared_bytes)
+        kernel.launch(self.plan.grid(nodes), self.plan.threads,
+                      (ptr(x), ptr(hi), ptr(lo), ptr(inv), ptr(out), i32(nodes)))
 
 
 def mm_grouped_fp16x3(spec: GroupedSpec, x: Tensor, split: Tuple[Tensor, Tensor, Tensor],

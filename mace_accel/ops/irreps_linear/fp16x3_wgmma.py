@@ -181,15 +181,14 @@ class CudaFp16x3Wgmma(fp16x3.CudaFp16x3):
     """The grouped 3xFP16 wgmma kernel of one :class:`GroupedSpec` on one Hopper device."""
 
     label = "3xFP16, wgmma"
+    _render = staticmethod(render_kernel)
+    _name = staticmethod(kernel_name)
 
     def _plan(self, arch: str) -> WgmmaFp16x3Plan:
         if arch != DEVICE_ARCH:
             raise ValueError(f"the 3xFP16 wgmma kernel runs on {DEVICE_ARCH} devices (H100, "
                              f"H200), not {arch}")
         return plan_wgmma(self.spec)
-
-    def _source(self) -> Tuple[str, str]:
-        return render_kernel(self.plan), kernel_name(self.plan)
 
     def _weights_numel(self) -> int:
         return self.plan.packed_numel
@@ -203,9 +202,8 @@ class CudaFp16x3Wgmma(fp16x3.CudaFp16x3):
                 device or alignment.
         """
         if not isinstance(weights, Packed):
-            raise KernelError(f"{self.spec.describe()} ({self.label}): the weights must come "
-                              "from fp16x3_wgmma.pack_weights (wgmma's tile layout), not "
-                              "split_weights")
+            raise KernelError(f"{self.what}: the weights must come from "
+                              "fp16x3_wgmma.pack_weights (wgmma's tile layout), not split_weights")
         super().apply(x, weights, out)
 
 
