@@ -16,6 +16,7 @@ time shows as "other".
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import time
@@ -195,15 +196,21 @@ def _launching_ops(cpu, device) -> Dict[int, Any]:
     ops, on autograd's thread, start inside the forward thread's call range: innermost wins).
     """
     launched_at = {e.id: e.time_range.start for e in cpu if _is_runtime_call(e)}
-    ops = [e for e in cpu if not _is_runtime_call(e)]
+    # innermost first when walked backwards: the latest start, then the earliest end
+    ops = sorted((e for e in cpu if not _is_runtime_call(e)),
+                 key=lambda op: (op.time_range.start, -op.time_range.end))
+    starts = [op.time_range.start for op in ops]
     owner: Dict[int, Any] = {}
     for k in device:
         at = launched_at.get(k.id)
-        holding = [] if at is None else [
-            op for op in ops if op.time_range.start <= at <= op.time_range.end]
-        if holding:
-            owner[id(k)] = max(holding, key=lambda op: (op.time_range.start,
-                                                        -op.time_range.end))
+        if at is None:
+            continue
+        # back from the last op started by the launch to the first that still runs: a few
+        # steps (the launcher's children that ended before it), not every op of the call
+        for i in range(bisect.bisect_right(starts, at) - 1, -1, -1):
+            if ops[i].time_range.end >= at:
+                owner[id(k)] = ops[i]
+                break
     return owner
 
 
