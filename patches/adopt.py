@@ -130,17 +130,21 @@ class FusedModule(torch.nn.Module):
                 cached = self._kernels[name] = (key, build(dtype))
         return cached[1]
 
-    def _reread_spec(self, seen: Tuple, read: Callable[[], Tuple[Any, Optional[str]]],
-                     what: str) -> None:
-        """Keep ``spec`` as the module is now: while ``seen`` (what the spec was read from: its
-        tensors' identities and versions, ``load_state_dict`` or ``copy_`` bumps them, ``.to()``
-        makes new ones) is as at the last call (the first call records it), the spec stays;
-        else the one ``read()`` makes of the module becomes the module's (:meth:`_use_spec`)
-        instead of the stale one.
+    def _reread_spec(self, seen: Callable[[], Tuple],
+                     read: Callable[[], Tuple[Any, Optional[str]]], what: str) -> None:
+        """Keep ``spec`` as the module is now: while ``seen()`` (what the spec was read from:
+        its tensors' identities and versions, ``load_state_dict`` or ``copy_`` bumps them,
+        ``.to()`` makes new ones) is as at the last call (the first call records it), the spec
+        stays; else the one ``read()`` makes of the module becomes the module's
+        (:meth:`_use_spec`) instead of the stale one. Inside ``torch.compile`` the spec stays as
+        fused: a graph has no guards on tensor versions, so ``seen`` is not read there.
 
         Raises:
             InputError: ``read()`` says ``what`` cannot be fused any more (``(None, reason)``).
         """
+        if torch.compiler.is_compiling():
+            return
+        seen = seen()
         if self._kernels.get("seen") == seen:
             return
         if "seen" in self._kernels:

@@ -158,12 +158,10 @@ class FusedRadialEmbedding(FusedModule):
             glue.start_compiles(dtype, device)  # the edges' pairs (and the blocks' densities)
 
     def _current_key(self) -> str:
-        if not torch.compiler.is_compiling():  # no _version guards in a graph: as fused
-            self._reread_spec(
-                self._buffers_seen(),
-                lambda: radial_spec_from_module(self.sync_original(),
-                                                self.atomic_numbers_seen or None),
-                "the radial embedding")
+        self._reread_spec(self._buffers_seen,
+                          lambda: radial_spec_from_module(self.sync_original(),
+                                                          self.atomic_numbers_seen or None),
+                          "the radial embedding")
         return self._key
 
     def forward(self, edge_lengths: torch.Tensor, node_attrs: Optional[torch.Tensor] = None,

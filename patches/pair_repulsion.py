@@ -46,11 +46,9 @@ class FusedPairRepulsion(FusedModule):
         autograd.start_compiles(self.spec, dtype, device)
 
     def _current_spec(self) -> ZBLSpec:
-        if not torch.compiler.is_compiling():  # no _version guards in a graph: as fused
-            self._reread_spec(tuple((id(t), t._version) for t in self._buffers.values()),
-                              lambda: zbl_spec_from_module(self.sync_original(),
-                                                           self.spec.numbers),
-                              "the ZBL pair repulsion")
+        self._reread_spec(lambda: tuple((id(t), t._version) for t in self._buffers.values()),
+                          lambda: zbl_spec_from_module(self.sync_original(), self.spec.numbers),
+                          "the ZBL pair repulsion")
         return self.spec
 
     def forward(self, x: torch.Tensor, node_attrs: torch.Tensor, edge_index: torch.Tensor,

@@ -64,10 +64,8 @@ class FusedSymmetricContraction(FusedModule):
         """The registry key of the spec as the buffers are now: read again from the module
         when they changed since the last call (a state dict with other U matrices gets kernels
         of its own), never a stale one."""
-        if not torch.compiler.is_compiling():  # no _version guards in a graph: as fused
-            self._reread_spec(self._buffers_seen(),
-                              lambda: _contraction_spec(self.sync_original()),
-                              "the symmetric contraction")
+        self._reread_spec(self._buffers_seen, lambda: _contraction_spec(self.sync_original()),
+                          "the symmetric contraction")
         return self._key
 
     def weights(self) -> List[torch.Tensor]:
