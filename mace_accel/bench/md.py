@@ -37,7 +37,7 @@ from mace_accel.bench.backends import (
 )
 from mace_accel.bench.timing import WallClock, free_memory
 from mace_accel.errors import ConfigError
-from mace_accel.models.batch import model_info
+from mace_accel.models.batch import model_dtype, model_info
 from mace_accel.options import dtype_name
 
 
@@ -137,7 +137,7 @@ def run_md(backend: str, model: torch.nn.Module, atoms, device: torch.device | s
     """
     if backend not in MD_BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; choose from {', '.join(MD_BACKENDS)}")
-    dtype = model_info(model).dtype
+    dtype = model_dtype(model)
     record = MDRecord(label, dtype_name(dtype), backend, OK, len(atoms), steps, warmup_steps,
                       timestep_fs)
     missing = missing_requirement("cueq" if backend == "cueq-compile" else backend)
@@ -227,7 +227,7 @@ def nve_drift(backend: str, model: torch.nn.Module, atoms, device: torch.device 
     if backend not in DRIFT_BACKENDS:
         raise ConfigError(f"unknown drift backend {backend!r}; choose from "
                           f"{', '.join(DRIFT_BACKENDS)}")
-    dtype = model_info(model).dtype
+    dtype = model_dtype(model)
     record = DriftRecord(label, dtype_name(dtype), backend, OK, len(atoms), steps, timestep_fs,
                          temperature_K)
     atoms = atoms.copy()

@@ -36,7 +36,7 @@ from mace_accel.bench.systems import (
     cells_for_atoms,
     make_batch,
 )
-from mace_accel.bench.throughput import ThroughputRecord, _line, run_throughput
+from mace_accel.bench.throughput import ThroughputRecord, progress_line, run_throughput
 from mace_accel.bench.timing import Deadline, as_device, free_memory, time_calls, track_peak_memory
 from mace_accel.bench.training import (
     TrainRecord,
@@ -653,7 +653,7 @@ class BenchRunner:
 
         for n_gpus in self.config.throughput_gpus:
             record = launch(source.spec, n_gpus, n, dtype_name, label)
-            self.log(_line(record))
+            self.log(progress_line(record))
             self._add(record)
 
 

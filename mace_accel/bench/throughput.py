@@ -25,7 +25,7 @@ import torch
 from mace_accel.bench.backends import OK, failure_status, mace_device, missing_requirement
 from mace_accel.bench.systems import FCC_A, FCC_ELEMENTS, substitute
 from mace_accel.bench.timing import free_memory, synchronize
-from mace_accel.models.batch import model_info
+from mace_accel.models.batch import model_dtype, model_info
 from mace_accel.options import dtype_name
 
 # (a, b, c) repeats of the 4-atom fcc cell giving 64..256 atoms
@@ -86,7 +86,7 @@ def run_batched(model: torch.nn.Module, frames: Sequence, device, label: str,
     """Frames/s of :class:`~mace_accel.batched.BatchEvaluator` over ``frames``."""
     from mace_accel.batched import BatchEvaluator
 
-    dtype = model_info(model).dtype
+    dtype = model_dtype(model)
     record = _record(label, dtype, "batched", frames)
     try:
         with mace_device(device) as dev:
@@ -113,7 +113,7 @@ def run_one_by_one(model: torch.nn.Module, frames: Sequence, device, label: str,
                    backend: str = "mace-accel", warmup_frames: int = 4) -> ThroughputRecord:
     """Frames/s of one calculator call per frame: ``mace-accel`` (our calculator) or ``cueq``
     (mace's ``MACECalculator(enable_cueq=True)``)."""
-    dtype = model_info(model).dtype
+    dtype = model_dtype(model)
     record = _record(label, dtype, f"{backend} one-by-one", frames)
     if backend == "cueq":
         missing = missing_requirement("cueq")
@@ -158,14 +158,16 @@ def run_throughput(model: torch.nn.Module, device, label: str, n_frames: int = 2
     """The three rows of the module docstring on the same frames."""
     frames = make_frames(model, n_frames, seed)
     records = [run_batched(model, frames, device, label)]
-    log(_line(records[-1]))
+    log(progress_line(records[-1]))
     for backend in ("mace-accel", "cueq"):
         records.append(run_one_by_one(model, frames[:one_by_one_frames], device, label, backend))
-        log(_line(records[-1]))
+        log(progress_line(records[-1]))
     return records
 
 
-def _line(r: ThroughputRecord) -> str:
+def progress_line(r: ThroughputRecord) -> str:
+    """The line the bench prints as a throughput record comes in (the runner's for the runs
+    over several GPUs too)."""
     if r.status != OK:
         return f"   throughput {r.mode:<22} {r.frames} frames: {r.status}"
     return (f"   throughput {r.mode:<22} {r.frames} frames: {r.frames_per_s:.1f} frames/s, "
